@@ -1,0 +1,16 @@
+"""autopart: a compiler for distributed PyTorch training.
+
+capture (torch.export) → analysis passes → solver → rewrite passes → runtime.
+"""
+
+from autopart.api import parallelize, plan
+from autopart.batch import BatchError
+from autopart.capture import CaptureError, capture
+from autopart.mesh import Axis, DeviceSpec, Mesh, MeshError
+from autopart.plan import Plan, PlanError
+from autopart.runtime.parallel_module import ParallelModule
+
+__all__ = [
+    "Axis", "BatchError", "CaptureError", "DeviceSpec", "Mesh", "MeshError", "ParallelModule",
+    "Plan", "PlanError", "capture", "parallelize", "plan",
+]

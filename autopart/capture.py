@@ -1,0 +1,249 @@
+"""Capture: an `nn.Module` and example inputs → one graph IR.
+
+The main front end is `torch.export` (non-strict), which gives ATen training IR with a
+FakeTensor `val` on every node and the module path of every operator. `fx.symbolic_trace`
+is the second front end, for models export cannot take but fx can (outputs that are not
+pytrees, data-dependent shapes); its nodes get `val` from fake-tensor propagation.
+Dynamo's graphs (the torch.compile backend) enter through `from_graph_module`.
+
+Both work on the meta device. When neither front end can capture a model, `CaptureError`
+names the failing construct and source line and says what to change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import linecache
+import logging
+import os
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+from torch import fx, nn
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils import _pytree as pytree
+
+from autopart.batch import batch_size
+from autopart.passes.runner import PassContext
+
+log = logging.getLogger("autopart.capture")
+
+
+BATCH = "batch"  # the name of the dynamic batch dim
+
+
+class CaptureError(RuntimeError):
+    """A model autopart cannot turn into a graph."""
+
+
+@dataclass
+class Captured:
+    """The captured program and what later stages need to know about it."""
+
+    gm: fx.GraphModule
+    frontend: str  # "export" | "symbolic_trace" | "dynamo"
+    example_args: tuple[Any, ...]
+    example_kwargs: dict[str, Any]
+    # Named dynamic dims ("batch", "seq") and the exporter's symbols for them.
+    dims: dict[str, sympy.Symbol] = field(default_factory=dict)
+    symbols: dict[sympy.Symbol, sympy.Symbol] = field(default_factory=dict)
+    # Sizes each named dim may take at run time (inclusive).
+    dim_ranges: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    def admits_batch(self, size: int) -> bool:
+        """Whether the program runs unchanged on a batch (dim 0) of `size`."""
+        if BATCH not in self.dims:
+            return size == batch_size(self.example_args)
+        low, high = self.dim_ranges[BATCH]
+        return low <= size <= high
+
+    @property
+    def parameter_names(self) -> dict[str, str]:
+        """Every name a parameter is reachable by -> its canonical (first) FQN."""
+        canonical: dict[int, str] = {}
+        names: dict[str, str] = {}
+        for name, p in self.gm.named_parameters(remove_duplicate=False):
+            names[name] = canonical.setdefault(id(p), name)
+        return names
+
+    def context(self, **options: Any) -> PassContext:
+        return PassContext(symbols=self.symbols, params=self.parameter_names, options=options)
+
+    @property
+    def fingerprint(self) -> str:
+        return model_fingerprint(self.gm)
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A stable hash of the parameters' names, shapes and dtypes."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...] | Any,
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    dynamic_shapes: Any = None,
+    dynamic_batch: bool = True,
+) -> Captured:
+    """Capture `model` as an fx graph, by torch.export, else by fx.symbolic_trace.
+
+    `dynamic_shapes` takes torch.export's form (`torch.export.Dim("batch")` ...); the Dim
+    names become the symbols of the FLOP and byte expressions. Without it, dim 0 of every
+    positional input is the dynamic dim "batch" where the model allows (`dynamic_batch`),
+    so one program serves every microbatch size.
+    """
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    if dynamic_shapes is None and dynamic_batch:
+        dynamic_shapes = tuple(
+            {0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() else None
+            for a in args
+        )
+    try:
+        return _capture_export(model, args, kwargs, dynamic_shapes)
+    except Exception as export_error:  # noqa: BLE001 - any failure falls to the next front end
+        log.info("torch.export could not capture the model (%s); trying fx", export_error)
+        try:
+            return _capture_symbolic_trace(model, args, kwargs)
+        except Exception as fx_error:  # noqa: BLE001
+            raise CaptureError(explain_capture_failure(model, export_error, fx_error)) from (
+                export_error
+            )
+
+
+def _capture_export(
+    model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any
+) -> Captured:
+    ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    gm = ep.module()
+    dims, symbols = _named_dims(gm, args, dynamic_shapes)
+    ranges = {
+        symbols[s].name: (int(r.lower), float(r.upper))
+        for s, r in ep.range_constraints.items()
+        if s in symbols
+    }
+    return Captured(gm, "export", args, kwargs, dims, symbols, ranges)
+
+
+def _capture_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+    if kwargs:
+        raise CaptureError("fx.symbolic_trace takes positional example inputs only")
+    gm = fx.symbolic_trace(model)
+    propagate_fake_values(gm, args)
+    return Captured(gm, "symbolic_trace", args, kwargs)
+
+
+def from_graph_module(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> Captured:
+    """Wrap a graph someone else traced (dynamo's), giving every node a fake `val`."""
+    if not all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function"):
+        propagate_fake_values(gm, example_inputs)
+    return Captured(gm, "dynamo", tuple(example_inputs), {})
+
+
+def propagate_fake_values(gm: fx.GraphModule, args: tuple) -> None:
+    """Give every node a FakeTensor `val`, as torch.export does."""
+    mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+    fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_args)
+
+
+def _named_dims(
+    gm: fx.GraphModule, args: tuple, dynamic_shapes: Any
+) -> tuple[dict[str, sympy.Symbol], dict[sympy.Symbol, sympy.Symbol]]:
+    """Map the exporter's size symbols to symbols named after the user's Dims
+    (positional inputs; `dynamic_shapes` as a tuple aligned with them)."""
+    if dynamic_shapes is None:
+        return {}, {}
+    specs = dynamic_shapes if isinstance(dynamic_shapes, (tuple, list)) else (dynamic_shapes,)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    flat_args = pytree.tree_leaves(args)
+    dims: dict[str, sympy.Symbol] = {}
+    symbols: dict[sympy.Symbol, sympy.Symbol] = {}
+    for node, arg, spec in zip(placeholders, flat_args, specs):
+        if not isinstance(arg, torch.Tensor) or not spec:
+            continue
+        val = node.meta.get("val")
+        for dim, d in spec.items():
+            name = getattr(d, "__name__", None) or (BATCH if dim == 0 else f"dim{dim}")
+            size = val.shape[dim]
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                named = dims.setdefault(name, sympy.Symbol(name, positive=True, integer=True))
+                symbols[size.node.expr] = named
+    return dims, symbols
+
+
+# ---------------------------------------------------------------------------------------
+# Explaining a failure
+
+
+def explain_capture_failure(model: nn.Module, export_error: Exception, fx_error: Exception) -> str:
+    construct, advice = _classify(export_error, fx_error)
+    where = _user_frame(export_error) or _user_frame(fx_error)
+    location = ""
+    if where is not None:
+        filename, lineno, code = where
+        location = f"\n  at {filename}:{lineno}: {code}"
+    return (
+        f"autopart cannot capture {type(model).__name__}: {construct}.{location}\n"
+        f"  torch.export said: {_first_line(export_error)}\n"
+        f"  fx.symbolic_trace said: {_first_line(fx_error)}\n"
+        f"  What to change: {advice}"
+    )
+
+
+def _classify(export_error: Exception, fx_error: Exception) -> tuple[str, str]:
+    text = f"{type(export_error).__name__}: {export_error}\n{fx_error}"
+    if "data-dependent" in text or "GuardOnDataDependent" in text or "control flow" in text:
+        return (
+            "Python control flow depends on a tensor's values",
+            "make the branch depend on shapes or configuration instead of tensor values, "
+            "or express it with torch.cond / torch.where",
+        )
+    if "not a known type" in text or "pytree" in text:
+        return (
+            "the model returns or takes an object that is not a tensor, tuple, list or dict",
+            "return plain tensors (for Hugging Face models pass use_cache=False in the config)"
+            " or register the type with torch.utils._pytree.register_pytree_node",
+        )
+    if "numpy" in text.lower() or ".item()" in text or "item" in text:
+        return (
+            "the model leaves torch for Python or NumPy values",
+            "keep the computation in torch operations on tensors",
+        )
+    return (
+        "an operation neither front end can trace",
+        "see the source line above; keep forward() to torch operations on tensors",
+    )
+
+
+def _user_frame(error: BaseException) -> tuple[str, int, str] | None:
+    """The deepest traceback frame outside torch and autopart: the user's line."""
+    torch_dir = os.path.dirname(torch.__file__)
+    own_dir = os.path.dirname(__file__)
+    best = None
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for frame in traceback.extract_tb(e.__traceback__):
+            path = frame.filename
+            if path.startswith((torch_dir, own_dir)) or "<" in path or "site-packages/_" in path:
+                continue
+            code = (frame.line or linecache.getline(path, frame.lineno or 0)).strip()
+            best = (path, frame.lineno or 0, code)
+        e = e.__cause__ or e.__context__
+    return best
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"

@@ -1,0 +1,274 @@
+"""Devices, topology and the mesh autopart plans for.
+
+A `Mesh` is a set of identical devices arranged as `nodes × per_node`. It carries a
+`DeviceSpec` (peak FLOP/s, memory, links) and the `Topology` derived from it: the
+bandwidth and latency of each level of the network (inside a node, between nodes).
+`Mesh.cluster(...)` describes hardware for planning only; `Mesh.local()` describes the
+running torch.distributed world and can build the named `DeviceMesh` a plan runs on.
+
+Preset figures come from the vendors' public data sheets (dense math, no sparsity;
+link bandwidth per direction per device). `Mesh` also accepts a device profile JSON
+written by `autopart calibrate` in place of a preset name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+GiB = 1024**3
+GB = 1e9
+
+
+class Axis(str, Enum):
+    """The mesh axes. "axis" always means one of these; "dim" means a tensor dimension."""
+
+    DP = "dp"
+    TP = "tp"
+    PP = "pp"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# The order of axes in a DeviceMesh: pp outermost, tp innermost, so that tensor
+# parallel groups are consecutive ranks and land inside one node.
+MESH_AXIS_ORDER = (Axis.PP, Axis.DP, Axis.TP)
+
+
+class MeshError(ValueError):
+    """A mesh that does not match the world it is used in, or a bad factorization."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """What one device can do. Bandwidths are bytes/s, latencies seconds."""
+
+    name: str
+    peak_flops: dict[str, float]  # dtype name ("fp32", "tf32", "bf16", "fp16") -> FLOP/s
+    memory_bytes: int
+    memory_bandwidth: float
+    intra_node_bandwidth: float  # to a peer in the same node, one direction
+    inter_node_bandwidth: float  # this device's share of the node's NICs, one direction
+    intra_node_latency: float
+    inter_node_latency: float
+    kernel_launch_s: float  # the floor for one kernel or operator dispatch
+    matmul_efficiency: float = 0.75  # achievable fraction of peak on large matmuls
+    # Measured collective costs from `autopart calibrate`: {op: {"alpha": s, "beta": s/byte}}.
+    collectives: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def flops_for(self, dtype: torch.dtype | str) -> float:
+        key = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype, "fp32")
+        return self.peak_flops.get(key, self.peak_flops["fp32"])
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DeviceSpec:
+        return cls(**data)
+
+
+DTYPE_NAMES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float64: "fp64",
+}
+
+# Public data-sheet figures. A100 SXM 80GB: 19.5 TF fp32, 156 TF tf32, 312 TF bf16/fp16,
+# 2.039 TB/s HBM2e, NVLink3 600 GB/s bidirectional, one 200 Gb/s HDR NIC per GPU.
+# H100 SXM5 80GB: 67 TF fp32, 495 TF tf32, 989 TF bf16/fp16, 3.35 TB/s HBM3,
+# NVLink4 900 GB/s bidirectional, one 400 Gb/s NDR NIC per GPU.
+# cpu: a modest two-core x86 host running Gloo over loopback; calibrate for real figures.
+PRESETS: dict[str, DeviceSpec] = {
+    "a100-80g": DeviceSpec(
+        name="a100-80g",
+        peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+        memory_bytes=80 * GiB,
+        memory_bandwidth=2.039e12,
+        intra_node_bandwidth=300 * GB,
+        inter_node_bandwidth=25 * GB,
+        intra_node_latency=8e-6,
+        inter_node_latency=15e-6,
+        kernel_launch_s=5e-6,
+    ),
+    "h100-80g": DeviceSpec(
+        name="h100-80g",
+        peak_flops={"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12},
+        memory_bytes=80 * GiB,
+        memory_bandwidth=3.35e12,
+        intra_node_bandwidth=450 * GB,
+        inter_node_bandwidth=50 * GB,
+        intra_node_latency=6e-6,
+        inter_node_latency=12e-6,
+        kernel_launch_s=4e-6,
+    ),
+    "cpu": DeviceSpec(
+        name="cpu",
+        peak_flops={"fp32": 50e9, "bf16": 20e9, "fp16": 10e9},
+        memory_bytes=24 * GiB,
+        memory_bandwidth=10 * GB,
+        intra_node_bandwidth=2 * GB,
+        inter_node_bandwidth=1 * GB,
+        intra_node_latency=50e-6,
+        inter_node_latency=100e-6,
+        kernel_launch_s=10e-6,
+        matmul_efficiency=0.6,
+    ),
+}
+
+
+def device_spec(device: str | os.PathLike | DeviceSpec) -> DeviceSpec:
+    """A preset name, a device profile JSON path, or a `DeviceSpec` as it is."""
+    if isinstance(device, DeviceSpec):
+        return device
+    if str(device) in PRESETS:
+        return PRESETS[str(device)]
+    path = Path(device)
+    if path.suffix == ".json" and path.exists():
+        return DeviceSpec.from_json(json.loads(path.read_text()))
+    raise MeshError(
+        f"unknown device {str(device)!r}: use one of {sorted(PRESETS)} "
+        "or the path of a profile written by `autopart calibrate`"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """One level of the network: `size` peers share links of this bandwidth and latency."""
+
+    name: str
+    size: int
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Levels from the innermost (inside a node) outwards (between nodes)."""
+
+    levels: tuple[Level, ...]
+
+    def level_of_span(self, span: int) -> Level:
+        """The slowest level crossed by a group of `span` consecutive ranks."""
+        covered = 1
+        for level in self.levels:
+            covered *= level.size
+            if span <= covered:
+                return level
+        return self.levels[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class Mesh:
+    """`nodes × per_node` identical devices. `backend` is set only for a running world."""
+
+    device: DeviceSpec
+    nodes: int
+    per_node: int
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.per_node < 1:
+            raise MeshError(f"a mesh needs at least one device, got {self.nodes}×{self.per_node}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def topology(self) -> Topology:
+        d = self.device
+        return Topology(
+            (
+                Level("intra-node", self.per_node, d.intra_node_bandwidth, d.intra_node_latency),
+                Level("inter-node", self.nodes, d.inter_node_bandwidth, d.inter_node_latency),
+            )
+        )
+
+    @property
+    def is_running(self) -> bool:
+        return self.backend is not None
+
+    def describe(self) -> str:
+        where = f", {self.backend}" if self.backend else ""
+        return f"{self.nodes}×{self.per_node} {self.device.name}{where}"
+
+    @classmethod
+    def cluster(
+        cls, device: str | os.PathLike | DeviceSpec, nodes: int = 1, per_node: int = 8
+    ) -> Mesh:
+        """A mesh for planning only: nothing is initialized."""
+        return cls(device_spec(device), nodes, per_node)
+
+    @classmethod
+    def local(cls, device: str | os.PathLike | DeviceSpec | None = None) -> Mesh:
+        """The running torch.distributed world (initialized from torchrun's variables if
+        needed): NCCL on CUDA, Gloo on CPU. A single process with no launcher is a world of 1."""
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if not dist.is_initialized():
+            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+                if backend == "nccl":
+                    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+                dist.init_process_group(backend)
+            else:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        backend = dist.get_backend()
+        world = dist.get_world_size()
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if world % per_node:
+            per_node = world
+        if device is None:
+            device = _guess_device() if backend == "nccl" else "cpu"
+        return cls(device_spec(device), world // per_node, per_node, backend=backend)
+
+    def device_mesh(self, dp: int = 1, tp: int = 1, pp: int = 1) -> DeviceMesh:
+        """The named torch DeviceMesh (axes pp, dp, tp; tp innermost) for this world."""
+        self.check_factorization(dp, tp, pp)
+        self.check_running()
+        device_type = "cuda" if self.backend == "nccl" else "cpu"
+        sizes = {Axis.PP: pp, Axis.DP: dp, Axis.TP: tp}
+        return init_device_mesh(
+            device_type,
+            tuple(sizes[a] for a in MESH_AXIS_ORDER),
+            mesh_dim_names=tuple(a.value for a in MESH_AXIS_ORDER),
+        )
+
+    def check_factorization(self, dp: int, tp: int, pp: int) -> None:
+        if min(dp, tp, pp) < 1:
+            raise MeshError(f"mesh axes must be positive, got dp={dp} tp={tp} pp={pp}")
+        if dp * tp * pp != self.world_size:
+            raise MeshError(
+                f"dp×tp×pp = {dp}×{tp}×{pp} = {dp * tp * pp} devices, but the mesh "
+                f"{self.describe()} has {self.world_size}: choose axes whose product is "
+                f"{self.world_size}"
+            )
+
+    def check_running(self) -> None:
+        """Fail clearly when this mesh is not the world the process is running in."""
+        if not self.is_running:
+            raise MeshError(
+                f"mesh {self.describe()} is for planning only; use autopart.Mesh.local() "
+                "inside a torch.distributed job (for example under torchrun)"
+            )
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != self.world_size:
+            raise MeshError(
+                f"the mesh has {self.world_size} devices ({self.describe()}) but this "
+                f"torch.distributed world has {world} processes: launch {self.world_size} "
+                f"processes or plan for a mesh of {world}"
+            )
+
+
+def _guess_device() -> str:
+    name = torch.cuda.get_device_name().lower()
+    return "a100-80g" if "a100" in name else "h100-80g"

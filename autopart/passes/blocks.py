@@ -1,0 +1,64 @@
+"""Repeated blocks: structurally identical copies of a module (transformer layers).
+
+Candidates are the children of a container indexed by integers (`model.layers.3`).
+Each candidate's operators form a small graph, labelled by operator, output shapes and
+parameter names relative to the block; networkx's Weisfeiler-Lehman hash names its
+structure. Copies with the same hash under the same container share a `block_id`, so
+the solver can decide once per structure and the cost models can price one copy.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections import defaultdict
+
+import networkx as nx
+from torch import fx
+
+from autopart.passes.meta import BLOCK, MODULE_PATH, PARAMS, SHAPE, BlockInfo
+from autopart.passes.ops import op_name
+from autopart.passes.runner import PassContext
+
+_INDEXED = re.compile(r"^(?P<container>.+?)\.(?P<index>\d+)(?:\.|$)")
+
+
+def blocks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    instances: dict[str, list[fx.Node]] = defaultdict(list)
+    instance_of: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        match = _INDEXED.match(MODULE_PATH.get(node)) if node.op != "get_attr" else None
+        if match:
+            instance_of[node] = f"{match['container']}.{match['index']}"
+            instances[instance_of[node]].append(node)
+
+    by_structure: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for instance, nodes in instances.items():
+        container = instance.rpartition(".")[0]
+        by_structure[(container, _structure_hash(gm, instance, nodes))].append(instance)
+
+    info: dict[str, BlockInfo] = {}
+    for kind, ((container, _), members) in enumerate(sorted(by_structure.items())):
+        if len(members) < 2:
+            continue
+        block_id = f"{container}#{kind}"
+        for instance in members:
+            info[instance] = BlockInfo(block_id, instance, int(instance.rpartition(".")[2]))
+
+    for node in gm.graph.nodes:
+        BLOCK.set(node, info.get(instance_of.get(node, "")))
+    return gm
+
+
+def _structure_hash(gm: fx.GraphModule, instance: str, nodes: list[fx.Node]) -> str:
+    inside = set(nodes)
+    graph = nx.DiGraph()
+    for node in nodes:
+        relative_params = ",".join(p.removeprefix(instance) for p in PARAMS.get(node))
+        graph.add_node(node.name, label=f"{op_name(node, gm)}|{SHAPE.get(node)}|{relative_params}")
+        for arg in node.all_input_nodes:
+            if arg in inside:
+                graph.add_edge(arg.name, node.name)
+    with warnings.catch_warnings():  # networkx notes its directed hashes changed in 3.5
+        warnings.simplefilter("ignore", UserWarning)
+        return nx.weisfeiler_lehman_graph_hash(graph, node_attr="label")

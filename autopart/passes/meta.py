@@ -1,0 +1,104 @@
+"""Where analysis results live: one namespaced `node.meta` key per analysis.
+
+Each result is read through its `MetaKey`, whose getter fails loudly when the analysis
+that writes it has not run, in the manner of `torch.fx.passes.shape_prop`'s `tensor_meta`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import sympy
+import torch
+from torch import fx
+
+T = TypeVar("T")
+
+
+class AnalysisMissing(LookupError):
+    pass
+
+
+class MetaKey(Generic[T]):
+    def __init__(self, name: str, written_by: str) -> None:
+        self.key = f"autopart.{name}"
+        self.written_by = written_by
+
+    def set(self, node: fx.Node, value: T) -> None:
+        node.meta[self.key] = value
+
+    def has(self, node: fx.Node) -> bool:
+        return self.key in node.meta
+
+    def get(self, node: fx.Node) -> T:
+        try:
+            return node.meta[self.key]
+        except KeyError:
+            raise AnalysisMissing(
+                f"node {node.name!r} has no {self.key}: run {self.written_by} first"
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"MetaKey({self.key})"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Shape (sympy expressions of the named dynamic dims, or integers) and dtype."""
+
+    shape: tuple[sympy.Expr, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> sympy.Expr:
+        return sympy.Mul(*self.shape) if self.shape else sympy.Integer(1)
+
+    @property
+    def nbytes(self) -> sympy.Expr:
+        return self.numel * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """Bytes an operator reads from and writes to memory."""
+
+    read: sympy.Expr
+    written: sympy.Expr
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """A node's place among structurally identical repeated blocks (transformer layers).
+
+    `block_id` names the structure class; `instance` the module path of this copy."""
+
+    block_id: str
+    instance: str
+    index: int
+
+
+# One key per analysis. The value is None for nodes that produce no tensor.
+SHAPE: MetaKey[TensorInfo | tuple[TensorInfo | None, ...] | None] = MetaKey(
+    "shape", "shape_pass"
+)
+MODULE_PATH: MetaKey[str] = MetaKey("module_path", "module_path_pass")
+FLOPS: MetaKey[sympy.Expr] = MetaKey("flops", "flops_pass")
+TRAFFIC: MetaKey[Traffic] = MetaKey("traffic", "traffic_pass")
+PARAMS: MetaKey[tuple[str, ...]] = MetaKey("params", "params_pass")
+SAVED_BYTES: MetaKey[sympy.Expr] = MetaKey("saved_bytes", "saved_for_backward_pass")
+BLOCK: MetaKey[BlockInfo | None] = MetaKey("block", "blocks_pass")
+
+
+def tensor_infos(node: fx.Node) -> tuple[TensorInfo, ...]:
+    """Every tensor a node produces, flattened."""
+    info = SHAPE.get(node)
+    if info is None:
+        return ()
+    if isinstance(info, TensorInfo):
+        return (info,)
+    return tuple(i for i in info if i is not None)

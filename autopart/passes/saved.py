@@ -1,0 +1,117 @@
+"""The bytes autograd saves for backward, attributed to the operator that saves them.
+
+Measured, not guessed: the graph runs once on fake tensors (no memory, no compute) with
+`saved_tensors_hooks` recording every tensor autograd packs. A storage is counted once,
+at the first operator that saves it, at the size of its whole base tensor (a saved view
+keeps its base alive). Parameters are not activations and are left out; graph inputs
+(the microbatch) are counted. Summed over the graph this is the activation memory of one
+microbatch without recomputation.
+
+Attention is measured as the fused kernel that PyTorch picks for training on CPU and GPU
+alike (flash / memory-efficient), which saves q, k, v, the output and the log-sum-exp
+instead of the score matrix. On the meta device the dispatcher would take the unfused
+math path, whose O(L·S) saved scores no real device keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.autograd.graph import saved_tensors_hooks
+
+from autopart.passes.meta import SAVED_BYTES
+from autopart.passes.runner import PassContext
+
+
+def saved_for_backward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    tracker = _SavedTensorTracker(gm)
+    with torch.enable_grad():
+        tracker.run(*tracker.fake_inputs())
+    for node in gm.graph.nodes:
+        # Converted only now: the fake run may learn equalities between sizes late.
+        sizes = tracker.saved.get(node, ())
+        SAVED_BYTES.set(node, sympy.Add(*(ctx.expr(s) for s in sizes)))
+    return gm
+
+
+class _SavedTensorTracker(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.mode = _fake_mode(gm)
+        self.saved: dict[fx.Node, list[int | torch.SymInt]] = {}
+        self._seen_storages: set[int] = set()
+        self._keep_alive: list[torch.Tensor] = []
+
+    def fake_inputs(self) -> list[Any]:
+        return [n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"]
+
+    def run_node(self, node: fx.Node) -> Any:
+        packed: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            packed.append(t)
+            return t
+
+        with self.mode, saved_tensors_hooks(pack, lambda t: t):
+            result = super().run_node(node)
+        self.saved[node] = self._new_bytes(packed)
+        return result
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is torch.ops.aten.scaled_dot_product_attention.default:
+            return _fused_attention(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+    def get_attr(self, target: str, args: Any, kwargs: Any) -> Any:
+        value = super().get_attr(target, args, kwargs)
+        if not isinstance(value, torch.Tensor):
+            return value
+        # Parameters keep static sizes: a symbolic size here would be a new, unnamed dim.
+        fake = self.mode.from_tensor(value, static_shapes=True)
+        return fake.detach().requires_grad_(value.requires_grad)
+
+    def _new_bytes(self, packed: list[torch.Tensor]) -> list[int | torch.SymInt]:
+        sizes = []
+        for t in packed:
+            if t.requires_grad and t.grad_fn is None:  # a parameter
+                continue
+            storage = t.untyped_storage()._cdata
+            if storage in self._seen_storages:
+                continue
+            self._seen_storages.add(storage)
+            self._keep_alive.append(t)
+            base = t._base if t._base is not None else t
+            sizes.append(base.numel() * base.element_size())
+        return sizes
+
+
+def _fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, FakeTensor):
+            return val.fake_mode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _fused_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    if key.shape[-3] != query.shape[-3]:  # grouped-query attention: expand the kv heads
+        repeats = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeats, dim=-3)
+        value = value.repeat_interleave(repeats, dim=-3)
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return out[0]

@@ -1,0 +1,273 @@
+"""The Plan: how one model runs on one mesh. Frozen data, versioned JSON.
+
+A plan names parameters by FQN and operators by module path + op, never by fx.Node, so
+it can be printed, edited, saved, diffed and loaded into a new process. It carries the
+mesh it was made for and a fingerprint of the model; loading it for another model or
+mesh is an error that says which.
+
+Placements use PyTorch's vocabulary (`Shard(dim)`, `Replicate()`, `Partial()`), one per
+placement axis in `PLACEMENT_AXES` order (dp, tp); pipeline stages are given by cuts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.tensor import Placement, Replicate
+
+from autopart.mesh import Axis, Mesh
+from autopart.placements import placement_from_str, placement_to_str
+from autopart.plan_format import PLACEMENT_AXES, diff_plans, explain_plan, format_plan
+
+PLAN_VERSION = 1
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+class PlanError(ValueError):
+    """A plan that is inconsistent, or used with a model or mesh it was not made for."""
+
+
+
+# ---------------------------------------------------------------------------------------
+# The parts of a plan
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSpec:
+    device: str
+    nodes: int
+    per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    @classmethod
+    def of(cls, mesh: Mesh) -> MeshSpec:
+        return cls(mesh.device.name, mesh.nodes, mesh.per_node)
+
+    def __str__(self) -> str:
+        return f"{self.nodes}×{self.per_node} {self.device}"
+
+
+@dataclass(frozen=True, slots=True)
+class OpStrategy:
+    """How one operator (module path + op) is laid out over the tp axis."""
+
+    module_path: str
+    op: str
+    inputs: tuple[Placement, ...]
+    output: Placement
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    """What the cost models expect of the plan, per rank (the largest where they differ)."""
+
+    step_time_s: float
+    compute_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    peak_memory_bytes: int
+    memory: Mapping[str, int] = field(default_factory=dict)  # parameters, gradients, ...
+    model_flops_per_device: float = 0.0  # achieved model FLOP/s per device
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """A ranked runner-up: its axes and predicted step time and memory."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    microbatches: int
+    schedule: str | None
+    step_time_s: float
+    peak_memory_bytes: int
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    mesh: MeshSpec
+    fingerprint: str  # of the model's parameters (names, shapes, dtypes)
+    global_batch: int
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str | None = None
+    virtual_stages: int = 1
+    precision: str = "fp32"
+    recompute: tuple[str, ...] = ()  # module paths of blocks recomputed in backward
+    placements: Mapping[str, tuple[Placement, ...]] = field(default_factory=dict)
+    strategies: tuple[OpStrategy, ...] = ()
+    stage_cuts: tuple[str, ...] = ()  # module paths where stages 1, 2, ... begin
+    predicted: Predicted | None = None
+    alternatives: tuple[Alternative, ...] = ()
+    version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise PlanError("invalid plan: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.dp * self.tp * self.pp != self.mesh.world_size:
+            out.append(
+                f"dp×tp×pp = {self.dp}×{self.tp}×{self.pp} does not cover the "
+                f"{self.mesh.world_size} devices of {self.mesh}"
+            )
+        if self.zero not in (0, 1, 2, 3):
+            out.append(f"zero must be 0, 1, 2 or 3, not {self.zero}")
+        if self.precision not in PRECISIONS:
+            out.append(f"precision must be one of {PRECISIONS}, not {self.precision!r}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            out.append(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        if self.pp > 1 and self.schedule is None:
+            out.append("a pipeline (pp > 1) needs a schedule")
+        if self.pp > 1 and len(self.stage_cuts) != self.pp * self.virtual_stages - 1:
+            out.append(
+                f"{self.pp * self.virtual_stages} pipeline stages need "
+                f"{self.pp * self.virtual_stages - 1} stage cuts, got {len(self.stage_cuts)}"
+            )
+        if self.microbatches < 1 or self.global_batch % (self.dp * self.microbatches):
+            out.append(
+                f"the global batch of {self.global_batch} does not split into dp={self.dp} "
+                f"× microbatches={self.microbatches} equal parts"
+            )
+        for fqn, ps in self.placements.items():
+            if len(ps) != len(PLACEMENT_AXES):
+                out.append(f"{fqn} needs one placement per axis {[str(a) for a in PLACEMENT_AXES]}")
+        return out
+
+    # -- use ------------------------------------------------------------------------------
+
+    def check_compatible(self, fingerprint: str, mesh: Mesh) -> None:
+        """Fail clearly if this plan was made for another model or mesh."""
+        if fingerprint != self.fingerprint:
+            raise PlanError(
+                f"this plan was made for another model (fingerprint {self.fingerprint}, "
+                f"this model's is {fingerprint}): its parameter names, shapes or dtypes "
+                "differ. Make a new plan with autopart.plan(model, mesh, ...)"
+            )
+        here = MeshSpec.of(mesh)
+        if here.world_size != self.mesh.world_size or here.device != self.mesh.device:
+            raise PlanError(
+                f"this plan was made for the mesh {self.mesh} ({self.mesh.world_size} "
+                f"devices) but is used on {here} ({here.world_size} devices): make a new "
+                "plan for this mesh"
+            )
+
+    def placement(self, fqn: str, axis: Axis) -> Placement:
+        ps = self.placements.get(fqn)
+        return ps[PLACEMENT_AXES.index(axis)] if ps else Replicate()
+
+    def with_changes(self, **changes: Any) -> Plan:
+        """A copy with some fields changed (validated again): how a user edits a plan."""
+        return replace(self, **changes)
+
+    # -- text -----------------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+    def explain(self) -> str:
+        """Print, and return, the plan's choices and predictions in sentences."""
+        text = explain_plan(self)
+        print(text)
+        return text
+
+    def diff(self, other: Plan) -> list[str]:
+        return diff_plans(self, other)
+
+    # -- JSON -----------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "placements":
+                value = {k: [placement_to_str(p) for p in v] for k, v in value.items()}
+            elif f.name == "strategies":
+                value = [
+                    {
+                        "module_path": s.module_path,
+                        "op": s.op,
+                        "inputs": [placement_to_str(p) for p in s.inputs],
+                        "output": placement_to_str(s.output),
+                    }
+                    for s in value
+                ]
+            elif f.name in ("mesh", "predicted"):
+                value = None if value is None else _dataclass_dict(value)
+            elif f.name == "alternatives":
+                value = [_dataclass_dict(a) for a in value]
+            elif isinstance(value, tuple):
+                value = list(value)
+            data[f.name] = value
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Plan:
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise PlanError(
+                f"plan file version {version} is not supported (this autopart reads version "
+                f"{PLAN_VERSION}): make the plan again with this version"
+            )
+        d = dict(data)
+        d["mesh"] = MeshSpec(**d["mesh"])
+        d["placements"] = {
+            k: tuple(placement_from_str(p) for p in v) for k, v in d.get("placements", {}).items()
+        }
+        d["strategies"] = tuple(
+            OpStrategy(
+                s["module_path"],
+                s["op"],
+                tuple(placement_from_str(p) for p in s["inputs"]),
+                placement_from_str(s["output"]),
+            )
+            for s in d.get("strategies", [])
+        )
+        d["predicted"] = Predicted(**d["predicted"]) if d.get("predicted") else None
+        d["alternatives"] = tuple(Alternative(**a) for a in d.get("alternatives", []))
+        for key in ("recompute", "stage_cuts"):
+            d[key] = tuple(d.get(key, ()))
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise PlanError(f"unknown plan fields {sorted(unknown)}")
+        return cls(**d)
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path} is not a plan file (not JSON: {e})") from e
+        return cls.from_json(data)
+
+
+def _dataclass_dict(obj: Any) -> dict[str, Any]:
+    return {f.name: _plain(getattr(obj, f.name)) for f in fields(obj)}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value

@@ -1,0 +1,114 @@
+"""Plans as text: the table `str(plan)` prints, `plan.explain()`, and `plan.diff()`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from autopart.mesh import Axis
+from autopart.placements import placement_to_str
+
+if TYPE_CHECKING:
+    from autopart.plan import Plan
+
+GiB = 1024**3
+PLACEMENT_AXES = (Axis.DP, Axis.TP)  # the order of a parameter's placements
+
+
+def _axes_line(plan: Plan) -> str:
+    parts = [f"dp={plan.dp}", f"tp={plan.tp}", f"pp={plan.pp}", f"zero={plan.zero}"]
+    if plan.pp > 1:
+        parts.append(f"schedule={plan.schedule}")
+        if plan.virtual_stages > 1:
+            parts.append(f"virtual_stages={plan.virtual_stages}")
+    parts.append(f"microbatches={plan.microbatches}")
+    return "  ".join(parts)
+
+
+def format_plan(plan: Plan) -> str:
+    lines = [
+        f"autopart plan v{plan.version} for model {plan.fingerprint} on {plan.mesh} "
+        f"({plan.mesh.world_size} devices)",
+        f"  {_axes_line(plan)}",
+        f"  precision={plan.precision}  global batch={plan.global_batch}  "
+        f"per-rank batch={plan.global_batch // plan.dp}",
+    ]
+    if plan.recompute:
+        lines.append(f"  recompute: {', '.join(plan.recompute)}")
+    if plan.stage_cuts:
+        lines.append(f"  stages begin at: {', '.join(plan.stage_cuts)}")
+    p = plan.predicted
+    if p is not None:
+        lines.append(
+            f"  predicted step {p.step_time_s * 1e3:.2f} ms (compute {p.compute_s * 1e3:.2f}, "
+            f"exposed comm {p.exposed_comm_s * 1e3:.2f}, bubble {p.bubble_s * 1e3:.2f}); "
+            f"peak memory {p.peak_memory_bytes / GiB:.2f} GiB; "
+            f"{p.model_flops_per_device / 1e12:.3f} model TFLOP/s per device"
+        )
+    if plan.placements:
+        header = "parameter".ljust(48) + "".join(str(a).ljust(8) for a in PLACEMENT_AXES)
+        lines += ["", "  " + header, "  " + "-" * len(header)]
+        for fqn, ps in plan.placements.items():
+            lines.append(
+                "  " + fqn.ljust(48) + "".join(placement_to_str(x).ljust(8) for x in ps)
+            )
+    if plan.strategies:
+        lines += ["", "  operator strategies (tp):"]
+        for s in plan.strategies:
+            ins = ", ".join(placement_to_str(x) for x in s.inputs)
+            lines.append(f"    {s.module_path} {s.op}: ({ins}) -> {placement_to_str(s.output)}")
+    if plan.alternatives:
+        lines += ["", "  alternatives:"]
+        for a in plan.alternatives:
+            lines.append(
+                f"    dp={a.dp} tp={a.tp} pp={a.pp} zero={a.zero} m={a.microbatches}: "
+                f"{a.step_time_s * 1e3:.2f} ms, {a.peak_memory_bytes / GiB:.2f} GiB {a.note}"
+            )
+    return "\n".join(lines)
+
+
+def explain_plan(plan: Plan) -> str:
+    counts = Counter(
+        tuple(placement_to_str(x) for x in ps) for ps in plan.placements.values()
+    )
+    layout = ", ".join(
+        f"{n} parameters {'/'.join(f'{a}:{x}' for a, x in zip(PLACEMENT_AXES, k))}"
+        for k, n in counts.most_common()
+    )
+    lines = [
+        f"The {plan.mesh.world_size} devices of {plan.mesh} are split as {_axes_line(plan)}.",
+        f"Each data-parallel rank takes {plan.global_batch // plan.dp} of the "
+        f"{plan.global_batch} samples per step"
+        + (f", in {plan.microbatches} microbatches." if plan.microbatches > 1 else "."),
+    ]
+    if layout:
+        lines.append(f"Parameter layout: {layout}.")
+    if plan.zero:
+        what = {1: "optimizer state", 2: "optimizer state and gradients",
+                3: "optimizer state, gradients and parameters"}[plan.zero]
+        lines.append(f"ZeRO-{plan.zero} shards the {what} over the {plan.dp} dp ranks.")
+    if plan.predicted is not None:
+        p = plan.predicted
+        lines.append(
+            f"Predicted step time {p.step_time_s * 1e3:.2f} ms; peak memory "
+            f"{p.peak_memory_bytes / GiB:.2f} GiB per rank ("
+            + ", ".join(f"{k} {v / GiB:.2f}" for k, v in p.memory.items())
+            + ")."
+        )
+    return "\n".join(lines)
+
+
+def diff_plans(a: Plan, b: Plan) -> list[str]:
+    """One line per field that differs: `name: a -> b`."""
+    from dataclasses import fields
+
+    out = []
+    for f in fields(a):
+        va, vb = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "placements":
+            for fqn in sorted(set(va) | set(vb)):
+                if va.get(fqn) != vb.get(fqn):
+                    out.append(f"placements[{fqn}]: {va.get(fqn)} -> {vb.get(fqn)}")
+        elif va != vb:
+            out.append(f"{f.name}: {va} -> {vb}")
+    return out

@@ -1,0 +1,60 @@
+"""The user's pins, and the plan they determine.
+
+A pin left as None is the solver's choice. Until a search fills them in, unpinned axes
+default to pure data parallelism over the whole mesh, which is always correct.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Replicate
+
+from autopart.batch import batch_size, check_divisible
+from autopart.capture import Captured
+from autopart.mesh import Mesh
+from autopart.plan import MeshSpec, Plan, PlanError
+
+
+@dataclass(frozen=True, slots=True)
+class Pins:
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    zero: int | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    recompute: tuple[str, ...] | None = None
+    precision: str = "fp32"
+
+
+def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
+    world = mesh.world_size
+    tp = pins.tp or 1
+    pp = pins.pp or 1
+    dp = pins.dp or world // (tp * pp)
+    mesh.check_factorization(dp, tp, pp)
+    if tp > 1 or pp > 1:
+        raise PlanError("tensor and pipeline parallelism are not available yet; use tp=1, pp=1")
+    batch = batch_size((captured.example_args, captured.example_kwargs))
+    microbatches = pins.microbatches or 1
+    check_divisible(batch, dp * microbatches, "dp×microbatches" if microbatches > 1 else "dp")
+    placements = {
+        fqn: (Replicate(), Replicate()) for fqn, _ in captured.gm.named_parameters()
+    }
+    return Plan(
+        mesh=MeshSpec.of(mesh),
+        fingerprint=captured.fingerprint,
+        global_batch=batch,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero=pins.zero or 0,
+        microbatches=microbatches,
+        schedule=pins.schedule,
+        virtual_stages=pins.virtual_stages or 1,
+        precision=pins.precision,
+        recompute=tuple(pins.recompute or ()),
+        placements=placements,
+    )

@@ -1,0 +1,65 @@
+"""Running a function on a world of local CPU processes over Gloo.
+
+Each rank is a spawned process that joins a process group through a file store in a
+temporary directory (no ports), runs `fn(*args)`, saves its result for the parent, and
+destroys its process group. A failing rank's traceback is raised in the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD_TIMEOUT_S = 600
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """`fn(*args)` on every rank of a Gloo world; returns each rank's result."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = f"file://{tmp}/store"
+        procs = [
+            ctx.Process(target=_rank_main, args=(fn, rank, world_size, store, tmp, args))
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(WORLD_TIMEOUT_S)
+        failures = []
+        for rank, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                p.join()
+                failures.append(f"rank {rank} did not finish in {WORLD_TIMEOUT_S}s")
+            elif p.exitcode != 0:
+                err = Path(tmp, f"rank{rank}.err")
+                failures.append(err.read_text() if err.exists() else f"rank {rank} exit {p.exitcode}")
+        if failures:
+            raise RuntimeError("distributed run failed:\n" + "\n".join(failures))
+        return [torch.load(Path(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _rank_main(fn, rank, world_size, store, tmp, args) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
+    try:
+        result = fn(*args)
+        torch.save(result, Path(tmp, f"rank{rank}.pt"))
+    except BaseException:
+        Path(tmp, f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,109 @@
+"""Tiny models built from configs (random weights, nothing downloaded) and their losses."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 128
+SEQ = 16
+
+
+def tiny_gpt2(seed: int = 0, layers: int = 2) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_embd=64, n_layer=layers, n_head=4, vocab_size=VOCAB, n_positions=64,
+        bos_token_id=0, eos_token_id=0, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def tiny_llama(seed: int = 0, layers: int = 2) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+        max_position_embeddings=64, use_cache=False, bos_token_id=0, eos_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.head = nn.Linear(16 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(self.conv2(x))
+        return self.head(x.flatten(1))
+
+
+def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+
+def token_batch(batch: int = 8, seq: int = SEQ, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    return ids, torch.randint(0, VOCAB, (batch, seq), generator=g)
+
+
+def make_optimizer(kind: str):
+    if kind == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    # eps=1e-6, not 1e-8: GPT-2's key bias has an exactly zero true gradient (softmax
+    # ignores a constant added to every key), so its fp32 gradient is rounding noise of
+    # ~1e-10 that any change of summation order alters, and Adam with eps=1e-8 turns that
+    # noise into full-size updates of random sign. The larger eps keeps the comparison
+    # about the distributed arithmetic rather than about amplified noise.
+    return lambda params: torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01)
+
+
+LM_FACTORIES = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+
+
+def train_single_device(model_name: str, optimizer: str, steps: int, batch) -> dict:
+    """The reference: the unmodified model on one device, on the whole global batch."""
+    model = LM_FACTORIES[model_name]()
+    opt = make_optimizer(optimizer)(model.parameters())
+    ids, target = batch
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = lm_loss(model(ids), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def assert_matches(result: dict, reference: dict, rtol: float = 1e-5) -> None:
+    """Losses and every parameter within `rtol` (relative, by norm) of the reference."""
+    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"], strict=True)):
+        assert abs(got - want) <= rtol * abs(want), f"step {step}: loss {got} != {want}"
+    assert result["params"].keys() == reference["params"].keys()
+    for name, want in reference["params"].items():
+        got = result["params"][name]
+        err = (got - want).norm() / want.norm().clamp_min(1e-12)
+        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol}"
