@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from autopart.batch import split_batch
 from autopart.capture import Captured, capture
 from autopart.mesh import Mesh
 from autopart.passes import analyze
@@ -58,6 +59,11 @@ def parallelize(
     elif pins:
         raise TypeError(f"pass either a plan or pins, not both (got pins {sorted(pins)})")
     plan.check_compatible(captured.fingerprint, mesh)
+    parts = plan.dp * plan.microbatches
+    if not captured.admits_batch(plan.global_batch // parts):
+        # The model specialized on the batch size: capture again at the per-rank shape.
+        local_inputs = split_batch(captured.example_args, 0, parts)
+        captured = _captured(model, local_inputs, example_kwargs)
     device_mesh = mesh.device_mesh(dp=plan.dp, tp=plan.tp, pp=plan.pp)
     return ParallelModule(captured.gm, plan, device_mesh, loss_fn, optimizer)
 

@@ -124,7 +124,7 @@ def _capture_export(
     model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any
 ) -> Captured:
     ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
-    gm = ep.module()
+    gm = ep.module(check_guards=False)  # input checks as a pre-hook, not a graph node
     dims, symbols = _named_dims(gm, args, dynamic_shapes)
     ranges = {
         symbols[s].name: (int(r.lower), float(r.upper))
@@ -154,6 +154,9 @@ def propagate_fake_values(gm: fx.GraphModule, args: tuple) -> None:
     mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
     fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_args)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, arg in zip(placeholders, fake_args):
+        node.meta.setdefault("val", arg)  # non-tensor inputs (options objects) as they are
 
 
 def _named_dims(

@@ -42,7 +42,8 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
                 failures.append(f"rank {rank} did not finish in {WORLD_TIMEOUT_S}s")
             elif p.exitcode != 0:
                 err = Path(tmp, f"rank{rank}.err")
-                failures.append(err.read_text() if err.exists() else f"rank {rank} exit {p.exitcode}")
+                text = err.read_text() if err.exists() else f"rank {rank}: exit {p.exitcode}"
+                failures.append(text)
         if failures:
             raise RuntimeError("distributed run failed:\n" + "\n".join(failures))
         return [torch.load(Path(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -95,7 +95,11 @@ def train_single_device(model_name: str, optimizer: str, steps: int, batch) -> d
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "params": snapshot(model)}
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def assert_matches(result: dict, reference: dict, rtol: float = 1e-5) -> None:

@@ -11,7 +11,8 @@ movement count none.
 from __future__ import annotations
 
 import sympy
-from torch import fx, nn
+import torch
+from torch import fx
 from torch.utils import _pytree as pytree
 
 from autopart.passes.meta import FLOPS, SHAPE, TensorInfo, tensor_infos
@@ -56,8 +57,8 @@ def node_flops(node: fx.Node, gm: fx.GraphModule, ctx: PassContext) -> sympy.Exp
         length, e = q.shape[-2], q.shape[-1]
         batch = q.numel / (length * e)
         return 2 * batch * length * k.shape[-2] * (e + v.shape[-1])
-    if name == "convolution":
-        return _convolution(node, gm, ins, out_numel)
+    if name in ("convolution", "conv_transpose"):
+        return _convolution(node, name, ins, out_numel)
     if name in REDUCTION_OPS and ins:
         return ins[0].numel
     return sympy.Add(*(o.numel for o in outs))
@@ -72,15 +73,16 @@ def _contraction(name: str, ins: list[TensorInfo], out_numel: sympy.Expr) -> sym
 
 
 def _convolution(
-    node: fx.Node, gm: fx.GraphModule, ins: list[TensorInfo], out_numel: sympy.Expr
+    node: fx.Node, name: str, ins: list[TensorInfo], out_numel: sympy.Expr
 ) -> sympy.Expr:
     x, w = ins[0], ins[1]
     kernel = sympy.Mul(*w.shape[2:])  # w.shape[1] is already Cin/groups (or Cout/groups)
-    if node.op == "call_module":
-        module = gm.get_submodule(str(node.target))
-        transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)
-    else:
-        transposed = bool(node.args[6]) if len(node.args) > 6 else False
+    # aten.convolution carries `transposed` as its seventh argument.
+    generic_transposed = node.op == "call_function" and len(node.args) > 6 and (
+        getattr(node.target, "overloadpacket", None) is torch.ops.aten.convolution
+        and bool(node.args[6])
+    )
+    transposed = name == "conv_transpose" or generic_transposed
     bias = out_numel if len(ins) > 2 else ZERO
     if transposed:  # weight is (Cin, Cout/groups, *kernel): every input scatters
         return 2 * x.numel * w.shape[1] * kernel + bias

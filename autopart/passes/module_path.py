@@ -27,6 +27,8 @@ def _module_path(node: fx.Node) -> str:
 
 
 def _clean(path: str) -> str:
+    if path.startswith("_empty_nn_module_stack"):  # export's marker for "no module"
+        return ""
     # fx.symbolic_trace records attribute access paths ("layers.0.fc"); export records
     # FQNs. Both may carry a "L['self']." style prefix from dynamo-produced graphs.
     for prefix in ("L['self'].", "L__self__."):

@@ -15,9 +15,9 @@ _MODULE_OPS: dict[type[nn.Module], str] = {
     nn.Conv1d: "convolution",
     nn.Conv2d: "convolution",
     nn.Conv3d: "convolution",
-    nn.ConvTranspose1d: "convolution",
-    nn.ConvTranspose2d: "convolution",
-    nn.ConvTranspose3d: "convolution",
+    nn.ConvTranspose1d: "conv_transpose",
+    nn.ConvTranspose2d: "conv_transpose",
+    nn.ConvTranspose3d: "conv_transpose",
     nn.Embedding: "embedding",
     nn.LayerNorm: "layer_norm",
     nn.BatchNorm1d: "batch_norm",
@@ -75,8 +75,21 @@ ATTENTION_OPS = frozenset(
 )
 
 
+# Spellings of one operator across ATen and torch.nn.functional.
+_ALIASES = {
+    "conv1d": "convolution", "conv2d": "convolution", "conv3d": "convolution",
+    "conv_transpose1d": "conv_transpose", "conv_transpose2d": "conv_transpose",
+    "conv_transpose3d": "conv_transpose",
+}
+
+
 def op_name(node: fx.Node, gm: fx.GraphModule | None = None) -> str:
     """A short operator name for a call node; "" for placeholders, attributes and output."""
+    name = _raw_op_name(node, gm)
+    return _ALIASES.get(name, name)
+
+
+def _raw_op_name(node: fx.Node, gm: fx.GraphModule | None) -> str:
     target = node.target
     if node.op == "call_function":
         packet = getattr(target, "overloadpacket", None)

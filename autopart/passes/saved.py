@@ -77,14 +77,14 @@ class _SavedTensorTracker(fx.Interpreter):
     def _new_bytes(self, packed: list[torch.Tensor]) -> list[int | torch.SymInt]:
         sizes = []
         for t in packed:
-            if t.requires_grad and t.grad_fn is None:  # a parameter
+            base = t._base if t._base is not None else t
+            if base.requires_grad and base.grad_fn is None:  # a parameter, or a view of one
                 continue
             storage = t.untyped_storage()._cdata
             if storage in self._seen_storages:
                 continue
             self._seen_storages.add(storage)
             self._keep_alive.append(t)
-            base = t._base if t._base is not None else t
             sizes.append(base.numel() * base.element_size())
         return sizes
 

@@ -12,6 +12,7 @@ from tests.models import (
     assert_matches,
     lm_loss,
     make_optimizer,
+    snapshot,
     token_batch,
     train_single_device,
 )
@@ -33,7 +34,7 @@ def _train_dp(cases, batch) -> dict:
         pm.close()
         results[(model_name, optimizer)] = {
             "losses": losses,
-            "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "params": snapshot(model),
         }
     return results
 

@@ -1,0 +1,79 @@
+"""The Plan IR: validation, the printed table, JSON round trip, and loading checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+
+import autopart
+from autopart.mesh import Mesh
+from autopart.plan import MeshSpec, OpStrategy, Plan, PlanError, Predicted
+from tests.models import tiny_gpt2, tiny_llama, token_batch
+
+
+def _plan(**changes) -> Plan:
+    fields = dict(
+        mesh=MeshSpec("h100-80g", 2, 8), fingerprint="abc", global_batch=64, dp=4, tp=2, pp=2,
+        zero=1, microbatches=4, schedule="1f1b", precision="bf16-mixed",
+        recompute=("model.layers.0",), stage_cuts=("model.layers.2",),
+        placements={"fc.weight": (Replicate(), Shard(0)), "fc.bias": (Replicate(), Shard(0))},
+        strategies=(OpStrategy("fc", "linear", (Replicate(), Shard(0)), Shard(1)),),
+        predicted=Predicted(0.5, 0.4, 0.05, 0.05, 10 * 1024**3, {"parameters": 1024**3}, 1e14),
+    )
+    fields.update(changes)
+    return Plan(**fields)
+
+
+def test_json_round_trip_is_exact(tmp_path):
+    plan = _plan()
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert json.loads(path.read_text())["version"] == 1
+    assert Plan.load(path) == plan
+
+
+def test_table_and_explanation_name_the_choices():
+    plan = _plan()
+    text = str(plan)
+    for part in ("dp=4", "tp=2", "pp=2", "zero=1", "schedule=1f1b", "fc.weight", "S(0)"):
+        assert part in text
+    assert "ZeRO-1 shards the optimizer state" in plan.explain()
+
+
+def test_invalid_plans_say_what_is_wrong():
+    with pytest.raises(PlanError, match="does not cover the 16 devices"):
+        _plan(dp=2)
+    with pytest.raises(PlanError, match="needs a schedule"):
+        _plan(schedule=None)
+    with pytest.raises(PlanError, match="does not split into dp=4"):
+        _plan(global_batch=6)
+
+
+def test_edits_are_validated_and_diffed():
+    plan = _plan()
+    edited = plan.with_changes(zero=2)
+    assert plan.diff(edited) == ["zero: 1 -> 2"]
+    with pytest.raises(PlanError):
+        plan.with_changes(zero=5)
+
+
+def test_plan_for_another_model_or_mesh_is_refused(tmp_path):
+    ids = token_batch(4)[0]
+    mesh = Mesh.cluster("cpu", nodes=1, per_node=2)
+    plan = autopart.plan(tiny_gpt2(), mesh, (ids,))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    with pytest.raises(PlanError, match="made for another model"):
+        autopart.parallelize(tiny_llama(), mesh, (ids,), plan=loaded)
+    with pytest.raises(PlanError, match="made for the mesh 1×2 cpu"):
+        loaded.check_compatible(loaded.fingerprint, Mesh.cluster("cpu", nodes=1, per_node=4))
+
+
+def test_a_file_of_another_version_is_refused(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan().to_json() | {"version": 99}))
+    with pytest.raises(PlanError, match="version 99 is not supported"):
+        Plan.load(path)
