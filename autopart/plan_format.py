@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -46,12 +47,12 @@ def format_plan(plan: Plan) -> str:
             f"{p.model_flops_per_device / 1e12:.3f} model TFLOP/s per device"
         )
     if plan.placements:
-        header = "parameter".ljust(48) + "".join(str(a).ljust(8) for a in PLACEMENT_AXES)
+        rows = _collapse_layers(plan)
+        width = max(len("parameter"), *(len(name) for name, _ in rows)) + 2
+        header = "parameter".ljust(width) + "".join(str(a).ljust(6) for a in PLACEMENT_AXES)
         lines += ["", "  " + header, "  " + "-" * len(header)]
-        for fqn, ps in plan.placements.items():
-            lines.append(
-                "  " + fqn.ljust(48) + "".join(placement_to_str(x).ljust(8) for x in ps)
-            )
+        for name, ps in rows:
+            lines.append("  " + name.ljust(width) + "".join(p.ljust(6) for p in ps))
     if plan.strategies:
         lines += ["", "  operator strategies (tp):"]
         for s in plan.strategies:
@@ -65,6 +66,19 @@ def format_plan(plan: Plan) -> str:
                 f"{a.step_time_s * 1e3:.2f} ms, {a.peak_memory_bytes / GiB:.2f} GiB {a.note}"
             )
     return "\n".join(lines)
+
+
+def _collapse_layers(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
+    """One row per parameter, with repeated layers folded: `layers.*.mlp.w (×32)` stands
+    for every layer whose copy of the parameter is placed alike."""
+    groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for fqn, ps in plan.placements.items():
+        pattern = re.sub(r"\.\d+\.", ".*.", fqn)
+        groups.setdefault((pattern, tuple(placement_to_str(p) for p in ps)), []).append(fqn)
+    rows = []
+    for (pattern, ps), members in groups.items():
+        rows.append((members[0] if len(members) == 1 else f"{pattern} (×{len(members)})", ps))
+    return rows
 
 
 def explain_plan(plan: Plan) -> str:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from autopart.mesh import Axis, DeviceSpec, Mesh, MeshError, device_spec
-from tests.distributed import run_world
+from autopart.testing import run_world
 
 
 def test_presets_carry_public_figures():

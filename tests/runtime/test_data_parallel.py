@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autopart
-from tests.distributed import run_world
+from autopart.testing import run_world
 from tests.models import (
     LM_FACTORIES,
     assert_matches,

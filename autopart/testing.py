@@ -1,4 +1,6 @@
-"""Running a function on a world of local CPU processes over Gloo.
+"""Running a function on a world of local CPU processes over Gloo, for tests and CI.
+
+    results = autopart.testing.run_world(check_my_plan, 4, args...)
 
 Each rank is a spawned process that joins a process group through a file store in a
 temporary directory (no ports), runs `fn(*args)`, saves its result for the parent, and

@@ -1,0 +1,100 @@
+"""`autopart plan | report | calibrate`: the command line.
+
+    autopart plan --model pkg.module:factory --mesh h100-80g:8x8 [--tp 8 ...] --out plan.json
+    autopart report plan.json
+    autopart calibrate --out profile.json [--quick]
+
+`factory()` returns `(model, example_inputs)`; with `--meta` it is called under the meta
+device, so models far larger than this machine can be planned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import torch
+
+PIN_NAMES = ("dp", "tp", "pp", "zero", "microbatches", "virtual_stages")
+
+
+def _factory(spec: str):
+    module_name, _, func = spec.partition(":")
+    if not func:
+        raise SystemExit(f"--model must look like package.module:function, not {spec!r}")
+    return getattr(importlib.import_module(module_name), func)
+
+
+def _mesh(spec: str):
+    from autopart.mesh import Mesh
+
+    device, _, shape = spec.partition(":")
+    nodes, _, per_node = (shape or "1x1").partition("x")
+    return Mesh.cluster(device, nodes=int(nodes), per_node=int(per_node or 1))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import autopart
+
+    factory = _factory(args.model)
+    if args.meta:
+        with torch.device("meta"):
+            model, inputs = factory()
+    else:
+        model, inputs = factory()
+    pins = {k: getattr(args, k) for k in PIN_NAMES if getattr(args, k) is not None}
+    plan = autopart.plan(
+        model, _mesh(args.mesh), inputs, precision=args.precision, schedule=args.schedule, **pins
+    )
+    print(plan)
+    if args.out:
+        plan.save(args.out)
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from autopart.plan import Plan
+
+    plan = Plan.load(args.plan)
+    print(plan, end="\n\n")
+    plan.explain()
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from autopart import calibrate
+
+    return calibrate.main(args.rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="autopart", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan a model for a mesh and print (and save) the plan")
+    p.add_argument("--model", required=True, help="package.module:factory -> (model, inputs)")
+    p.add_argument("--mesh", required=True, help="device:NODESxPER_NODE, e.g. h100-80g:8x8")
+    p.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16-mixed", "fp16-mixed"))
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"))
+    for name in PIN_NAMES:
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    p.add_argument("--out", help="write the plan JSON here")
+    p.set_defaults(run=cmd_plan)
+
+    r = sub.add_parser("report", help="print a saved plan and explain it")
+    r.add_argument("plan")
+    r.set_defaults(run=cmd_report)
+
+    c = sub.add_parser("calibrate", help="measure this machine into a device profile")
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c.set_defaults(run=cmd_calibrate)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
