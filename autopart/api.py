@@ -12,7 +12,9 @@ from autopart.batch import split_batch
 from autopart.capture import Captured, capture
 from autopart.mesh import Mesh
 from autopart.passes import analyze
+from autopart.passes.rewrite import rank_program
 from autopart.plan import Plan
+from autopart.runtime.groups import MeshGroups
 from autopart.runtime.parallel_module import LossFn, OptimizerFactory, ParallelModule
 from autopart.solver import Pins, make_plan
 
@@ -64,8 +66,9 @@ def parallelize(
         # The model specialized on the batch size: capture again at the per-rank shape.
         local_inputs = split_batch(captured.example_args, 0, parts)
         captured = _captured(model, local_inputs, example_kwargs)
-    device_mesh = mesh.device_mesh(dp=plan.dp, tp=plan.tp, pp=plan.pp)
-    return ParallelModule(captured.gm, plan, device_mesh, loss_fn, optimizer)
+    groups = MeshGroups(mesh.device_mesh(dp=plan.dp, tp=plan.tp, pp=plan.pp))
+    program = rank_program(captured, plan, groups)
+    return ParallelModule(program, plan, groups, loss_fn, optimizer)
 
 
 def _captured(model: nn.Module, example_inputs: Any, example_kwargs: Any) -> Captured:

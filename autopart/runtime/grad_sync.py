@@ -4,8 +4,9 @@ Gradients live in flat per-bucket buffers (each `param.grad` is a view into one)
 autograd accumulates straight into the buffer and no copy is made. Buckets follow the
 order in which backward produces gradients (the reverse of first use in forward); when
 the last gradient of a bucket is accumulated, a post-accumulate-grad hook launches its
-all-reduce asynchronously while backward goes on. The first bucket launched also
-carries the step's loss, so every rank learns the global loss at no extra collective.
+all-reduce asynchronously while backward goes on. With gradient accumulation
+(microbatches) a bucket launches when its gradients have all been accumulated for the
+last time.
 
 Gradients are pre-divided by the group size, so the sum is the mean over the global
 batch, the same gradient a single device computes from the whole batch.
@@ -17,7 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
+
+from autopart.passes.params import parameter_readers
 
 DEFAULT_BUCKET_BYTES = 25 * 1024**2
 FIRST_BUCKET_BYTES = 1024**2  # small, so communication starts early in backward
@@ -28,8 +31,8 @@ class _Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor
     offsets: list[int]
-    loss_slot: int | None = None  # index of the loss in `buffer`, for the first bucket
-    ready: set[int] = field(default_factory=set)  # id() of params whose grad arrived
+    arrivals: dict[int, int] = field(default_factory=dict)  # id(param) -> grads accumulated
+    complete: int = 0  # params whose every accumulation has arrived
     work: dist.Work | None = None
 
 
@@ -40,9 +43,11 @@ class GradientSync:
         self,
         params_in_backward_order: list[nn.Parameter],
         group: dist.ProcessGroup,
+        accumulation: int = 1,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         self.group = group
+        self.accumulation = accumulation
         self.size = dist.get_world_size(group)
         self.buckets = _make_buckets(params_in_backward_order, bucket_bytes)
         self._bucket_of: dict[int, _Bucket] = {}
@@ -58,39 +63,35 @@ class GradientSync:
             handle.remove()
         self._hooks.clear()
 
-    def begin(self, loss: torch.Tensor) -> None:
-        """Before backward: zero the buffers, point the grads at them, stage the loss."""
+    def begin(self) -> None:
+        """Before the step's first backward: zero the buffers and point the grads at them."""
         for bucket in self.buckets:
             bucket.buffer.zero_()
-            bucket.ready.clear()
+            bucket.arrivals.clear()
+            bucket.complete = 0
             bucket.work = None
             for p, offset in zip(bucket.params, bucket.offsets):
                 p.grad = bucket.buffer[offset : offset + p.numel()].view_as(p)
-        first = self.buckets[0] if self.buckets else None
-        if first is not None and first.loss_slot is not None:
-            first.buffer[first.loss_slot] = loss.detach().to(first.buffer.dtype)
 
-    def finish(self) -> torch.Tensor | None:
-        """After backward: reduce what backward did not reach, wait for all, and return
-        the global mean loss. Parameters that got no gradient keep `grad = None`."""
+    def finish(self) -> None:
+        """After the last backward: reduce what backward did not reach and wait for all.
+        Parameters that got no gradient keep `grad = None`, as on one device."""
         for bucket in self.buckets:
             if bucket.work is None:
                 self._launch(bucket)
-        loss = None
         for bucket in self.buckets:
             bucket.work.wait()
             for p in bucket.params:
-                if id(p) not in bucket.ready:
+                if id(p) not in bucket.arrivals:
                     p.grad = None
-            if bucket.loss_slot is not None:
-                loss = bucket.buffer[bucket.loss_slot].clone()
-        return loss
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         bucket = self._bucket_of[id(p)]
-        bucket.ready.add(id(p))
-        if len(bucket.ready) == len(bucket.params) and bucket.work is None:
-            self._launch(bucket)
+        arrived = bucket.arrivals[id(p)] = bucket.arrivals.get(id(p), 0) + 1
+        if arrived == self.accumulation:
+            bucket.complete += 1
+            if bucket.complete == len(bucket.params) and bucket.work is None:
+                self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.buffer.div_(self.size)
@@ -117,12 +118,28 @@ def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket
         groups[-1].append(p)
         size += p.numel() * p.element_size()
     buckets = []
-    for i, group in enumerate(groups):
+    for group in groups:
         offsets, total = [], 0
         for p in group:
             offsets.append(total)
             total += p.numel()
-        loss_slot = total if i == 0 else None
-        buffer = torch.zeros(total + (i == 0), dtype=group[0].dtype, device=group[0].device)
-        buckets.append(_Bucket(group, buffer, offsets, loss_slot))
+        buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
+        buckets.append(_Bucket(group, buffer, offsets))
     return buckets
+
+
+def params_in_backward_order(stages: list[fx.GraphModule]) -> list[nn.Parameter]:
+    """Parameters in the order backward produces their gradients: later stages first,
+    and within a stage the reverse of first use in forward (unused ones last)."""
+    return [p for gm in reversed(stages) for p in _stage_backward_order(gm)]
+
+
+def _stage_backward_order(gm: fx.GraphModule) -> list[nn.Parameter]:
+    readers = parameter_readers(gm)
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    first_use = {fqn: position[nodes[0]] for fqn, nodes in readers.items()}
+    named = dict(gm.named_parameters())
+    ordered = sorted(named, key=lambda fqn: -first_use.get(fqn, -1))
+    used = [fqn for fqn in ordered if fqn in first_use]
+    unused = [fqn for fqn in ordered if fqn not in first_use]
+    return [named[fqn] for fqn in used + unused]

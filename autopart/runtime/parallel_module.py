@@ -1,22 +1,24 @@
-"""ParallelModule: the per-rank program, its process groups, and the training step."""
+"""ParallelModule: one rank's program, its process groups, and the training step."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import fx, nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from autopart.batch import split_batch
 from autopart.mesh import Axis
-from autopart.passes.params import parameter_readers
+from autopart.passes.rewrite import RankProgram
 from autopart.plan import Plan
-from autopart.runtime.grad_sync import GradientSync
+from autopart.runtime.data_parallel import OptimizerFactory, build_data_parallel_state
+from autopart.runtime.executor import LocalExecutor
+from autopart.runtime.groups import MeshGroups
+from autopart.runtime.unshard import gather_full_parameters
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 class ParallelModule(nn.Module):
@@ -24,62 +26,85 @@ class ParallelModule(nn.Module):
 
     def __init__(
         self,
-        program: fx.GraphModule,
+        program: RankProgram,
         plan: Plan,
-        device_mesh: DeviceMesh,
+        groups: MeshGroups,
         loss_fn: LossFn | None,
         optimizer: OptimizerFactory | None,
     ) -> None:
         super().__init__()
-        self.program = program
+        self.stages = nn.ModuleList(program.stages)
+        self.stage_ids = program.stage_ids
         self.plan = plan
-        self.device_mesh = device_mesh
+        self.groups = groups
         self.loss_fn = loss_fn
-        self.dp_rank = device_mesh.get_local_rank(Axis.DP.value)
-        self.grad_sync = GradientSync(
-            params_in_backward_order(program), device_mesh.get_group(Axis.DP.value)
+        self.executor = self._executor(program, loss_fn) if loss_fn else None
+        self.state = (
+            build_data_parallel_state(
+                plan.zero, program.stages, groups.group(Axis.DP), optimizer, plan.microbatches
+            )
+            if optimizer
+            else None
         )
-        self.optimizer = optimizer(list(program.parameters())) if optimizer else None
+
+    def _executor(self, program: RankProgram, loss_fn: LossFn):
+        if self.plan.pp == 1:
+            return LocalExecutor(program.stages[0], loss_fn, self.plan.microbatches)
+        from autopart.runtime.pipeline import PipelineExecutor
+
+        return PipelineExecutor(program, self.plan, self.groups, loss_fn)
 
     @property
     def graph(self) -> fx.GraphModule:
-        """This rank's graph: `pm.graph.print_readable()` shows every inserted collective."""
-        return self.program
+        """This rank's graph (its first stage's, under a pipeline):
+        `pm.graph.print_readable()` shows every inserted collective."""
+        return self.stages[0]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.state.optimizer if self.state else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.program(*args, **kwargs)
+        if self.plan.pp > 1:
+            raise NotImplementedError("a pipelined model runs through train_step")
+        return self.stages[0](*args, **kwargs)
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's slice of a global batch."""
-        return split_batch(batch, self.dp_rank, self.plan.dp)
+        return split_batch(batch, self.groups.rank(Axis.DP), self.plan.dp)
 
     def train_step(self, inputs: Any, target: Any) -> torch.Tensor:
         """Forward, backward, gradient sync and optimizer step on the global batch
         `inputs`; returns the global mean loss, the same on every rank."""
-        if self.loss_fn is None or self.optimizer is None:
+        if self.executor is None or self.state is None:
             raise ValueError("train_step needs parallelize(..., loss_fn=..., optimizer=...)")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        output = self.program(*self.local_batch(args))
-        loss = self.loss_fn(output, self.local_batch(target))
-        self.grad_sync.begin(loss)
-        loss.backward()
-        global_loss = self.grad_sync.finish()
-        self.optimizer.step()
-        return global_loss
+        self.state.begin()
+        local_loss = self.executor.run(self.local_batch(args), self.local_batch(target))
+        self.state.finish()
+        loss = self._global_loss(local_loss)
+        self.state.step()
+        return loss
+
+    def _global_loss(self, local_loss: torch.Tensor) -> torch.Tensor:
+        """The mean over data-parallel replicas of the loss held by each replica's
+        reporting rank, delivered to every rank."""
+        contribution = local_loss / self.plan.dp if self.groups.reports_loss else local_loss * 0
+        dist.all_reduce(contribution)
+        return contribution
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the model, whole (unsharded), under its original FQN, on
+        every rank. Collective: all ranks must call it."""
+        return gather_full_parameters(self)
 
     def close(self) -> None:
         """Detach autopart's hooks from the model's parameters."""
-        self.grad_sync.close()
+        if self.state is not None:
+            self.state.close()
 
-
-def params_in_backward_order(gm: fx.GraphModule) -> list[nn.Parameter]:
-    """Parameters in the order backward produces their gradients: the reverse of their
-    first use in forward (unused ones last). Needs the params analysis."""
-    readers = parameter_readers(gm)
-    position = {node: i for i, node in enumerate(gm.graph.nodes)}
-    first_use = {fqn: position[nodes[0]] for fqn, nodes in readers.items()}
-    named = dict(gm.named_parameters())
-    ordered = sorted(named, key=lambda fqn: -first_use.get(fqn, -1))
-    used = [fqn for fqn in ordered if fqn in first_use]
-    unused = [fqn for fqn in ordered if fqn not in first_use]
-    return [named[fqn] for fqn in used + unused]
+    def train(self, mode: bool = True) -> ParallelModule:
+        # The captured program is fixed in the mode it was captured in (an exported
+        # graph refuses train()/eval()), so only this module's flag changes.
+        self.training = mode
+        return self

@@ -1,0 +1,48 @@
+"""The rewrite stage: from the captured graph and a plan to this rank's program.
+
+    tensor parallelism (tp > 1)   shard parameters, insert tp collectives (whole graph)
+    pipeline split (pp > 1)       cut the graph into stages, keep this rank's
+    ZeRO-3 (zero = 3)             shard each stage's parameters over dp; gather on use
+
+Each step is a pass with the usual contract; the plan and this rank's coordinates reach
+them through `ctx.options` (`plan`, `groups`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx
+
+from autopart.capture import Captured
+from autopart.plan import Plan
+from autopart.runtime.groups import MeshGroups
+
+
+@dataclass
+class RankProgram:
+    """This rank's stage graphs: the whole graph when pp = 1; with a pipeline, the
+    stages this rank runs (several under an interleaved schedule), by stage index."""
+
+    stages: list[fx.GraphModule]
+    stage_ids: list[int]
+
+
+def rank_program(captured: Captured, plan: Plan, groups: MeshGroups) -> RankProgram:
+    ctx = captured.context(plan=plan, groups=groups)
+    gm = captured.gm
+    if plan.tp > 1:
+        from autopart.passes.tensor_parallel import tensor_parallel_pass
+
+        gm = tensor_parallel_pass(gm, ctx)
+    if plan.pp > 1:
+        from autopart.passes.pipeline_split import split_stages
+
+        stages, stage_ids = split_stages(gm, ctx)
+    else:
+        stages, stage_ids = [gm], [0]
+    if plan.zero == 3:
+        from autopart.passes.zero import zero3_pass
+
+        stages = [zero3_pass(stage, ctx) for stage in stages]
+    return RankProgram(stages, stage_ids)

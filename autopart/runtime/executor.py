@@ -1,0 +1,35 @@
+"""Running forward and backward over the microbatches of one step, without a pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopart.batch import split_batch
+
+
+class LocalExecutor:
+    """pp = 1: each microbatch runs forward then backward in turn; gradients accumulate.
+    Each microbatch's loss is divided by their number, so the accumulated gradient is
+    that of the mean loss over the rank's whole batch."""
+
+    def __init__(
+        self, program: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], microbatches: int
+    ) -> None:
+        self.program = program
+        self.loss_fn = loss_fn
+        self.microbatches = microbatches
+
+    def run(self, args: tuple, target: Any) -> torch.Tensor:
+        """Forward and backward over the rank's batch; returns its mean loss (detached)."""
+        m = self.microbatches
+        total = torch.zeros(())
+        for i in range(m):
+            output = self.program(*split_batch(args, i, m, "microbatches"))
+            loss = self.loss_fn(output, split_batch(target, i, m, "microbatches")) / m
+            loss.backward()
+            total += loss.detach().float()
+        return total
