@@ -82,6 +82,20 @@ class BlockInfo:
     index: int
 
 
+@dataclass(frozen=True, slots=True)
+class CollectiveInfo:
+    """A collective a rewrite pass inserted: what it does, over which mesh axis and
+    process group, and the bytes each rank contributes in forward."""
+
+    kind: str
+    axis: str
+    group: str
+    bytes: sympy.Expr | int
+
+    def __str__(self) -> str:
+        return f"{self.kind} over {self.axis} (group {self.group}): {self.bytes} bytes"
+
+
 # One key per analysis. The value is None for nodes that produce no tensor.
 SHAPE: MetaKey[TensorInfo | tuple[TensorInfo | None, ...] | None] = MetaKey(
     "shape", "shape_pass"
@@ -92,6 +106,7 @@ TRAFFIC: MetaKey[Traffic] = MetaKey("traffic", "traffic_pass")
 PARAMS: MetaKey[tuple[str, ...]] = MetaKey("params", "params_pass")
 SAVED_BYTES: MetaKey[sympy.Expr] = MetaKey("saved_bytes", "saved_for_backward_pass")
 BLOCK: MetaKey[BlockInfo | None] = MetaKey("block", "blocks_pass")
+COLLECTIVE: MetaKey[CollectiveInfo] = MetaKey("collective", "a rewrite pass")
 
 
 def tensor_infos(node: fx.Node) -> tuple[TensorInfo, ...]:
