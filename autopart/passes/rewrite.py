@@ -10,7 +10,7 @@ them through `ctx.options` (`plan`, `groups`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import fx
 
@@ -26,6 +26,8 @@ class RankProgram:
 
     stages: list[fx.GraphModule]
     stage_ids: list[int]
+    # Tensor-parallel parameters: FQN -> (sharded dim, parts of a fused weight).
+    tp_layout: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def rank_program(captured: Captured, plan: Plan, groups: MeshGroups) -> RankProgram:
@@ -45,4 +47,4 @@ def rank_program(captured: Captured, plan: Plan, groups: MeshGroups) -> RankProg
         from autopart.passes.zero import zero3_pass
 
         stages = [zero3_pass(stage, ctx) for stage in stages]
-    return RankProgram(stages, stage_ids)
+    return RankProgram(stages, stage_ids, ctx.options.get("tp_layout", {}))

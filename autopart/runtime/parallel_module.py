@@ -11,6 +11,7 @@ from torch import fx, nn
 
 from autopart.batch import split_batch
 from autopart.mesh import Axis
+from autopart.passes.meta import COLLECTIVE, CollectiveInfo
 from autopart.passes.rewrite import RankProgram
 from autopart.plan import Plan
 from autopart.runtime.data_parallel import OptimizerFactory, build_data_parallel_state
@@ -35,6 +36,7 @@ class ParallelModule(nn.Module):
         super().__init__()
         self.stages = nn.ModuleList(program.stages)
         self.stage_ids = program.stage_ids
+        self.tp_layout = program.tp_layout
         self.plan = plan
         self.groups = groups
         self.loss_fn = loss_fn
@@ -92,6 +94,16 @@ class ParallelModule(nn.Module):
         contribution = local_loss / self.plan.dp if self.groups.reports_loss else local_loss * 0
         dist.all_reduce(contribution)
         return contribution
+
+    def collectives(self) -> list[tuple[str, CollectiveInfo]]:
+        """Every collective the rewrite inserted into this rank's graphs, in order:
+        (node name, what it is, axis, process group, bytes per rank)."""
+        return [
+            (node.name, COLLECTIVE.get(node))
+            for stage in self.stages
+            for node in stage.graph.nodes
+            if COLLECTIVE.has(node)
+        ]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, whole (unsharded), under its original FQN, on

@@ -10,6 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+
+from autopart.mesh import Axis
+from autopart.passes.tensor_parallel import unshard
 
 if TYPE_CHECKING:
     from autopart.runtime.parallel_module import ParallelModule
@@ -20,4 +24,20 @@ def gather_full_parameters(pm: ParallelModule) -> dict[str, torch.Tensor]:
     for stage in pm.stages:
         for name, p in stage.named_parameters():
             full[name] = p.detach().clone()
-    return full
+    return _undo_tensor_parallel(pm, full)
+
+
+def _undo_tensor_parallel(
+    pm: ParallelModule, params: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    if pm.plan.tp == 1:
+        return params
+    group = pm.groups.group(Axis.TP)
+    for fqn, (dim, parts) in sorted(pm.tp_layout.items()):  # the same order on every rank
+        if fqn not in params:
+            continue
+        local = params[fqn].contiguous()
+        gathered = [torch.empty_like(local) for _ in range(pm.plan.tp)]
+        dist.all_gather(gathered, local, group=group)
+        params[fqn] = unshard(gathered, dim, parts)
+    return params

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from autopart.batch import batch_size, check_divisible
 from autopart.capture import Captured
 from autopart.mesh import Mesh
 from autopart.plan import MeshSpec, Plan, PlanError
+from autopart.solver.tensor_parallel import choose_tp_placements
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,14 +36,13 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     pp = pins.pp or 1
     dp = pins.dp or world // (tp * pp)
     mesh.check_factorization(dp, tp, pp)
-    if tp > 1 or pp > 1:
-        raise PlanError("tensor and pipeline parallelism are not available yet; use tp=1, pp=1")
+    if pp > 1:
+        raise PlanError("pipeline parallelism is not available yet; use pp=1")
     batch = batch_size((captured.example_args, captured.example_kwargs))
     microbatches = pins.microbatches or 1
     check_divisible(batch, dp * microbatches, "dp×microbatches" if microbatches > 1 else "dp")
-    placements = {
-        fqn: (Replicate(), Replicate()) for fqn, _ in captured.gm.named_parameters()
-    }
+    zero = pins.zero or 0
+    placements = _placements(captured, tp, zero)
     return Plan(
         mesh=MeshSpec.of(mesh),
         fingerprint=captured.fingerprint,
@@ -50,7 +50,7 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         dp=dp,
         tp=tp,
         pp=pp,
-        zero=pins.zero or 0,
+        zero=zero,
         microbatches=microbatches,
         schedule=pins.schedule,
         virtual_stages=pins.virtual_stages or 1,
@@ -58,3 +58,13 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         recompute=tuple(pins.recompute or ()),
         placements=placements,
     )
+
+
+def _placements(captured: Captured, tp: int, zero: int) -> dict[str, tuple[Placement, ...]]:
+    """(dp, tp) placements per parameter: ZeRO-3 shards every parameter over dp."""
+    tp_places = choose_tp_placements(captured.gm, captured.parameter_names, tp) if tp > 1 else {}
+    dp_place = Shard(0) if zero == 3 else Replicate()
+    return {
+        fqn: (dp_place, tp_places.get(fqn, Replicate()))
+        for fqn, _ in captured.gm.named_parameters()
+    }

@@ -1,0 +1,236 @@
+"""Tensor parallelism: shard parameters per the plan and insert the tp collectives.
+
+The placements come from the plan (one per parameter on the tp axis); `tp_propagate`
+carries them through the graph, and this pass applies what it decided, in place:
+
+- each operand that must change placement gets a collective node before its consumer
+  (one per source and target, shared by all consumers), with `COLLECTIVE` metadata;
+- size arguments are made local (a view to 32 heads becomes a view to 32/tp);
+- a row-parallel product with a bias computes without it, all-reduces, then adds it;
+- every sharded parameter is replaced by this rank's slice (part by part for a fused
+  q/k/v weight), keeping its FQN.
+
+Operators with no rule replicate their inputs and warn once per operator.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from autopart.mesh import Axis
+from autopart.passes.meta import (
+    BLOCK,
+    COLLECTIVE,
+    MODULE_PATH,
+    PARAMS,
+    SHAPE,
+    CollectiveInfo,
+    TensorInfo,
+)
+from autopart.passes.ops import op_name
+from autopart.passes.runner import PassContext
+from autopart.passes.tp_propagate import Propagation, propagate
+from autopart.passes.tp_rules import flatten_args
+from autopart.runtime import collectives as c
+
+
+def tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    plan, groups = ctx.options["plan"], ctx.options["groups"]
+    places = {fqn: plan.placement(fqn, Axis.TP) for fqn in sorted(set(ctx.params.values()))}
+    result = propagate(gm, ctx.params, places, plan.tp)
+    _warn_fallbacks(gm, result)
+    rewriter = _Rewriter(gm, result, groups.group_name(Axis.TP), plan.tp)
+    for node in list(gm.graph.nodes):
+        if node in result.decisions:
+            rewriter.apply(node)
+    _drop_shape_assertions(gm)
+    shard_parameters(gm, ctx.params, places, result.fused, plan.tp, groups.rank(Axis.TP))
+    # How each sharded parameter was cut, for reassembling it (checkpoints, full_state_dict).
+    ctx.options["tp_layout"] = {
+        fqn: (p.dim, result.fused.get(fqn, 1)) for fqn, p in places.items() if isinstance(p, Shard)
+    }
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _warn_fallbacks(gm: fx.GraphModule, result: Propagation) -> None:
+    seen: dict[str, str] = {}
+    for node, reason in result.fallbacks:
+        seen.setdefault(op_name(node, gm), reason)
+    for op, reason in seen.items():
+        warnings.warn(
+            f"autopart: tensor parallelism replicates the inputs of {op} ({reason}); "
+            "it is computed redundantly on every tp rank",
+            stacklevel=2,
+        )
+
+
+class _Rewriter:
+    def __init__(self, gm: fx.GraphModule, result: Propagation, group: str, tp: int) -> None:
+        self.gm, self.graph = gm, gm.graph
+        self.result, self.group, self.tp = result, group, tp
+        self.converted: dict[tuple, fx.Node] = {}
+
+    def apply(self, node: fx.Node) -> None:
+        decision = self.result.decisions[node]
+        flat, spec = flatten_args(node)
+        for i, target in decision.inputs.items():
+            flat[i] = self.convert(flat[i], self.result.operand_place(flat[i]), target, node)
+        for i in decision.copy_to_group:
+            flat[i] = self.copy_to_group(flat[i], node)
+        for i, value in decision.updates.items():
+            flat[i] = value
+        node.args, node.kwargs = pytree.tree_unflatten(flat, spec)
+        if decision.split_bias:
+            self.move_bias_after_reduction(node)
+
+    # -- conversions ------------------------------------------------------------------
+
+    def convert(self, src: fx.Node, have: Placement, want: Placement, user: fx.Node) -> fx.Node:
+        rank = len(_info(src).shape)
+        have, want = _normalize(have, rank), _normalize(want, rank)
+        if have == want:
+            return src
+        key = (src, str(want))
+        if key not in self.converted:
+            fn, args, kind = self._collective_for(src, have, want)
+            self.converted[key] = self._insert(fn, args, kind, src, user, have)
+        return self.converted[key]
+
+    def _collective_for(self, src: fx.Node, have: Placement, want: Placement):
+        g = self.group
+        if isinstance(have, Replicate) and isinstance(want, Shard):
+            return c.shard, (src, want.dim, g), "slice"
+        if isinstance(have, Shard) and isinstance(want, Replicate):
+            return c.all_gather, (src, have.dim, g), "all_gather"
+        if isinstance(have, Partial) and isinstance(want, Replicate):
+            return c.all_reduce, (src, g), "all_reduce"
+        if isinstance(have, Partial) and isinstance(want, Shard):
+            return c.reduce_scatter, (src, want.dim, g), "reduce_scatter"
+        if isinstance(have, Shard) and isinstance(want, Shard):
+            return c.all_to_all, (src, want.dim, have.dim, g), "all_to_all"
+        raise ValueError(f"cannot convert {have} to {want}")
+
+    def copy_to_group(self, src: fx.Node, user: fx.Node) -> fx.Node:
+        key = (src, "copy_to_group")
+        if key not in self.converted:
+            self.converted[key] = self._insert(
+                c.copy_to_group, (src, self.group), "all_reduce (backward)", src, user, Replicate()
+            )
+        return self.converted[key]
+
+    def _insert(
+        self, fn: Callable, args: tuple, kind: str, src: fx.Node, user: fx.Node, have: Placement
+    ) -> fx.Node:
+        with self.graph.inserting_before(user):
+            node = self.graph.call_function(fn, args)
+        node.name = f"tp_{fn.__name__}_{src.name}"
+        _copy_context(user, node, SHAPE.get(src))
+        info = CollectiveInfo(kind, Axis.TP.value, self.group, self._bytes(src, have))
+        COLLECTIVE.set(node, info)
+        return node
+
+    def _bytes(self, src: fx.Node, have: Placement) -> Any:
+        info = _info(src)
+        local = info.nbytes / self.tp if isinstance(have, Shard) else info.nbytes
+        return local
+
+    # -- row-parallel bias --------------------------------------------------------------
+
+    def move_bias_after_reduction(self, node: fx.Node) -> None:
+        """linear(x, w, b) / addmm(b, x, w) -> all_reduce(x @ w) + b."""
+        if op_name(node, self.gm) == "linear":
+            x, w, bias = node.args[:3]
+            product_args, target = (x, w), torch.ops.aten.linear.default
+        else:
+            bias, x, w = node.args[:3]
+            product_args, target = (x, w), torch.ops.aten.mm.default
+        with self.graph.inserting_after(node):
+            product = self.graph.call_function(target, product_args)
+        with self.graph.inserting_after(product):
+            reduced = self.graph.call_function(c.all_reduce, (product, self.group))
+        with self.graph.inserting_after(reduced):
+            biased = self.graph.call_function(torch.ops.aten.add.Tensor, (reduced, bias))
+        node.replace_all_uses_with(biased)
+        for new in (product, reduced, biased):
+            _copy_context(node, new, SHAPE.get(node))
+        PARAMS.set(product, PARAMS.get(node))
+        COLLECTIVE.set(
+            reduced,
+            CollectiveInfo("all_reduce", Axis.TP.value, self.group, _info(node).nbytes),
+        )
+        reduced.name = f"tp_all_reduce_{node.name}"
+        self.graph.erase_node(node)
+
+
+def _normalize(p: Placement, rank: int) -> Placement:
+    return Shard(p.dim + rank) if isinstance(p, Shard) and p.dim < 0 else p
+
+
+def _info(node: fx.Node) -> TensorInfo:
+    info = SHAPE.get(node)
+    if not isinstance(info, TensorInfo):
+        raise TypeError(f"{node.name} does not produce a single tensor")
+    return info
+
+
+def _copy_context(source: fx.Node, node: fx.Node, shape: Any) -> None:
+    """Give an inserted node the analysis context later passes read."""
+    MODULE_PATH.set(node, MODULE_PATH.get(source) if MODULE_PATH.has(source) else "")
+    BLOCK.set(node, BLOCK.get(source) if BLOCK.has(source) else None)
+    PARAMS.set(node, ())
+    SHAPE.set(node, shape)
+
+
+def _drop_shape_assertions(gm: fx.GraphModule) -> None:
+    """Export's checks of global sizes no longer hold on local shards."""
+    for node in list(gm.graph.nodes):
+        if op_name(node, gm) == "_assert_tensor_metadata" and not node.users:
+            gm.graph.erase_node(node)
+
+
+def shard_parameters(
+    gm: fx.GraphModule,
+    names: dict[str, str],
+    places: dict[str, Placement],
+    fused: dict[str, int],
+    tp: int,
+    rank: int,
+) -> None:
+    """Replace every tp-sharded parameter by this rank's slice, under the same FQN."""
+    shards: dict[str, nn.Parameter] = {}
+    for attr, fqn in names.items():
+        place = places.get(fqn)
+        if not isinstance(place, Shard):
+            continue
+        if fqn not in shards:
+            full = gm.get_parameter(attr)
+            local = local_shard(full.detach(), place.dim, tp, rank, fused.get(fqn, 1))
+            shards[fqn] = nn.Parameter(local.clone(), requires_grad=full.requires_grad)
+        module_path, _, leaf = attr.rpartition(".")
+        module = gm.get_submodule(module_path) if module_path else gm
+        setattr(module, leaf, shards[fqn])
+
+
+def local_shard(full: torch.Tensor, dim: int, tp: int, rank: int, parts: int = 1) -> torch.Tensor:
+    """This rank's slice of `full` along `dim`; with `parts` > 1 (a fused weight such as
+    q/k/v), this rank's slice of each part, concatenated."""
+    dim = dim + full.dim() if dim < 0 else dim
+    pieces = [part.chunk(tp, dim)[rank] for part in full.chunk(parts, dim)]
+    return torch.cat(pieces, dim) if parts > 1 else pieces[0]
+
+
+def unshard(gathered: list[torch.Tensor], dim: int, parts: int = 1) -> torch.Tensor:
+    """The inverse of `local_shard`, from every rank's slice in rank order."""
+    if parts == 1:
+        return torch.cat(gathered, dim)
+    per_rank = [g.chunk(parts, dim) for g in gathered]
+    return torch.cat([torch.cat([r[k] for r in per_rank], dim) for k in range(parts)], dim)

@@ -1,0 +1,123 @@
+"""Propagating tp placements through a graph, from the parameters' placements.
+
+One walk in graph order applies `tp_rules.decide` to every operator. It only records:
+the same walk lets the solver try placements (dry run, counting fallbacks) and lets the
+rewrite pass apply them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from torch import fx
+from torch.distributed.tensor import Placement, Shard
+
+from autopart.passes.meta import SHAPE, TensorInfo
+from autopart.passes.ops import VIEW_OPS, op_name
+from autopart.passes.tp_rules import Decision, Operands, R, decide, flatten_args
+
+log = logging.getLogger("autopart.tp")
+
+
+@dataclass
+class Propagation:
+    """The outcome of one walk."""
+
+    places: dict[fx.Node, object] = field(default_factory=dict)  # output placement(s)
+    decisions: dict[fx.Node, Decision] = field(default_factory=dict)
+    grads: dict[fx.Node, bool] = field(default_factory=dict)
+    # Column-parallel weights whose output is later split into equal parts (fused q/k/v):
+    # parameter FQN -> number of parts, so they are sharded part by part.
+    fused: dict[str, int] = field(default_factory=dict)
+    # Replicated weights that a row-parallel product needs sharded: FQN -> dim.
+    wants_row: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def fallbacks(self) -> list[tuple[fx.Node, str]]:
+        return [(n, d.fallback) for n, d in self.decisions.items() if d.fallback]
+
+    def operand_place(self, node: fx.Node) -> object:
+        return self.places.get(node, R)
+
+
+def propagate(
+    gm: fx.GraphModule,
+    param_names: Mapping[str, str],
+    param_places: Mapping[str, Placement],
+    tp: int,
+) -> Propagation:
+    """Walk `gm` with parameters placed as `param_places` (FQN -> tp placement)."""
+    result = Propagation()
+    origin: dict[fx.Node, tuple[str, ...]] = {}  # column outputs -> weight (and bias) FQNs
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            fqn = param_names.get(str(node.target))
+            result.places[node] = param_places.get(fqn, R) if fqn else R
+            result.grads[node] = bool(fqn) and _requires_grad(gm, str(node.target))
+            if fqn:
+                origin[node] = (fqn,)
+            continue
+        if node.op == "placeholder":
+            result.places[node] = R
+            result.grads[node] = False
+            continue
+        ops = _operands(node, result, tp)
+        if node.op == "output":
+            decision = Decision(output=R, inputs={i: R for i in ops.tensors if ops.places[i] != R})
+        else:
+            decision = decide(ops, gm)
+        result.decisions[node] = decision
+        result.places[node] = decision.output
+        result.grads[node] = any(ops.grads[i] for i in ops.tensors)
+        _track_origins(node, ops, decision, origin, result, gm)
+    for node, reason in result.fallbacks:
+        log.debug("tp fallback at %s (%s): %s", node.name, op_name(node, gm), reason)
+    return result
+
+
+def _operands(node: fx.Node, result: Propagation, tp: int) -> Operands:
+    flat, _ = flatten_args(node)
+    places, shapes, grads = [], [], []
+    for leaf in flat:
+        info = SHAPE.get(leaf) if isinstance(leaf, fx.Node) and SHAPE.has(leaf) else None
+        is_tensor = isinstance(leaf, fx.Node) and (
+            isinstance(info, TensorInfo) or isinstance(result.places.get(leaf), tuple)
+        )
+        places.append(result.operand_place(leaf) if is_tensor else None)
+        shapes.append(info if isinstance(info, TensorInfo) else None)
+        grads.append(bool(is_tensor and result.grads.get(leaf, False)))
+    return Operands(node, flat, places, shapes, grads, tp)
+
+
+def _track_origins(node, ops, decision, origin, result, gm) -> None:
+    """Remember which column-parallel weights produced a sharded value, through views,
+    so a split of the sharded dim can mark those weights as fused."""
+    name = op_name(node, gm)
+    sources = [ops.flat[i] for i in ops.tensors]
+    if name in ("linear", "addmm", "mm") and isinstance(decision.output, Shard):
+        origin[node] = tuple(fqn for s in sources if s in origin for fqn in origin[s])
+    elif name in VIEW_OPS | {"view", "_unsafe_view"} and sources and sources[0] in origin:
+        origin[node] = origin[sources[0]]
+    if decision.fused_split and sources and sources[0] in origin:
+        for fqn in origin[sources[0]]:
+            result.fused[fqn] = decision.fused_split
+    for i, target in decision.inputs.items():
+        leaf = ops.flat[i]
+        if (
+            isinstance(target, Shard)
+            and ops.places[i] == R
+            and name in ("linear", "addmm", "mm")
+            and isinstance(leaf, fx.Node)
+            and leaf.op == "get_attr"
+            and leaf in origin
+        ):
+            result.wants_row[origin[leaf][0]] = target.dim
+
+
+def _requires_grad(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        return gm.get_parameter(target).requires_grad
+    except AttributeError:  # a buffer or constant
+        return False

@@ -1,0 +1,478 @@
+"""Sharding rules: how each operator's output is laid out over the tp axis.
+
+A rule sees one node with the placements of its tensor operands (`R` replicated,
+`S(d)` sharded on dim d, `P` partial sums) and their global shapes, and decides:
+
+- the placement each operand must have (the rewriter inserts the collective that
+  converts it), including `copy_to_group` for a replicated operand whose gradient
+  becomes partial because the op broadcasts it against a sharded one;
+- the placement of the output;
+- the size arguments to change so the local op sees local sizes (a `view` to 32
+  heads becomes a view to 32/tp heads);
+- or a fallback: an operator with no rule replicates its inputs (all-gathers them),
+  computes redundantly and warns once. Correct first, then fast.
+
+Rules are pure: the same code plans (dry run) and rewrites.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from autopart.passes.meta import SHAPE, TensorInfo
+from autopart.passes.ops import ATTENTION_OPS, VIEW_OPS, op_name
+
+R = Replicate()
+P = Partial()
+
+# Needed on top of the `pointwise` tag: ops that act elementwise without carrying it.
+_ELEMENTWISE = frozenset(
+    {"to", "_to_copy", "clone", "contiguous", "alias", "detach", "dropout", "native_dropout",
+     "type_as", "lift_fresh_copy", "masked_fill", "where", "relu", "gelu", "silu", "tanh"}
+)
+_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "var", "std", "norm", "logsumexp"})
+_NORMALIZE_LAST = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax"})
+_CONTRACTIONS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul"})
+_IGNORED = frozenset({"_assert_tensor_metadata", "_assert_scalar", "sym_size", "sym_numel"})
+
+
+@dataclass
+class Decision:
+    """What a rule decided for one node. Indices refer to the node's flattened
+    (args, kwargs) leaves."""
+
+    output: Any  # Placement, or a tuple of them for multi-output ops
+    inputs: dict[int, Placement] = field(default_factory=dict)
+    copy_to_group: set[int] = field(default_factory=set)  # R operands with partial grads
+    updates: dict[int, Any] = field(default_factory=dict)  # new values of size leaves
+    split_bias: bool = False  # a row-parallel op whose bias must follow the all-reduce
+    fused_split: int = 0  # a split of a sharded dim into this many equal parts
+    fallback: str = ""  # why the op is replicated instead
+
+
+@dataclass
+class Operands:
+    """A node's flattened (args, kwargs) with what is known of each tensor leaf."""
+
+    node: fx.Node
+    flat: list[Any]
+    places: list[Placement | None]  # None where the leaf is not a tensor node
+    shapes: list[TensorInfo | None]
+    grads: list[bool]  # whether the leaf requires grad
+    tp: int
+
+    @property
+    def tensors(self) -> list[int]:
+        return [i for i, p in enumerate(self.places) if p is not None]
+
+
+def decide(ops: Operands, gm: fx.GraphModule) -> Decision:
+    name = op_name(ops.node, gm)
+    tensor_places = [ops.places[i] for i in ops.tensors]
+    if ops.node.op == "call_function" and ops.node.target is operator.getitem:
+        return Decision(output=_getitem(ops))
+    if name in _IGNORED:
+        return Decision(output=R)
+    if all(p == R for p in tensor_places):
+        return Decision(output=_replicated_output(ops.node))
+    if any(p == P for p in tensor_places):
+        return _reduce_partials_first(ops, gm)
+    rule = _rule_for(name, ops.node)
+    if rule is None:
+        return fallback(ops, f"no sharding rule for {name}")
+    return rule(ops)
+
+
+def _rule_for(name: str, node: fx.Node):
+    if name in _CONTRACTIONS:
+        return _contraction
+    if name in ATTENTION_OPS:
+        return _attention
+    if name in ("view", "_unsafe_view", "reshape"):
+        return _reshape
+    if name in ("transpose", "t", "permute", "unsqueeze", "squeeze", "expand"):
+        return _dim_shuffle
+    if name in ("split", "split_with_sizes", "chunk"):
+        return _split
+    if name in ("slice", "select", "narrow"):
+        return _slice
+    if name == "cat":
+        return _cat
+    if name in _REDUCTIONS:
+        return _reduction
+    if name in _NORMALIZE_LAST:
+        return _softmax
+    if name == "layer_norm":
+        return _layer_norm
+    if name == "embedding":
+        return _embedding
+    if name in _ELEMENTWISE or _is_pointwise(node) or name in VIEW_OPS - {"getitem"}:
+        return _elementwise
+    return None
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    return torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _replicated_output(node: fx.Node) -> Any:
+    info = SHAPE.get(node)
+    return tuple(R for _ in info) if isinstance(info, tuple) else R
+
+
+def fallback(ops: Operands, reason: str) -> Decision:
+    """Replicate every tensor operand and compute the op redundantly."""
+    return Decision(
+        output=_replicated_output(ops.node),
+        inputs={i: R for i in ops.tensors if ops.places[i] != R},
+        fallback=reason,
+    )
+
+
+def _reduce_partials_first(ops: Operands, gm: fx.GraphModule) -> Decision:
+    """Partial sums are reduced (all-reduce) before any op consumes them."""
+    reduced = {i: R for i in ops.tensors if ops.places[i] == P}
+    places = [R if p == P else p for p in ops.places]
+    decision = decide(Operands(ops.node, ops.flat, places, ops.shapes, ops.grads, ops.tp), gm)
+    decision.inputs = {**reduced, **decision.inputs}
+    return decision
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers on shapes
+
+
+def _rank(ops: Operands, i: int) -> int:
+    return len(ops.shapes[i].shape)
+
+
+def _norm_dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+def _divisible(size: sympy.Expr, tp: int) -> bool:
+    return isinstance(size, (int, sympy.Integer)) and int(size) % tp == 0
+
+
+def _out_rank(node: fx.Node) -> int:
+    info = SHAPE.get(node)
+    return len(info.shape) if isinstance(info, TensorInfo) else 0
+
+
+# ---------------------------------------------------------------------------------------
+# Rules
+
+
+def _elementwise(ops: Operands) -> Decision:
+    """Broadcasting elementwise ops: operands align from the right; a sharded operand
+    fixes the output dim; replicated operands that span that dim are sliced locally,
+    those that broadcast over it keep their values but their gradient is partial."""
+    out_rank = _out_rank(ops.node)
+    sharded = {
+        _norm_dim(ops.places[i].dim, _rank(ops, i)) + out_rank - _rank(ops, i)
+        for i in ops.tensors
+        if isinstance(ops.places[i], Shard)
+    }
+    if len(sharded) != 1 or out_rank == 0:
+        return fallback(ops, "operands sharded on different dims")
+    out_dim = sharded.pop()
+    decision = Decision(output=Shard(out_dim))
+    for i in ops.tensors:
+        if ops.places[i] != R:
+            continue
+        rank = _rank(ops, i)
+        own_dim = out_dim - (out_rank - rank)
+        if own_dim >= 0 and ops.shapes[i].shape[own_dim] != 1:
+            decision.inputs[i] = Shard(own_dim)
+        elif ops.grads[i]:
+            decision.copy_to_group.add(i)
+    return decision
+
+
+def _getitem(ops: Operands) -> Placement:
+    index = ops.flat[1]
+    place = ops.places[0]
+    if isinstance(place, tuple):
+        return place[index]
+    return place if place is not None else R
+
+
+def _dim_shuffle(ops: Operands) -> Decision:
+    node, x = ops.node, ops.places[0]
+    if not isinstance(x, Shard):
+        return fallback(ops, "expected a sharded input")
+    rank = _rank(ops, 0)
+    d = _norm_dim(x.dim, rank)
+    name = op_name(node)
+    args = node.args
+    if name == "t":
+        return Decision(output=Shard(1 - d))
+    if name == "transpose":
+        a, b = (_norm_dim(int(v), rank) for v in args[1:3])
+        return Decision(output=Shard(b if d == a else a if d == b else d))
+    if name == "permute":
+        dims = [_norm_dim(int(v), rank) for v in args[1]]
+        return Decision(output=Shard(dims.index(d)))
+    if name == "unsqueeze":
+        k = _norm_dim(int(args[1]), rank + 1)
+        return Decision(output=Shard(d + (k <= d)))
+    if name == "squeeze":
+        shape = ops.shapes[0].shape
+        dims = args[1] if len(args) > 1 else [i for i, size in enumerate(shape) if size == 1]
+        dims = [dims] if isinstance(dims, int) else dims
+        removed = [_norm_dim(int(k), rank) for k in dims if ops.shapes[0].shape[int(k)] == 1]
+        return Decision(output=Shard(d - sum(k < d for k in removed)))
+    if name == "expand":
+        return _expand(ops, d)
+    return fallback(ops, f"no rule for {name}")
+
+
+def _expand(ops: Operands, d: int) -> Decision:
+    sizes_start = 1  # leaves: x, *sizes
+    out_rank = _out_rank(ops.node)
+    out_dim = d + out_rank - _rank(ops, 0)
+    leaf = sizes_start + out_dim
+    size = ops.flat[leaf]
+    decision = Decision(output=Shard(out_dim))
+    if isinstance(size, int) and size != -1:
+        if size % ops.tp:
+            return fallback(ops, "expand size not divisible by tp")
+        decision.updates[leaf] = size // ops.tp
+    return decision
+
+
+def _size_leaves(ops: Operands) -> list[int]:
+    """Leaf indices of the size list of a view/reshape (everything after the tensor)."""
+    return list(range(1, len(ops.flat)))
+
+
+def _reshape(ops: Operands) -> Decision:
+    """Map the sharded dim through the reshape. Input and output dims group into runs
+    of equal product; the shard must sit on the outermost dim of its run on both sides
+    (a split [h] -> [heads, hd] shards heads; a merge [heads, hd] -> [h] needs heads)."""
+    x = ops.places[0]
+    if not isinstance(x, Shard):
+        return fallback(ops, "expected a sharded input")
+    in_shape = list(ops.shapes[0].shape)
+    out_shape = list(SHAPE.get(ops.node).shape)
+    d = _norm_dim(x.dim, len(in_shape))
+    run = _run_of(in_shape, out_shape, d)
+    if run is None:
+        return fallback(ops, "reshape mixes the sharded dim with others")
+    (in_first, _), (out_first, _) = run
+    if in_first != d or not _divisible(out_shape[out_first], ops.tp):
+        return fallback(ops, "reshape splits the sharded dim unevenly")
+    decision = Decision(output=Shard(out_first))
+    leaf = _size_leaves(ops)[out_first]
+    size = ops.flat[leaf]
+    if isinstance(size, int) and size != -1:
+        decision.updates[leaf] = size // ops.tp
+    elif isinstance(size, fx.Node):
+        return fallback(ops, "reshape to a symbolic size on the sharded dim")
+    return decision
+
+
+def _run_of(in_shape: list, out_shape: list, d: int):
+    """The (in_start, in_end), (out_start, out_end) runs of equal product containing
+    input dim d, skipping size-1 dims at the run edges."""
+    i = j = 0
+    while i < len(in_shape) or j < len(out_shape):
+        i0, j0 = i, j
+        pin = in_shape[i] if i < len(in_shape) else 1
+        pout = out_shape[j] if j < len(out_shape) else 1
+        i, j = i + 1, j + 1
+        while sympy.simplify(pin - pout) != 0:
+            if _lt(pin, pout) and i < len(in_shape):
+                pin, i = pin * in_shape[i], i + 1
+            elif j < len(out_shape):
+                pout, j = pout * out_shape[j], j + 1
+            else:
+                return None
+        if i0 <= d < i:
+            return (i0, i), (j0, j)
+    return None
+
+
+def _lt(a: sympy.Expr, b: sympy.Expr) -> bool:
+    try:
+        return bool(sympy.Lt(a, b))
+    except TypeError:
+        return False
+
+
+def _split(ops: Operands) -> Decision:
+    node, x = ops.node, ops.places[0]
+    if not isinstance(x, Shard):
+        return fallback(ops, "expected a sharded input")
+    rank = _rank(ops, 0)
+    d = _norm_dim(x.dim, rank)
+    name = op_name(node)
+    dim = _norm_dim(int(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)), rank)
+    parts = len(SHAPE.get(node))
+    outputs = tuple(Shard(d) for _ in range(parts))
+    if dim != d:
+        return Decision(output=outputs)
+    # Splitting the sharded dim itself: valid when the weight that produced it was
+    # sharded part by part (a fused q/k/v projection); the rewriter arranges that.
+    if name == "split" and isinstance(node.args[1], int) and node.args[1] % ops.tp == 0:
+        total = ops.shapes[0].shape[d]
+        if total == node.args[1] * parts:
+            return Decision(output=outputs, updates={1: node.args[1] // ops.tp}, fused_split=parts)
+    if name == "chunk":
+        return Decision(output=outputs, fused_split=parts)
+    return fallback(ops, "uneven split of the sharded dim")
+
+
+def _slice(ops: Operands) -> Decision:
+    node, x = ops.node, ops.places[0]
+    if not isinstance(x, Shard):
+        return fallback(ops, "expected a sharded input")
+    rank = _rank(ops, 0)
+    d = _norm_dim(x.dim, rank)
+    dim = _norm_dim(int(node.args[1]) if len(node.args) > 1 else 0, rank)
+    if dim == d:
+        return fallback(ops, "slicing the sharded dim")
+    if op_name(node) == "select":
+        return Decision(output=Shard(d - (dim < d)))
+    return Decision(output=Shard(d))
+
+
+def _cat(ops: Operands) -> Decision:
+    dim = int(ops.node.args[1]) if len(ops.node.args) > 1 else 0
+    decision = _elementwise(ops)
+    if decision.fallback or decision.output.dim == _norm_dim(dim, _out_rank(ops.node)):
+        return fallback(ops, "concatenating along the sharded dim")
+    decision.copy_to_group.clear()  # cat never broadcasts
+    return decision
+
+
+def _reduction(ops: Operands) -> Decision:
+    node, x = ops.node, ops.places[0]
+    if not isinstance(x, Shard):
+        return fallback(ops, "expected a sharded input")
+    rank = _rank(ops, 0)
+    d = _norm_dim(x.dim, rank)
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None:
+        return fallback(ops, "reduction over every dim")
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    dims = [_norm_dim(int(k), rank) for k in dims]
+    if d in dims:
+        return fallback(ops, "reduction over the sharded dim")
+    keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    return Decision(output=Shard(d if keepdim else d - sum(k < d for k in dims)))
+
+
+def _softmax(ops: Operands) -> Decision:
+    x = ops.places[0]
+    if not isinstance(x, Shard):
+        return fallback(ops, "expected a sharded input")
+    rank = _rank(ops, 0)
+    if _norm_dim(x.dim, rank) == _norm_dim(int(ops.node.args[1]), rank):
+        return fallback(ops, "softmax over the sharded dim")
+    return Decision(output=x)
+
+
+def _layer_norm(ops: Operands) -> Decision:
+    x = ops.places[0]
+    rank = _rank(ops, 0)
+    normalized = len(ops.node.args[1])
+    if not isinstance(x, Shard) or _norm_dim(x.dim, rank) >= rank - normalized:
+        return fallback(ops, "layer norm over the sharded dim")
+    decision = Decision(output=x)
+    for i in ops.tensors[1:]:
+        if ops.places[i] != R:
+            decision.inputs[i] = R
+        if ops.grads[i]:
+            decision.copy_to_group.add(i)  # weight and bias see only this rank's rows
+    return decision
+
+
+def _embedding(ops: Operands) -> Decision:
+    weight, ids = ops.places[0], ops.places[1]
+    if weight != R:
+        return fallback(ops, "sharded embedding table")
+    if isinstance(ids, Shard):
+        decision = Decision(output=Shard(_norm_dim(ids.dim, _rank(ops, 1))))
+        if ops.grads[0]:
+            decision.copy_to_group.add(0)
+        return decision
+    return fallback(ops, "embedding")
+
+
+def _attention(ops: Operands) -> Decision:
+    """Heads (dim 1 of [batch, heads, seq, head_dim]) shard cleanly: q, k and v must be
+    sharded on them; a mask broadcast over heads stays whole."""
+    qkv = [_normalized(ops.places[i], _rank(ops, i)) for i in ops.tensors[:3]]
+    if qkv != [Shard(1)] * 3:
+        return fallback(ops, "attention not sharded on heads")
+    decision = Decision(output=Shard(1))
+    for i in ops.tensors[3:]:
+        shape = ops.shapes[i].shape
+        if ops.places[i] == R and len(shape) == 4 and shape[1] != 1:
+            decision.inputs[i] = Shard(1)
+    return decision
+
+
+def _normalized(p: Placement | None, rank: int) -> Placement | None:
+    return Shard(_norm_dim(p.dim, rank)) if isinstance(p, Shard) else p
+
+
+def _contraction(ops: Operands) -> Decision:
+    """Matrix products. With operands a [..., m, k] and b [..., k, n] (for linear, b is
+    the weight transposed): sharding n (column parallel) or m gives a sharded output;
+    sharding k on both gives partial sums, reduced right after; batch dims shard like
+    elementwise ops. A bias follows the output, or the reduction for partial sums."""
+    node = ops.node
+    name = op_name(node)
+    t = ops.tensors
+    if name in ("addmm", "baddbmm"):
+        bias_i, a_i, b_i = t[0], t[1], t[2]
+    else:
+        a_i, b_i = t[0], t[1]
+        bias_i = t[2] if len(t) > 2 else None
+    a, b = ops.places[a_i], ops.places[b_i]
+    ra, rb = _rank(ops, a_i), _rank(ops, b_i)
+    transposed = name == "linear"  # weight is [n, k]
+    a_m, a_k = ra - 2, ra - 1
+    b_k, b_n = (rb - 1, rb - 2) if transposed else (rb - 2, rb - 1)
+    da = _norm_dim(a.dim, ra) if isinstance(a, Shard) else None
+    db = _norm_dim(b.dim, rb) if isinstance(b, Shard) else None
+    out_rank = _out_rank(node)
+    decision = Decision(output=R)
+    if db == b_n and a == R:
+        decision.output = Shard(out_rank - 1)  # column parallel
+        if ops.grads[a_i]:
+            decision.copy_to_group.add(a_i)
+        if bias_i is not None and ops.places[bias_i] == R:
+            decision.inputs[bias_i] = Shard(len(ops.shapes[bias_i].shape) - 1)
+        return decision
+    if da == a_k and (db == b_k or (b == R and rb == 2)):
+        if b == R:
+            decision.inputs[b_i] = Shard(b_k)
+        # Row parallel: partial sums over k. A bias is added once, after the reduction.
+        decision.split_bias = bias_i is not None
+        decision.output = R if decision.split_bias else P
+        return decision
+    if da is not None and da < a_k and (b == R or (db is not None and db < rb - 2)):
+        if da == a_m and b != R:
+            return fallback(ops, "both operands sharded on free dims")
+        decision.output = Shard(da + out_rank - ra)  # m or a batch dim
+        if b == R and ops.grads[b_i] and rb >= 2:
+            decision.copy_to_group.add(b_i)
+        if bias_i is not None and ops.grads[bias_i]:
+            decision.copy_to_group.add(bias_i)
+        return decision
+    return fallback(ops, f"{name} with operands {a} and {b}")
+
+
+def flatten_args(node: fx.Node) -> tuple[list[Any], Any]:
+    return pytree.tree_flatten((node.args, node.kwargs))

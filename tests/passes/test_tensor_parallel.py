@@ -1,0 +1,154 @@
+"""Tensor parallelism: the layouts chosen, the per-rank graph, and the numerics of
+TP2, TP4 and DP2×TP2 against one device (fp32, 5 AdamW steps, Gloo)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+import autopart
+from autopart.capture import capture
+from autopart.passes import analyze
+from autopart.passes.tp_propagate import propagate
+from autopart.solver.tensor_parallel import choose_tp_placements
+from autopart.testing import run_world
+from tests.models import (
+    LM_FACTORIES,
+    assert_matches,
+    lm_loss,
+    make_optimizer,
+    snapshot,
+    tiny_gpt2,
+    tiny_llama,
+    token_batch,
+    train_single_device,
+)
+
+STEPS = 5
+
+
+def _placements(model, tp):
+    captured = capture(model, (token_batch(4)[0],))
+    analyze(captured.gm, captured.context())
+    names = captured.parameter_names
+    places = choose_tp_placements(captured.gm, names, tp)
+    return places, propagate(captured.gm, names, places, tp)
+
+
+def test_gpt2_gets_megatron_layout_with_fused_qkv():
+    places, result = _placements(tiny_gpt2(), 2)
+    for i in range(2):
+        h = f"transformer.h.{i}"
+        assert places[f"{h}.attn.c_attn.weight"] == Shard(1)  # Conv1D weight is [in, out]
+        assert places[f"{h}.attn.c_proj.weight"] == Shard(0)
+        assert places[f"{h}.mlp.c_fc.weight"] == Shard(1)
+        assert places[f"{h}.mlp.c_proj.weight"] == Shard(0)
+        assert f"{h}.attn.c_proj.bias" not in places  # added once, after the reduction
+        assert result.fused[f"{h}.attn.c_attn.weight"] == 3  # q, k, v sharded part by part
+    assert "transformer.wte.weight" not in places
+    assert result.fallbacks == []
+
+
+def test_llama_attention_stays_whole_when_kv_heads_do_not_divide():
+    places, result = _placements(tiny_llama(), 4)  # 2 kv heads cannot split 4 ways
+    assert places["model.layers.0.mlp.gate_proj.weight"] == Shard(0)
+    assert places["model.layers.0.mlp.down_proj.weight"] == Shard(1)
+    assert "model.layers.0.self_attn.q_proj.weight" not in places
+    assert result.fallbacks == []
+    places, _ = _placements(tiny_llama(), 2)
+    assert places["model.layers.1.self_attn.k_proj.weight"] == Shard(0)
+    assert places["model.layers.1.self_attn.o_proj.weight"] == Shard(1)
+
+
+def _train(cases, batch):
+    ids, target = batch
+    out = {}
+    for model_name, pins in cases:
+        model = LM_FACTORIES[model_name]()
+        pm = autopart.parallelize(
+            model, autopart.Mesh.local(), (ids,), loss_fn=lm_loss,
+            optimizer=make_optimizer("adamw"), **pins,
+        )
+        losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
+        out[(model_name, tuple(sorted(pins.items())))] = {
+            "losses": losses,
+            "params": pm.full_state_dict(),
+            "collectives": [(kind.kind, kind.axis) for _, kind in pm.collectives()],
+            "local_numel": sum(p.numel() for p in pm.parameters()),
+        }
+        pm.close()
+    return out
+
+
+@pytest.mark.parametrize(
+    "world, pins",
+    [(2, [{"tp": 2}]), (4, [{"tp": 4}, {"dp": 2, "tp": 2}])],
+    ids=["tp2", "tp4-dp2tp2"],
+)
+def test_tensor_parallel_matches_single_device(world, pins):
+    cases = [(m, p) for m in ("gpt2", "llama") for p in pins]
+    batch = token_batch(batch=8)
+    per_rank = run_world(_train, world, cases, batch)
+    for model_name in ("gpt2", "llama"):
+        reference = train_single_device(model_name, "adamw", STEPS, batch)
+        full = sum(v.numel() for v in reference["params"].values())
+        for p in pins:
+            key = (model_name, tuple(sorted(p.items())))
+            for rank, results in enumerate(per_rank):
+                try:
+                    assert_matches(results[key], reference)
+                except AssertionError as e:
+                    raise AssertionError(f"{key} rank {rank}: {e}") from e
+            result = per_rank[0][key]
+            assert result["local_numel"] < full  # this rank holds only its shards
+            kinds = {k for k, _ in result["collectives"]}
+            assert {"all_reduce", "all_reduce (backward)"} <= kinds
+            assert {axis for _, axis in result["collectives"]} == {"tp"}
+
+
+class CumsumMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.cumsum(torch.relu(self.up(x)), dim=-1))
+
+
+def _forced_layout(x, target):
+    model = CumsumMLP()
+    mesh = autopart.Mesh.local()
+    plan = autopart.plan(model, mesh, (x,), tp=2)
+    assert all(p == (Replicate(), Replicate()) for p in plan.placements.values())
+    forced = dict(plan.placements)
+    forced.update({"up.weight": (Replicate(), Shard(0)), "up.bias": (Replicate(), Shard(0)),
+                   "down.weight": (Replicate(), Shard(1))})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = autopart.parallelize(
+            model, mesh, (x,), plan=plan.with_changes(placements=forced),
+            loss_fn=torch.nn.functional.mse_loss, optimizer=make_optimizer("sgd"),
+        )
+    losses = [pm.train_step(x, target).item() for _ in range(3)]
+    return losses, pm.full_state_dict(), [str(w.message) for w in caught]
+
+
+def test_an_op_without_a_rule_falls_back_to_replication_and_stays_correct():
+    x, target = torch.randn(4, 8), torch.randn(4, 8)
+    losses, params, messages = run_world(_forced_layout, 2, x, target)[0]
+    assert any("cumsum" in m and "replicates" in m for m in messages)
+    model = CumsumMLP()
+    opt = make_optimizer("sgd")(model.parameters())
+    for step in range(3):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        opt.step()
+        assert losses[step] == pytest.approx(loss.item(), rel=1e-5)
+    assert_matches({"losses": [], "params": params}, {"losses": [], "params": snapshot(model)})
