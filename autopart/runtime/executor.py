@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from autopart.batch import split_batch
+from autopart.runtime.precision import Precision
 
 
 class LocalExecutor:
@@ -17,19 +18,25 @@ class LocalExecutor:
     that of the mean loss over the rank's whole batch."""
 
     def __init__(
-        self, program: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], microbatches: int
+        self,
+        program: nn.Module,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        microbatches: int,
+        precision: Precision,
     ) -> None:
         self.program = program
         self.loss_fn = loss_fn
         self.microbatches = microbatches
+        self.precision = precision
 
     def run(self, args: tuple, target: Any) -> torch.Tensor:
         """Forward and backward over the rank's batch; returns its mean loss (detached)."""
         m = self.microbatches
         total = torch.zeros(())
         for i in range(m):
-            output = self.program(*split_batch(args, i, m, "microbatches"))
-            loss = self.loss_fn(output, split_batch(target, i, m, "microbatches")) / m
-            loss.backward()
+            with self.precision.autocast():
+                output = self.program(*split_batch(args, i, m, "microbatches"))
+                loss = self.loss_fn(output, split_batch(target, i, m, "microbatches")) / m
+            self.precision.scale(loss).backward()
             total += loss.detach().float()
         return total

@@ -27,6 +27,10 @@ class MeshGroups:
         return self.device_mesh.size(self.device_mesh.mesh_dim_names.index(axis.value))
 
     @property
+    def device_type(self) -> str:
+        return self.device_mesh.device_type
+
+    @property
     def is_last_stage(self) -> bool:
         return self.rank(Axis.PP) == self.size(Axis.PP) - 1
 

@@ -17,6 +17,7 @@ from autopart.plan import Plan
 from autopart.runtime.data_parallel import OptimizerFactory, build_data_parallel_state
 from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.groups import MeshGroups
+from autopart.runtime.precision import Precision
 from autopart.runtime.unshard import gather_full_parameters
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -40,6 +41,7 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self.groups = groups
         self.loss_fn = loss_fn
+        self.precision = Precision(plan.precision, device_type=groups.device_type)
         self.executor = self._executor(program, loss_fn) if loss_fn else None
         self.state = (
             build_data_parallel_state(
@@ -51,7 +53,9 @@ class ParallelModule(nn.Module):
 
     def _executor(self, program: RankProgram, loss_fn: LossFn):
         if self.plan.pp == 1:
-            return LocalExecutor(program.stages[0], loss_fn, self.plan.microbatches)
+            return LocalExecutor(
+                program.stages[0], loss_fn, self.plan.microbatches, self.precision
+            )
         from autopart.runtime.pipeline import PipelineExecutor
 
         return PipelineExecutor(program, self.plan, self.groups, loss_fn)
@@ -85,7 +89,8 @@ class ParallelModule(nn.Module):
         local_loss = self.executor.run(self.local_batch(args), self.local_batch(target))
         self.state.finish()
         loss = self._global_loss(local_loss)
-        self.state.step()
+        if self.precision.unscale(self.state.optimizer):
+            self.state.step()
         return loss
 
     def _global_loss(self, local_loss: torch.Tensor) -> torch.Tensor:

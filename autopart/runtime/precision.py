@@ -1,0 +1,83 @@
+"""Mixed precision: low-precision compute over fp32 master weights.
+
+"bf16-mixed" and "fp16-mixed" run forward (and the loss) under `torch.autocast`, so
+matrix products compute in the low dtype while parameters, gradients and optimizer
+state stay fp32; gradients are therefore reduced in fp32. fp16's narrow range also
+needs loss scaling: the loss is multiplied before backward, the synchronized gradients
+are divided back and checked for overflow on every rank (one all-reduce of a flag, so
+all ranks skip the same steps), and the scale halves on overflow and doubles after a
+run of clean steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+LOW_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+class Precision:
+    def __init__(self, precision: str, device_type: str = "cpu") -> None:
+        self.dtype = LOW_DTYPES.get(precision)
+        self.device_type = device_type
+        self.scaler = LossScaler() if precision == "fp16-mixed" else None
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        if self.dtype is None:
+            yield
+            return
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            yield
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler else loss
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Divide the gradients back; False when some rank overflowed (skip the step)."""
+        if self.scaler is None:
+            return True
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return self.scaler.unscale(params)
+
+
+class LossScaler:
+    def __init__(
+        self, initial: float = 2.0**16, growth_interval: int = 2000, backoff: float = 0.5
+    ) -> None:
+        self.value = initial
+        self.growth_interval = growth_interval
+        self.backoff = backoff
+        self._clean_steps = 0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.value
+
+    def unscale(self, params: list[torch.nn.Parameter]) -> bool:
+        grads = [p.grad for p in params if p.grad is not None]
+        found_inf = torch.zeros(1)
+        if grads:
+            inverse = torch.tensor(1.0 / self.value)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inverse)
+        if dist.is_initialized():
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        finite = found_inf.item() == 0
+        self._update(finite)
+        if not finite:
+            for p in params:
+                p.grad = None
+        return finite
+
+    def _update(self, finite: bool) -> None:
+        if not finite:
+            self.value *= self.backoff
+            self._clean_steps = 0
+            return
+        self._clean_steps += 1
+        if self._clean_steps == self.growth_interval:
+            self.value *= 2.0
+            self._clean_steps = 0

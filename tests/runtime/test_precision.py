@@ -1,0 +1,82 @@
+"""Mixed precision: bf16/fp16 compute over fp32 master weights, against single-device
+autocast; fp16 loss scaling skips overflowing steps on every rank alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopart
+from autopart.runtime.precision import LossScaler
+from autopart.testing import run_world
+from tests.models import LM_FACTORIES, lm_loss, make_optimizer, token_batch
+
+STEPS = 5
+CASES = [
+    ("llama", {"dp": 2}, "bf16-mixed"),
+    ("llama", {"tp": 2}, "bf16-mixed"),
+    ("gpt2", {"dp": 2}, "fp16-mixed"),
+]
+
+
+def _train(batch):
+    ids, target = batch
+    out = {}
+    for name, pins, precision in CASES:
+        pm = autopart.parallelize(
+            LM_FACTORIES[name](), autopart.Mesh.local(), (ids,), loss_fn=lm_loss,
+            optimizer=make_optimizer("adamw"), precision=precision, **pins,
+        )
+        losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
+        out[(name, precision, tuple(pins))] = (losses, [p.dtype for p in pm.parameters()])
+        pm.close()
+    return out
+
+
+def _single_device_autocast(name: str, precision: str, batch) -> list[float]:
+    ids, target = batch
+    model = LM_FACTORIES[name]()
+    opt = make_optimizer("adamw")(model.parameters())
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype):
+            loss = lm_loss(model(ids), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_mixed_precision_tracks_single_device_autocast():
+    batch = token_batch(8)
+    results = run_world(_train, 2, batch)[0]
+    for name, pins, precision in CASES:
+        losses, dtypes = results[(name, precision, tuple(pins))]
+        assert set(dtypes) == {torch.float32}  # master weights stay fp32
+        reference = _single_device_autocast(name, precision, batch)
+        assert losses == pytest.approx(reference, rel=2e-2), (name, pins, precision)
+        assert losses[-1] < losses[0]
+
+
+def _overflow_on_one_rank():
+    scaler = LossScaler(initial=1024.0)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2048.0)
+    if dist.get_rank() == 1:
+        p.grad[0] = float("inf")
+    finite = scaler.unscale([p])
+    return finite, scaler.value, p.grad
+
+
+def test_an_overflow_on_one_rank_skips_the_step_everywhere():
+    for finite, scale, grad in run_world(_overflow_on_one_rank, 2):
+        assert finite is False and scale == 512.0 and grad is None
+    scaler = LossScaler(initial=8.0, growth_interval=2)
+    p = torch.nn.Parameter(torch.ones(2))
+    for _ in range(2):
+        p.grad = torch.full((2,), 8.0)
+        assert scaler.unscale([p])
+    assert torch.equal(p.grad, torch.ones(2)) and scaler.value == 16.0
