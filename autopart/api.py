@@ -35,10 +35,14 @@ def plan(
     schedule: str | None = None,
     virtual_stages: int | None = None,
     recompute: tuple[str, ...] | None = None,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """Choose how to run `model` on `mesh` for the global batch `example_inputs`.
     A pin left as None is the solver's choice."""
-    pins = Pins(dp, tp, pp, zero, microbatches, schedule, virtual_stages, recompute, precision)
+    pins = Pins(
+        dp, tp, pp, zero, microbatches, schedule, virtual_stages, recompute, precision,
+        sequence_parallel,
+    )
     return make_plan(_captured(model, example_inputs, example_kwargs), mesh, pins)
 
 

@@ -107,6 +107,7 @@ class Plan:
     schedule: str | None = None
     virtual_stages: int = 1
     precision: str = "fp32"
+    sequence_parallel: bool = False  # tp activations between blocks sharded on the sequence
     recompute: tuple[str, ...] = ()  # module paths of blocks recomputed in backward
     placements: Mapping[str, tuple[Placement, ...]] = field(default_factory=dict)
     strategies: tuple[OpStrategy, ...] = ()
@@ -133,6 +134,8 @@ class Plan:
             out.append(f"precision must be one of {PRECISIONS}, not {self.precision!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             out.append(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        if self.sequence_parallel and self.tp == 1:
+            out.append("sequence parallelism needs tp > 1")
         if self.pp > 1 and self.schedule is None:
             out.append("a pipeline (pp > 1) needs a schedule")
         if self.pp > 1 and len(self.stage_cuts) != self.pp * self.virtual_stages - 1:

@@ -18,6 +18,8 @@ PLACEMENT_AXES = (Axis.DP, Axis.TP)  # the order of a parameter's placements
 
 def _axes_line(plan: Plan) -> str:
     parts = [f"dp={plan.dp}", f"tp={plan.tp}", f"pp={plan.pp}", f"zero={plan.zero}"]
+    if plan.sequence_parallel:
+        parts.append("sequence_parallel")
     if plan.pp > 1:
         parts.append(f"schedule={plan.schedule}")
         if plan.virtual_stages > 1:

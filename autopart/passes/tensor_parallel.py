@@ -6,7 +6,8 @@ carries them through the graph, and this pass applies what it decided, in place:
 - each operand that must change placement gets a collective node before its consumer
   (one per source and target, shared by all consumers), with `COLLECTIVE` metadata;
 - size arguments are made local (a view to 32 heads becomes a view to 32/tp);
-- a row-parallel product with a bias computes without it, all-reduces, then adds it;
+- a row-parallel product is reduced right after it (all-reduce, or reduce-scatter along
+  the sequence under sequence parallelism), and its bias is added once, after that;
 - every sharded parameter is replaced by this rank's slice (part by part for a fused
   q/k/v weight), keeping its FQN.
 
@@ -44,7 +45,7 @@ from autopart.runtime import collectives as c
 def tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     plan, groups = ctx.options["plan"], ctx.options["groups"]
     places = {fqn: plan.placement(fqn, Axis.TP) for fqn in sorted(set(ctx.params.values()))}
-    result = propagate(gm, ctx.params, places, plan.tp)
+    result = propagate(gm, ctx.params, places, plan.tp, plan.sequence_parallel)
     _warn_fallbacks(gm, result)
     rewriter = _Rewriter(gm, result, groups.group_name(Axis.TP), plan.tp)
     for node in list(gm.graph.nodes):
@@ -83,25 +84,37 @@ class _Rewriter:
         decision = self.result.decisions[node]
         flat, spec = flatten_args(node)
         for i, target in decision.inputs.items():
-            flat[i] = self.convert(flat[i], self.result.operand_place(flat[i]), target, node)
+            have = self.result.operand_place(flat[i])
+            backward_scatter = i in decision.gather_grad
+            flat[i] = self.convert(flat[i], have, target, node, backward_scatter)
         for i in decision.copy_to_group:
             flat[i] = self.copy_to_group(flat[i], node)
         for i, value in decision.updates.items():
             flat[i] = value
         node.args, node.kwargs = pytree.tree_unflatten(flat, spec)
-        if decision.split_bias:
-            self.move_bias_after_reduction(node)
+        if decision.reduce_to is not None:
+            self.reduce_after(node, decision.reduce_to, decision.has_bias)
 
     # -- conversions ------------------------------------------------------------------
 
-    def convert(self, src: fx.Node, have: Placement, want: Placement, user: fx.Node) -> fx.Node:
+    def convert(
+        self,
+        src: fx.Node,
+        have: Placement,
+        want: Placement,
+        user: fx.Node,
+        backward_scatter: bool = False,
+    ) -> fx.Node:
         rank = len(_info(src).shape)
         have, want = _normalize(have, rank), _normalize(want, rank)
         if have == want:
             return src
-        key = (src, str(want))
+        key = (src, str(want), backward_scatter)
         if key not in self.converted:
-            fn, args, kind = self._collective_for(src, have, want)
+            if backward_scatter:  # sequence parallel: gather forward, reduce-scatter back
+                fn, args, kind = c.gather_for_grad, (src, have.dim, self.group), "all_gather"
+            else:
+                fn, args, kind = self._collective_for(src, have, want)
             self.converted[key] = self._insert(fn, args, kind, src, user, have)
         return self.converted[key]
 
@@ -143,32 +156,40 @@ class _Rewriter:
         local = info.nbytes / self.tp if isinstance(have, Shard) else info.nbytes
         return local
 
-    # -- row-parallel bias --------------------------------------------------------------
+    # -- row-parallel reduction -------------------------------------------------------
 
-    def move_bias_after_reduction(self, node: fx.Node) -> None:
-        """linear(x, w, b) / addmm(b, x, w) -> all_reduce(x @ w) + b."""
-        if op_name(node, self.gm) == "linear":
-            x, w, bias = node.args[:3]
-            product_args, target = (x, w), torch.ops.aten.linear.default
-        else:
-            bias, x, w = node.args[:3]
-            product_args, target = (x, w), torch.ops.aten.mm.default
+    def reduce_after(self, node: fx.Node, target: Placement, has_bias: bool) -> None:
+        """A row-parallel product: reduce its partial sums right after it (all-reduce,
+        or reduce-scatter along the sequence), then add the bias, once."""
+        bias = None
+        if has_bias:  # linear(x, w, b) -> linear(x, w);  addmm(b, x, w) -> mm(x, w)
+            if op_name(node, self.gm) == "linear":
+                bias = node.args[2]
+                node.args = node.args[:2]
+            else:
+                bias = node.args[0]
+                node.target, node.args = torch.ops.aten.mm.default, node.args[1:3]
+        users = list(node.users)
         with self.graph.inserting_after(node):
-            product = self.graph.call_function(target, product_args)
-        with self.graph.inserting_after(product):
-            reduced = self.graph.call_function(c.all_reduce, (product, self.group))
-        with self.graph.inserting_after(reduced):
-            biased = self.graph.call_function(torch.ops.aten.add.Tensor, (reduced, bias))
-        node.replace_all_uses_with(biased)
-        for new in (product, reduced, biased):
-            _copy_context(node, new, SHAPE.get(node))
-        PARAMS.set(product, PARAMS.get(node))
-        COLLECTIVE.set(
-            reduced,
-            CollectiveInfo("all_reduce", Axis.TP.value, self.group, _info(node).nbytes),
-        )
-        reduced.name = f"tp_all_reduce_{node.name}"
-        self.graph.erase_node(node)
+            if isinstance(target, Shard):
+                reduced = self.graph.call_function(
+                    c.reduce_scatter, (node, target.dim, self.group)
+                )
+                kind = "reduce_scatter"
+            else:
+                reduced = self.graph.call_function(c.all_reduce, (node, self.group))
+                kind = "all_reduce"
+        last = reduced
+        if bias is not None:
+            with self.graph.inserting_after(reduced):
+                last = self.graph.call_function(torch.ops.aten.add.Tensor, (reduced, bias))
+            _copy_context(node, last, SHAPE.get(node))
+        for user in users:
+            user.replace_input_with(node, last)
+        reduced.name = f"tp_{kind}_{node.name}"
+        _copy_context(node, reduced, SHAPE.get(node))
+        info = CollectiveInfo(kind, Axis.TP.value, self.group, _info(node).nbytes)
+        COLLECTIVE.set(reduced, info)
 
 
 def _normalize(p: Placement, rank: int) -> Placement:

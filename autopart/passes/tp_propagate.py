@@ -11,6 +11,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import sympy
 from torch import fx
 from torch.distributed.tensor import Placement, Shard
 
@@ -47,8 +48,11 @@ def propagate(
     param_names: Mapping[str, str],
     param_places: Mapping[str, Placement],
     tp: int,
+    sequence_parallel: bool = False,
 ) -> Propagation:
-    """Walk `gm` with parameters placed as `param_places` (FQN -> tp placement)."""
+    """Walk `gm` with parameters placed as `param_places` (FQN -> tp placement). Under
+    `sequence_parallel`, row-parallel outputs of shape [batch, seq, ...] are
+    reduce-scattered along the sequence instead of all-reduced."""
     result = Propagation()
     origin: dict[fx.Node, tuple[str, ...]] = {}  # column outputs -> weight (and bias) FQNs
     for node in gm.graph.nodes:
@@ -68,6 +72,8 @@ def propagate(
             decision = Decision(output=R, inputs={i: R for i in ops.tensors if ops.places[i] != R})
         else:
             decision = decide(ops, gm)
+            if sequence_parallel and decision.reduce_to == R and _seq_divisible(node, tp):
+                decision.reduce_to = decision.output = Shard(1)
         result.decisions[node] = decision
         result.places[node] = decision.output
         result.grads[node] = any(ops.grads[i] for i in ops.tensors)
@@ -121,3 +127,13 @@ def _requires_grad(gm: fx.GraphModule, target: str) -> bool:
         return gm.get_parameter(target).requires_grad
     except AttributeError:  # a buffer or constant
         return False
+
+
+def _seq_divisible(node: fx.Node, tp: int) -> bool:
+    info = SHAPE.get(node)
+    return (
+        isinstance(info, TensorInfo)
+        and len(info.shape) >= 3
+        and isinstance(info.shape[1], (int, sympy.Integer))
+        and int(info.shape[1]) % tp == 0
+    )

@@ -53,7 +53,12 @@ class Decision:
     inputs: dict[int, Placement] = field(default_factory=dict)
     copy_to_group: set[int] = field(default_factory=set)  # R operands with partial grads
     updates: dict[int, Any] = field(default_factory=dict)  # new values of size leaves
-    split_bias: bool = False  # a row-parallel op whose bias must follow the all-reduce
+    # A row-parallel product: its partial sums are reduced right after it, to `reduce_to`
+    # (R by all-reduce; S(1) by reduce-scatter under sequence parallelism), and a bias
+    # is added once, after the reduction.
+    reduce_to: Placement | None = None
+    has_bias: bool = False
+    gather_grad: set[int] = field(default_factory=set)  # S -> R with reduce-scatter backward
     fused_split: int = 0  # a split of a sharded dim into this many equal parts
     fallback: str = ""  # why the op is replicated instead
 
@@ -448,9 +453,12 @@ def _contraction(ops: Operands) -> Decision:
     db = _norm_dim(b.dim, rb) if isinstance(b, Shard) else None
     out_rank = _out_rank(node)
     decision = Decision(output=R)
-    if db == b_n and a == R:
+    if db == b_n and (a == R or (da is not None and da < a_k and rb == 2)):
         decision.output = Shard(out_rank - 1)  # column parallel
-        if ops.grads[a_i]:
+        if a != R:  # sequence parallel: gather the sequence, reduce-scatter its gradient
+            decision.inputs[a_i] = R
+            decision.gather_grad.add(a_i)
+        elif ops.grads[a_i]:
             decision.copy_to_group.add(a_i)
         if bias_i is not None and ops.places[bias_i] == R:
             decision.inputs[bias_i] = Shard(len(ops.shapes[bias_i].shape) - 1)
@@ -458,9 +466,9 @@ def _contraction(ops: Operands) -> Decision:
     if da == a_k and (db == b_k or (b == R and rb == 2)):
         if b == R:
             decision.inputs[b_i] = Shard(b_k)
-        # Row parallel: partial sums over k. A bias is added once, after the reduction.
-        decision.split_bias = bias_i is not None
-        decision.output = R if decision.split_bias else P
+        decision.reduce_to = R  # row parallel: partial sums over k
+        decision.has_bias = bias_i is not None
+        decision.output = R
         return decision
     if da is not None and da < a_k and (b == R or (db is not None and db < rb - 2)):
         if da == a_m and b != R:

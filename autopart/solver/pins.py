@@ -28,6 +28,7 @@ class Pins:
     virtual_stages: int | None = None
     recompute: tuple[str, ...] | None = None
     precision: str = "fp32"
+    sequence_parallel: bool = False
 
 
 def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
@@ -55,6 +56,7 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         schedule=pins.schedule,
         virtual_stages=pins.virtual_stages or 1,
         precision=pins.precision,
+        sequence_parallel=pins.sequence_parallel,
         recompute=tuple(pins.recompute or ()),
         placements=placements,
     )

@@ -152,3 +152,13 @@ def test_an_op_without_a_rule_falls_back_to_replication_and_stays_correct():
         opt.step()
         assert losses[step] == pytest.approx(loss.item(), rel=1e-5)
     assert_matches({"losses": [], "params": params}, {"losses": [], "params": snapshot(model)})
+
+
+def test_sequence_parallel_matches_single_device_and_reduce_scatters():
+    batch = token_batch(batch=8)
+    cases = [("llama", {"tp": 2, "sequence_parallel": True})]
+    key = ("llama", (("sequence_parallel", True), ("tp", 2)))
+    result = run_world(_train, 2, cases, batch)[0][key]
+    assert_matches(result, train_single_device("llama", "adamw", STEPS, batch))
+    kinds = [k for k, _ in result["collectives"]]
+    assert "reduce_scatter" in kinds and "all_reduce" not in kinds
