@@ -1,0 +1,197 @@
+"""Collective communication over one mesh axis: alpha-beta costs on the topology.
+
+A message of M bytes over a link of latency α and bandwidth B costs α + M/B. An
+algorithm takes `steps` sequential steps and sends `volume`·M bytes per rank:
+
+    time = steps · α + volume · M / B
+
+`M` is always the full buffer on one rank: the tensor all-reduced or broadcast, the
+gathered output of an all-gather, the input of a reduce-scatter, the send buffer of an
+all-to-all, the message of a send/recv.
+
+Algorithms (the cheapest is taken):
+    ring                 all-reduce 2(n−1) steps, volume 2(n−1)/n;
+                         all-gather, reduce-scatter, all-to-all n−1 steps, (n−1)/n;
+                         broadcast (pipelined chain) n−1 steps, volume 1
+    recursive doubling   ⌈log2 n⌉ steps; all-reduce volume ⌈log2 n⌉ (the whole buffer
+                         each step), all-gather / reduce-scatter (n−1)/n; broadcast
+                         (binomial tree) ⌈log2 n⌉ steps of the whole buffer
+    tree                 all-reduce as NCCL's pipelined double binary tree: a reduce up
+                         and a broadcast down, 2⌈log2 n⌉ steps, volume 2 (each rank
+                         sends the buffer up and down once)
+    hierarchical         axes spanning nodes: reduce-scatter inside each node, the
+                         cheapest flat algorithm across nodes on 1/g of the buffer, then
+                         all-gather inside the node (all-gather and reduce-scatter keep
+                         their one half of this)
+
+Mapping an axis onto the topology. The mesh orders axes pp, dp, tp (tp innermost), so
+a step along an axis spans `stride` consecutive ranks (tp: 1, dp: tp, pp: dp·tp). A
+group of n ranks with that stride stays inside a node when n·stride ≤ per_node; then
+every step uses the intra-node links. Otherwise it spans k nodes with g = n/k members in
+each. A node's NICs carry per_node × `inter_node_bandwidth`, shared by the per_node/g
+groups of the axis that touch the node; a ring crosses each node boundary once per
+direction, so each ring gets g × inter_node_bandwidth (at most the intra-node
+bandwidth), and every step pays the inter-node latency. Algorithms whose steps all go
+across nodes at once (recursive doubling, all-to-all, the inter-node phase of the
+hierarchical all-reduce) give each device its own share, inter_node_bandwidth.
+
+Measured costs. A device profile from `autopart calibrate` carries, per collective,
+`alpha` (seconds per ring step) and `beta` (seconds per byte a rank sends) fitted on the
+local backend. When present they replace the topology for that collective, with the
+ring's step and volume counts for the group size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from autopart.mesh import Mesh
+
+ALL_REDUCE = "all_reduce"
+ALL_GATHER = "all_gather"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_TO_ALL = "all_to_all"
+BROADCAST = "broadcast"
+SEND_RECV = "send_recv"
+COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, SEND_RECV)
+
+
+def ring_steps(op: str, n: int) -> int:
+    """Sequential steps of the ring algorithm for `op` over n ranks."""
+    if n == 1:
+        return 0
+    if op == SEND_RECV:
+        return 1
+    return 2 * (n - 1) if op == ALL_REDUCE else n - 1
+
+
+def ring_volume(op: str, n: int) -> float:
+    """Bytes one rank sends in the ring algorithm, as a fraction of the buffer:
+    2(n−1)/n for all-reduce, (n−1)/n for all-gather, reduce-scatter and all-to-all,
+    1 for broadcast (pipelined) and send/recv."""
+    if n == 1:
+        return 0.0
+    if op in (BROADCAST, SEND_RECV):
+        return 1.0
+    fraction = (n - 1) / n
+    return 2 * fraction if op == ALL_REDUCE else fraction
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    bandwidth: float  # bytes/s per direction
+    latency: float  # seconds per step
+
+    def time(self, steps: float, volume: float, nbytes: float) -> float:
+        return steps * self.latency + volume * nbytes / self.bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class AxisPlacement:
+    """Where a group of `size` ranks, `stride` apart, lies: `per_node` members in each
+    of `nodes` nodes."""
+
+    size: int
+    per_node: int
+    nodes: int
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.nodes > 1
+
+
+class CommModel:
+    """Alpha-beta times of collectives over the axes of `mesh`."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        d = mesh.device
+        self.intra = Link(d.intra_node_bandwidth, d.intra_node_latency)
+        self.inter = Link(d.inter_node_bandwidth, d.inter_node_latency)
+
+    def placement(self, size: int, stride: int = 1) -> AxisPlacement:
+        per_node = self.mesh.per_node
+        if size * stride <= per_node:
+            return AxisPlacement(size, size, 1)
+        members = max(1, min(size, per_node // stride))
+        return AxisPlacement(size, members, math.ceil(size / members))
+
+    def time(self, op: str, nbytes: float, size: int, stride: int = 1) -> float:
+        """Seconds for collective `op` of an `nbytes` buffer over an axis of `size`
+        ranks, `stride` ranks apart: the cheapest algorithm."""
+        return min(self.algorithms(op, nbytes, size, stride).values())
+
+    def algorithms(self, op: str, nbytes: float, size: int, stride: int = 1) -> dict[str, float]:
+        """Seconds for each algorithm that applies."""
+        if op not in COLLECTIVES:
+            raise ValueError(f"unknown collective {op!r}: use one of {COLLECTIVES}")
+        if size == 1 or nbytes == 0:
+            return {"none": 0.0}
+        measured = self.mesh.device.collectives.get(op)
+        if measured:
+            link = Link(1.0 / measured["beta"], measured["alpha"])
+            return {"measured": link.time(ring_steps(op, size), ring_volume(op, size), nbytes)}
+        where = self.placement(size, stride)
+        builders: dict[str, Callable[[], float]] = {
+            "ring": lambda: self._ring(op, nbytes, where),
+            "recursive_doubling": lambda: _doubling(op, nbytes, size, self._across(where)),
+        }
+        if op == ALL_REDUCE:
+            builders["tree"] = lambda: _tree(nbytes, size, self._across(where))
+        if where.spans_nodes and where.per_node > 1 and op in _HIERARCHICAL:
+            builders["hierarchical"] = lambda: self._hierarchical(op, nbytes, where)
+        if op in (SEND_RECV, ALL_TO_ALL):
+            del builders["recursive_doubling"]
+        return {name: build() for name, build in builders.items()}
+
+    # -- algorithms -------------------------------------------------------------------
+
+    def _ring(self, op: str, nbytes: float, where: AxisPlacement) -> float:
+        size = where.size
+        if op == ALL_TO_ALL and where.spans_nodes:  # pairwise exchange, not a ring
+            local = (where.per_node - 1) / size * nbytes / self.intra.bandwidth
+            remote = (size - where.per_node) / size * nbytes / self.inter.bandwidth
+            return (size - 1) * self.inter.latency + max(local, remote)
+        return self._ring_link(where).time(ring_steps(op, size), ring_volume(op, size), nbytes)
+
+    def _ring_link(self, where: AxisPlacement) -> Link:
+        if not where.spans_nodes:
+            return self.intra
+        shared = min(self.intra.bandwidth, where.per_node * self.inter.bandwidth)
+        return Link(shared, self.inter.latency)
+
+    def _across(self, where: AxisPlacement) -> Link:
+        return self.inter if where.spans_nodes else self.intra
+
+    def _hierarchical(self, op: str, nbytes: float, where: AxisPlacement) -> float:
+        g, k = where.per_node, where.nodes
+        inside = AxisPlacement(g, g, 1)
+        outer = min(
+            self.inter.time(ring_steps(op, k), ring_volume(op, k), nbytes / g),
+            _doubling(op, nbytes / g, k, self.inter),
+            _tree(nbytes / g, k, self.inter) if op == ALL_REDUCE else float("inf"),
+        )
+        if op == ALL_REDUCE:
+            scatter = self._ring(REDUCE_SCATTER, nbytes, inside)
+            gather = self._ring(ALL_GATHER, nbytes, inside)
+            return scatter + outer + gather
+        return self._ring(op, nbytes, inside) + outer
+
+
+_HIERARCHICAL = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
+
+
+def _doubling(op: str, nbytes: float, size: int, link: Link) -> float:
+    """Recursive doubling (all-reduce, all-gather, reduce-scatter) or a binomial tree
+    (broadcast): ⌈log2 n⌉ steps."""
+    steps = math.ceil(math.log2(size))
+    if op in (ALL_REDUCE, BROADCAST):
+        return link.time(steps, steps, nbytes)
+    return link.time(steps, (size - 1) / size, nbytes)
+
+
+def _tree(nbytes: float, size: int, link: Link) -> float:
+    """Pipelined double binary tree all-reduce: 2⌈log2 n⌉ steps, volume 2."""
+    return link.time(2 * math.ceil(math.log2(size)), 2.0, nbytes)

@@ -1,0 +1,152 @@
+"""How long operators take on one device: a roofline per operator.
+
+    time = max(FLOPs / (peak(dtype) · efficiency), bytes / memory bandwidth) + launch
+
+`launch` is `DeviceSpec.kernel_launch_s`, paid by every operator that does work.
+
+Peak. Contractions (matmuls, attention, convolutions) run at the peak of the compute
+dtype: fp32 for "fp32", bf16 / fp16 for "bf16-mixed" / "fp16-mixed" (tensor cores).
+Every other operator runs on the vector units at the fp32 peak; those are almost always
+memory-bound, where the peak does not matter.
+
+Efficiency of a contraction is a saturating curve of its smallest dim d = min(m, n, k):
+
+    efficiency(m, n, k) = matmul_efficiency · d / (d + d½)
+
+`matmul_efficiency` (DeviceSpec) is the fraction of peak large matmuls reach; d½ is the
+dim at which a matmul reaches half of that. Small and skinny matmuls fill few tiles and
+waves of the device and run far below peak; the bytes term of the roofline covers the
+ones that become memory-bound. The default d½ = 32 puts an attention with head dim 128
+at 0.8 of the large-matmul efficiency (FlashAttention-2 reaches 50-70% of A100/H100 peak
+against cuBLAS's ~75-80%) and a hidden-4096 projection at 0.99. `autopart calibrate`
+fits d½ for the local device (`calibrate.fit_matmul_curve`).
+
+Precision. The graph is captured in fp32 (mixed-precision training keeps fp32 master
+weights). Under "bf16-mixed" / "fp16-mixed" operators read and write 16-bit copies, half
+the captured bytes.
+
+Backward and recomputation. A contraction's backward computes two products of the same
+size as its forward (the input gradient and the weight gradient): 2× the forward's
+FLOPs, bytes and kernels. Every other operator's backward is taken as 1× its forward (an
+elementwise gradient reads and writes about what the forward did). Recomputing an
+operator in backward costs one more forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from torch import fx
+
+from autopart.cost_models.work import NodeWork, node_work
+from autopart.mesh import DeviceSpec
+
+DEFAULT_HALF_DIM = 32.0
+BACKWARD_CONTRACTION = 2.0  # backward / forward for matmuls, attention, convolutions
+BACKWARD_OTHER = 1.0  # backward / forward for everything else
+COMPUTE_DTYPES = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseCost:
+    """A cost (seconds or FLOPs) split by phase of the training step."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    recompute: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.recompute
+
+    def __add__(self, other: PhaseCost) -> PhaseCost:
+        return PhaseCost(
+            self.forward + other.forward,
+            self.backward + other.backward,
+            self.recompute + other.recompute,
+        )
+
+    def __mul__(self, factor: float) -> PhaseCost:
+        return PhaseCost(self.forward * factor, self.backward * factor, self.recompute * factor)
+
+
+class ComputeModel:
+    """Roofline times of operators on `device` at `precision`."""
+
+    def __init__(
+        self, device: DeviceSpec, precision: str = "fp32", half_dim: float = DEFAULT_HALF_DIM
+    ) -> None:
+        if precision not in COMPUTE_DTYPES:
+            known = sorted(COMPUTE_DTYPES)
+            raise ValueError(f"precision must be one of {known}, not {precision!r}")
+        self.device = device
+        self.precision = precision
+        self.half_dim = half_dim
+        self.contraction_peak = device.flops_for(COMPUTE_DTYPES[precision])
+        self.vector_peak = device.flops_for("fp32")
+        self.bytes_scale = 1.0 if precision == "fp32" else 0.5
+
+    # -- one operator -----------------------------------------------------------------
+
+    def efficiency(self, m: float, n: float, k: float) -> float:
+        """matmul_efficiency · d / (d + d½), d = min(m, n, k)."""
+        d = min(m, n, k)
+        return self.device.matmul_efficiency * d / (d + self.half_dim)
+
+    def forward_time(self, work: NodeWork) -> float:
+        """The roofline time of one operator's forward, with its launch floor."""
+        if not work.flops and not work.bytes:
+            return 0.0
+        if work.is_contraction:
+            eff = self.efficiency(*work.shape) if work.shape else self.device.matmul_efficiency
+            math = work.flops / (self.contraction_peak * eff)
+        else:
+            math = work.flops / self.vector_peak
+        memory = work.bytes * self.bytes_scale / self.device.memory_bandwidth
+        return max(math, memory) + self.device.kernel_launch_s
+
+    def time(self, work: NodeWork, recompute: bool = False) -> PhaseCost:
+        """Forward, backward (2× for contractions, 1× otherwise) and recomputation."""
+        forward = self.forward_time(work)
+        return PhaseCost(forward, forward * backward_factor(work), forward if recompute else 0.0)
+
+    # -- many operators ---------------------------------------------------------------
+
+    def cost(self, works: Iterable[NodeWork], recompute: bool = False) -> PhaseCost:
+        """Seconds for a set of operators (a segment, a stage)."""
+        total = PhaseCost()
+        for work in works:
+            total = total + self.time(work, recompute)
+        return total
+
+    def nodes_cost(
+        self,
+        gm: fx.GraphModule,
+        dims: Mapping[str, int],
+        nodes: Iterable[fx.Node] | None = None,
+        recompute: bool = False,
+    ) -> PhaseCost:
+        """Seconds for `nodes` of an analyzed graph (all of them by default) on one
+        microbatch of the sizes `dims` ({"batch": ..., "seq": ...})."""
+        param_bytes = {k: p.numel() * p.element_size() for k, p in gm.named_parameters()}
+        chosen = gm.graph.nodes if nodes is None else nodes
+        return self.cost((node_work(n, gm, dims, param_bytes) for n in chosen), recompute)
+
+    def optimizer_step_time(self, state_bytes: float) -> float:
+        """Adam's update is memory-bound: it reads and writes the rank's parameters,
+        gradients and optimizer state about once each, 2 × their bytes."""
+        return 2 * state_bytes / self.device.memory_bandwidth
+
+
+def backward_factor(work: NodeWork) -> float:
+    return BACKWARD_CONTRACTION if work.is_contraction else BACKWARD_OTHER
+
+
+def training_flops(works: Iterable[NodeWork], recompute: bool = False) -> PhaseCost:
+    """FLOPs of forward, backward (2× for contractions, 1× otherwise) and recomputation
+    (one more forward) of a set of operators."""
+    total = PhaseCost()
+    for w in works:
+        total = total + PhaseCost(w.flops, w.flops * backward_factor(w), w.flops * recompute)
+    return total

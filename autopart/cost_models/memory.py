@@ -1,0 +1,145 @@
+"""Memory of one rank: model states by ZeRO stage, activations by schedule, buffers and an
+allocator allowance.
+
+Model states (Rajbhandari et al., "ZeRO", 2020, section 3.1). For Ψ parameters trained
+with Adam, a rank holds parameters, gradients and K·Ψ bytes of optimizer state:
+
+    precision        parameters  gradients  optimizer (K)
+    fp32             4Ψ          4Ψ         8Ψ   (two fp32 moments)
+    bf16/fp16-mixed  2Ψ          2Ψ         12Ψ  (fp32 master weights + two moments)
+
+ZeRO shards them over the N data-parallel ranks:
+
+    DP      (2 + 2 + K)Ψ           ZeRO-2  2Ψ + (2 + K)Ψ/N
+    ZeRO-1  (2 + 2)Ψ + KΨ/N        ZeRO-3  (2 + 2 + K)Ψ/N
+
+(the 2s being 4s in fp32). The paper's example, 7.5B parameters on 64 ranks, gives
+120 / 31.4 / 16.6 / 1.9 GB.
+
+Activations. A microbatch leaves the bytes its operators save for backward
+(`passes.saved`) on the rank until its backward runs; the schedule decides how many
+microbatches are in flight (`in_flight_microbatches`). Recomputing a block keeps only
+its input per microbatch; in backward one block at a time is recomputed, so the largest
+recomputed block's saved bytes are live once more:
+
+    activations = in_flight · (kept + Σ recomputed block inputs) + max recomputed block
+
+Buffers. Gradients live in the flat communication buckets (`runtime.grad_sync`), so
+plain data parallelism needs nothing more. ZeRO-1/2 stage one bucket for the
+reduce-scatter; ZeRO-3 also holds the gathered parameters of two blocks (the one
+running and the one prefetched). A pipeline stage holds one activation to send and one
+received.
+
+Allocator. PyTorch's caching allocator rounds blocks up and fragments; 5-15% of the
+allocated bytes is typical. The allowance is `allocator_fraction` (10%) of the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Bytes per parameter: (parameters, gradients, optimizer state) for Adam.
+STATE_BYTES = {
+    "fp32": (4, 4, 8),
+    "bf16-mixed": (2, 2, 12),
+    "fp16-mixed": (2, 2, 12),
+}
+PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers", "allocator")
+DEFAULT_BUCKET_BYTES = 25 * 1024**2  # runtime.grad_sync's bucket size
+DEFAULT_ALLOCATOR_FRACTION = 0.10
+
+
+def model_state_bytes(params: float, dp: int, zero: int, precision: str) -> dict[str, float]:
+    """Parameters, gradients and Adam state of `params` parameters on one of `dp`
+    data-parallel ranks at ZeRO stage `zero` (0-3)."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, not {zero}")
+    per_param, per_grad, per_state = STATE_BYTES[precision]
+    return {
+        "parameters": params * per_param / (dp if zero >= 3 else 1),
+        "gradients": params * per_grad / (dp if zero >= 2 else 1),
+        "optimizer": params * per_state / (dp if zero >= 1 else 1),
+    }
+
+
+def in_flight_microbatches(
+    schedule: str | None, microbatches: int, stages: int, stage: int, virtual_stages: int = 1
+) -> float:
+    """Microbatches whose activations a pipeline rank holds at once, in units of the
+    rank's whole share of the model.
+
+    No pipeline (schedule None): 1, microbatches run one after another.
+    GPipe: all m forwards run before any backward.
+    1F1B: rank s (0-based) runs p − s forwards before its first backward: min(m, p − s).
+    Interleaved 1F1B (Megatron-LM's schedule): rank s warms up with
+    2(p − s − 1) + (v − 1)·p chunk-forwards and then holds one more, each chunk being
+    1/v of its layers: min(m·v, 2(p − s − 1) + (v − 1)·p + 1) / v.
+    """
+    if schedule is None or stages == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule == "1f1b":
+        return float(min(microbatches, stages - stage))
+    if schedule == "interleaved-1f1b":
+        v = virtual_stages
+        chunks = min(microbatches * v, 2 * (stages - stage - 1) + (v - 1) * stages + 1)
+        return chunks / v
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Activations:
+    """Per-microbatch saved bytes of one rank, split by recomputation."""
+
+    kept: float = 0.0  # saved by operators that are not recomputed
+    recomputed_inputs: float = 0.0  # the inputs of recomputed blocks, summed
+    largest_recomputed: float = 0.0  # saved bytes of the largest recomputed block
+
+    def bytes(self, in_flight: float) -> float:
+        """in_flight · (kept + Σ recomputed inputs) + max recomputed block."""
+        return in_flight * (self.kept + self.recomputed_inputs) + self.largest_recomputed
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryModel:
+    """Per-rank memory at a precision, with Adam, a bucket size and an allocator
+    allowance."""
+
+    precision: str = "fp32"
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES
+    allocator_fraction: float = DEFAULT_ALLOCATOR_FRACTION
+
+    def breakdown(
+        self,
+        params: float,
+        dp: int = 1,
+        zero: int = 0,
+        activations: float = 0.0,
+        gathered_params: float = 0.0,
+        pipeline_bytes: float = 0.0,
+    ) -> dict[str, int]:
+        """Bytes by part for a rank holding `params` parameters (its tensor-parallel
+        share), `activations` bytes of activations, ZeRO-3 blocks of up to
+        `gathered_params` parameters and pipeline transfers of `pipeline_bytes`."""
+        parts = model_state_bytes(params, dp, zero, self.precision)
+        parts["activations"] = activations
+        parts["buffers"] = self.buffer_bytes(dp, zero, gathered_params, pipeline_bytes)
+        parts["allocator"] = self.allocator_fraction * sum(parts.values())
+        return {name: round(parts[name]) for name in PARTS}
+
+    def buffer_bytes(
+        self, dp: int, zero: int, gathered_params: float, pipeline_bytes: float
+    ) -> float:
+        """A reduce-scatter bucket (ZeRO ≥ 1), two blocks of gathered parameters
+        (ZeRO-3), one activation sent and one received (pipelines)."""
+        buffers = 2 * pipeline_bytes
+        if dp > 1 and zero >= 1:
+            buffers += self.bucket_bytes
+        if dp > 1 and zero == 3:
+            buffers += 2 * gathered_params * STATE_BYTES[self.precision][0]
+        return buffers
+
+
+def total(breakdown: dict[str, int]) -> int:
+    return sum(breakdown.values())

@@ -1,0 +1,75 @@
+"""Which pipeline chunk each segment of the graph runs in.
+
+A plan names its stage cuts by module path (`Plan.stage_cuts`: where chunks 1, 2, ...
+begin). Without cuts the graph is split where blocks begin, into contiguous chunks of
+as equal cost as the block granularity allows (the linear-partition dynamic programme:
+minimize the most expensive chunk). With v virtual stages there are p·v chunks, and
+chunk c runs on pipeline rank c mod p (Megatron-LM's interleaving).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autopart.cost_models.summary import SegmentWork
+
+
+def chunks_at_cuts(segments: Sequence[SegmentWork], cuts: Sequence[str]) -> list[int]:
+    """The chunk of each segment: chunk i + 1 begins at the first segment (after the
+    previous cut) whose key is `cuts[i]` or lies inside it."""
+    chunk, out = 0, []
+    for seg in segments:
+        if chunk < len(cuts) and _inside(seg.key, cuts[chunk]):
+            chunk += 1
+        out.append(chunk)
+    if chunk != len(cuts):
+        raise ValueError(
+            f"stage cut {cuts[chunk]!r} names no module after {cuts[chunk - 1]!r}"
+            if chunk else f"stage cut {cuts[0]!r} names no module of the graph"
+        )
+    return out
+
+
+def balanced_chunks(
+    segments: Sequence[SegmentWork], costs: Sequence[float], chunks: int
+) -> list[int]:
+    """The chunk of each segment, cutting only where blocks begin (anywhere if there are
+    too few blocks), so that the most expensive chunk is as cheap as possible."""
+    starts = [i for i, s in enumerate(segments) if s.is_block]
+    if len(starts) < chunks:
+        starts = list(range(len(segments)))
+    if len(starts) < chunks:
+        raise ValueError(f"{chunks} pipeline chunks need at least {chunks} segments of the graph")
+    bounds = [0, *starts[1:], len(segments)]  # units: [bounds[u], bounds[u + 1])
+    unit_costs = [sum(costs[bounds[u] : bounds[u + 1]]) for u in range(len(bounds) - 1)]
+    unit_chunk = _linear_partition(unit_costs, chunks)
+    return [unit_chunk[u] for u in range(len(unit_costs)) for _ in range(bounds[u], bounds[u + 1])]
+
+
+def _linear_partition(costs: Sequence[float], parts: int) -> list[int]:
+    """Contiguous non-empty parts minimizing the largest sum: best[j][i] is the best
+    largest sum for the first i items in j parts."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for j in range(1, parts + 1):
+        for i in range(j, n - parts + j + 1):
+            for t in range(j - 1, i):
+                value = max(best[j - 1][t], prefix[i] - prefix[t])
+                if value < best[j][i]:
+                    best[j][i], cut[j][i] = value, t
+    assignment, i = [0] * n, n
+    for j in range(parts, 0, -1):
+        t = cut[j][i]
+        assignment[t:i] = [j - 1] * (i - t)
+        i = t
+    return assignment
+
+
+def _inside(key: str, path: str) -> bool:
+    return key == path or key.startswith(path + ".")

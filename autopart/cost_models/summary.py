@@ -1,0 +1,219 @@
+"""An analyzed graph cut into segments and pre-aggregated, so pricing a plan is cheap.
+
+A segment is one repeated-block instance (`model.layers.3`) or a run of consecutive
+operators outside blocks that share a module path (`model.embed_tokens`, `lm_head`).
+Pipeline stages are made of whole segments. Instances of one block are structurally
+identical (same operators, shapes and relative parameters: see `passes.blocks`), so
+their work is evaluated once, on the first instance, and shared: a 32-layer model costs
+one layer's worth of sympy substitutions, not 32.
+
+Tensor-parallel layout (Megatron-LM without sequence parallelism): inside a block, an
+operator is sharded over tp if it lies in a sublayer (a direct child of the block, such
+as the attention or the MLP) that holds a contraction; the norms and the residual adds
+between sublayers run replicated. Outside blocks the contractions (a vocabulary-parallel
+LM head) are sharded and the rest replicated. A parameter is sharded if a contraction or
+an embedding reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import sympy
+from torch import fx
+
+from autopart.cost_models.work import OTHER, NodeWork, evaluate, node_work, op_kind
+from autopart.passes.meta import BLOCK, MODULE_PATH, PARAMS, SHAPE, TensorInfo
+from autopart.passes.ops import op_name
+
+BATCH = "batch"
+_NO_WORK = ("placeholder", "get_attr", "output")
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Operators that stay together: a block instance or a run outside blocks."""
+
+    key: str  # the block instance, or the module path of the run
+    block_id: str | None
+    nodes: tuple[fx.Node, ...]
+    sharded: tuple[bool, ...]  # per node: split over the tensor-parallel axis
+    param_numel: int  # parameters first read here (tied weights counted once)
+    sharded_param_numel: int  # of which split over the tensor-parallel axis
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentWork:
+    """A segment's operators evaluated at one set of dim sizes."""
+
+    segment: Segment
+    nodes: tuple[NodeWork, ...]
+    output_bytes: float  # the activation handed to the next segment (as captured)
+
+    @property
+    def key(self) -> str:
+        return self.segment.key
+
+    @property
+    def is_block(self) -> bool:
+        return self.segment.block_id is not None
+
+    @property
+    def saved_bytes(self) -> float:
+        return sum(w.saved_bytes for w in self.nodes)
+
+    @property
+    def flops(self) -> float:
+        return sum(w.flops for w in self.nodes)
+
+    def param_numel(self, tp: int = 1) -> float:
+        """Parameters held by one rank of a `tp`-way tensor-parallel group."""
+        s = self.segment
+        return s.param_numel - s.sharded_param_numel + s.sharded_param_numel / tp
+
+    def sharded(self, tp: int) -> SegmentWork:
+        if tp == 1:
+            return self
+        return replace(self, nodes=tuple(w.sharded(tp) for w in self.nodes))
+
+
+class GraphSummary:
+    """Segments of an analyzed graph, evaluated (and cached) per set of dim sizes."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        params = dict(gm.named_parameters())
+        self.param_bytes = {k: p.numel() * p.element_size() for k, p in params.items()}
+        self.segments = _segments(gm, {k: p.numel() for k, p in params.items()})
+        self.captured_batch = _static_batch(gm)
+        self._cache: dict[tuple, tuple[SegmentWork, ...]] = {}
+
+    @property
+    def param_numel(self) -> int:
+        return sum(s.param_numel for s in self.segments)
+
+    def evaluate(self, dims: Mapping[str, int]) -> tuple[SegmentWork, ...]:
+        """Every segment's work at `dims` ({"batch": microbatch, "seq": ...}). A graph
+        captured with a static batch is evaluated as captured and scaled linearly to
+        `dims["batch"]`."""
+        key = tuple(sorted(dims.items()))
+        if key not in self._cache:
+            self._cache[key] = self._evaluate(dims)
+        return self._cache[key]
+
+    def _evaluate(self, dims: Mapping[str, int]) -> tuple[SegmentWork, ...]:
+        scale = 1.0
+        if self.captured_batch is not None and BATCH in dims:
+            scale = dims[BATCH] / self.captured_batch
+        by_block: dict[str, tuple[tuple[NodeWork, ...], float]] = {}
+        out = []
+        for seg in self.segments:
+            if seg.block_id is None or seg.block_id not in by_block:
+                works = tuple(
+                    node_work(n, self.gm, dims, self.param_bytes, s).scaled(scale)
+                    for n, s in zip(seg.nodes, seg.sharded)
+                )
+                evaluated = (works, _output_bytes(seg.nodes, dims) * scale)
+                if seg.block_id is not None:
+                    by_block[seg.block_id] = evaluated
+            else:
+                evaluated = by_block[seg.block_id]
+            out.append(SegmentWork(seg, *evaluated))
+        return tuple(out)
+
+
+def _segments(gm: fx.GraphModule, numel: Mapping[str, int]) -> tuple[Segment, ...]:
+    runs: list[tuple[str, str | None, list[fx.Node]]] = []
+    instance_run: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op in _NO_WORK:
+            continue
+        block = BLOCK.get(node)
+        if block is not None and block.instance in instance_run:
+            runs[instance_run[block.instance]][2].append(node)  # keep an instance whole
+            continue
+        key = block.instance if block else MODULE_PATH.get(node)
+        if block is None and runs and runs[-1][0] == key and runs[-1][1] is None:
+            runs[-1][2].append(node)
+            continue
+        if block is not None:
+            instance_run[key] = len(runs)
+        runs.append((key, block.block_id if block else None, [node]))
+    owners = _first_readers(gm, runs, numel)
+    return tuple(
+        Segment(
+            key, block_id, tuple(nodes), _sharded_flags(gm, key, block_id, nodes),
+            sum(numel[p] for p in owners[i]),
+            sum(numel[p] for p in owners[i] if _is_sharded_param(gm, nodes, p)),
+        )
+        for i, (key, block_id, nodes) in enumerate(runs)
+    )
+
+
+def _first_readers(
+    gm: fx.GraphModule, runs: list[tuple[str, str | None, list[fx.Node]]],
+    numel: Mapping[str, int],
+) -> list[list[str]]:
+    """For each run, the parameters it is the first to read. Parameters no operator
+    reads still take memory: they go to the first run."""
+    owners: list[list[str]] = [[] for _ in runs]
+    seen: set[str] = set()
+    for i, (_, _, nodes) in enumerate(runs):
+        for node in nodes:
+            for fqn in PARAMS.get(node):
+                if fqn not in seen and fqn in numel:
+                    seen.add(fqn)
+                    owners[i].append(fqn)
+    if owners:
+        owners[0].extend(fqn for fqn in numel if fqn not in seen)
+    return owners
+
+
+def _sharded_flags(
+    gm: fx.GraphModule, key: str, block_id: str | None, nodes: list[fx.Node]
+) -> tuple[bool, ...]:
+    contraction = [op_kind(op_name(n, gm)) != OTHER for n in nodes]
+    if block_id is None:
+        return tuple(contraction)
+    sublayers = {_sublayer(key, MODULE_PATH.get(n)) for n, c in zip(nodes, contraction) if c}
+    sublayers.discard(None)
+    return tuple(
+        c or _sublayer(key, MODULE_PATH.get(n)) in sublayers for n, c in zip(nodes, contraction)
+    )
+
+
+def _sublayer(instance: str, path: str) -> str | None:
+    """The direct child of the block instance that `path` lies in (None: the block
+    itself)."""
+    rest = path[len(instance) + 1 :] if path.startswith(instance + ".") else ""
+    return rest.split(".", 1)[0] or None
+
+
+def _is_sharded_param(gm: fx.GraphModule, nodes: list[fx.Node], fqn: str) -> bool:
+    for node in nodes:
+        if fqn in PARAMS.get(node):
+            name = op_name(node, gm)
+            if name == "embedding" or op_kind(name) != OTHER:
+                return True
+    return False
+
+
+def _output_bytes(nodes: tuple[fx.Node, ...], dims: Mapping[str, int]) -> float:
+    """The bytes of the last tensor the segment produces: what flows to the next one."""
+    for node in reversed(nodes):
+        info = SHAPE.get(node)
+        if isinstance(info, TensorInfo):
+            return evaluate(info.nbytes, dims)
+    return 0.0
+
+
+def _static_batch(gm: fx.GraphModule) -> int | None:
+    """The batch a graph was captured with, if it is static (dim 0 of the first tensor
+    input is a number); None when the batch is the dynamic dim `batch`."""
+    for node in gm.graph.nodes:
+        info = SHAPE.get(node) if node.op == "placeholder" else None
+        if isinstance(info, TensorInfo) and info.shape:
+            first = sympy.sympify(info.shape[0])
+            return int(first) if first.is_Integer else None
+    return None

@@ -1,0 +1,161 @@
+"""The work of one operator as numbers, for given sizes of the named dims.
+
+The analysis passes leave sympy expressions of the named dims (`batch`, `seq`) in
+`node.meta`: FLOPs, bytes read and written, bytes saved for backward. A cost model needs
+numbers, so `node_work` substitutes the sizes once per operator and keeps what the
+compute and memory models read: the FLOPs, the bytes moved (split into activations and
+parameters, which scale differently with the batch, the precision and tensor
+parallelism), the bytes saved for backward and, for contractions, the matmul shape
+(m, n, k) that decides how close to peak the kernel runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import sympy
+from torch import fx
+
+from autopart.passes.meta import FLOPS, PARAMS, SAVED_BYTES, SHAPE, TRAFFIC, TensorInfo
+from autopart.passes.ops import ATTENTION_OPS, MATMUL_OPS, op_name
+
+MATMUL = "matmul"
+ATTENTION = "attention"
+OTHER = "other"
+CONVOLUTIONS = frozenset({"convolution", "conv_transpose"})
+
+
+class MissingDim(KeyError):
+    """A cost depends on a named dim whose size was not given."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeWork:
+    """One operator's forward work. Bytes are as captured (the graph's dtypes)."""
+
+    kind: str  # MATMUL, ATTENTION or OTHER
+    flops: float
+    activation_bytes: float  # tensors read and written other than parameters
+    param_bytes: float  # parameters read
+    saved_bytes: float  # saved for backward
+    shape: tuple[float, float, float] | None = None  # (m, n, k) of a contraction
+    tp_sharded: bool = False  # split over the tensor-parallel axis (Megatron layout)
+
+    @property
+    def bytes(self) -> float:
+        return self.activation_bytes + self.param_bytes
+
+    @property
+    def is_contraction(self) -> bool:
+        return self.kind != OTHER
+
+    def sharded(self, tp: int) -> NodeWork:
+        """This rank's share under `tp`-way tensor parallelism: a sharded operator does
+        1/tp of the FLOPs, moves 1/tp of the bytes and saves 1/tp of its activations.
+        A sharded linear layer splits its wider weight dim (column-parallel splits n,
+        row-parallel splits k, and in both the split dim is the wide one: 4h or the
+        FFN width); attention splits heads, which leaves each head's shape alone."""
+        if tp == 1 or not self.tp_sharded:
+            return self
+        shape = self.shape
+        if shape is not None and self.kind == MATMUL:
+            m, n, k = shape
+            shape = (m, n / tp, k) if n >= k else (m, n, k / tp)
+        return replace(
+            self,
+            flops=self.flops / tp,
+            activation_bytes=self.activation_bytes / tp,
+            param_bytes=self.param_bytes / tp,
+            saved_bytes=self.saved_bytes / tp,
+            shape=shape,
+        )
+
+    def scaled(self, factor: float) -> NodeWork:
+        """The work on `factor` times the batch: everything but the parameters scales,
+        and so does the row count m of a contraction."""
+        if factor == 1:
+            return self
+        shape = self.shape
+        if shape is not None and self.kind == MATMUL:
+            shape = (shape[0] * factor, shape[1], shape[2])
+        return replace(
+            self,
+            flops=self.flops * factor,
+            activation_bytes=self.activation_bytes * factor,
+            saved_bytes=self.saved_bytes * factor,
+            shape=shape,
+        )
+
+
+def evaluate(expr: sympy.Expr | int | float, dims: Mapping[str, int]) -> float:
+    """The value of an expression of named dims at the sizes `dims` ({name: size})."""
+    if isinstance(expr, (int, float)):
+        return float(expr)
+    if expr.is_Number:
+        return float(expr)
+    try:
+        values = {s: sympy.Integer(dims[s.name]) for s in expr.free_symbols}
+    except KeyError as missing:
+        raise MissingDim(
+            f"the cost depends on the dim {missing.args[0]!r}: give its size, for example "
+            f"dims={{{missing.args[0]!r}: ...}}"
+        ) from None
+    return float(expr.xreplace(values))
+
+
+def node_work(
+    node: fx.Node,
+    gm: fx.GraphModule,
+    dims: Mapping[str, int],
+    param_bytes: Mapping[str, int],
+    tp_sharded: bool = False,
+) -> NodeWork:
+    """The forward work of `node` at the sizes `dims`. `param_bytes` maps a parameter's
+    FQN to its size in bytes (the graph's parameters)."""
+    name = op_name(node, gm)
+    kind = op_kind(name)
+    flops = evaluate(FLOPS.get(node), dims)
+    traffic = TRAFFIC.get(node)
+    moved = evaluate(traffic.read, dims) + evaluate(traffic.written, dims)
+    params = float(sum(param_bytes.get(fqn, 0) for fqn in PARAMS.get(node)))
+    shape = _contraction_shape(node, name, kind, flops, dims)
+    return NodeWork(
+        kind=kind,
+        flops=flops,
+        activation_bytes=max(moved - params, 0.0),
+        param_bytes=min(params, moved),
+        saved_bytes=evaluate(SAVED_BYTES.get(node), dims),
+        shape=shape,
+        tp_sharded=tp_sharded,
+    )
+
+
+def op_kind(name: str) -> str:
+    """MATMUL, ATTENTION or OTHER for an operator name (`passes.ops.op_name`)."""
+    if name in ATTENTION_OPS:
+        return ATTENTION
+    if name in MATMUL_OPS or name in CONVOLUTIONS:
+        return MATMUL
+    return OTHER
+
+
+def _contraction_shape(
+    node: fx.Node, name: str, kind: str, flops: float, dims: Mapping[str, int]
+) -> tuple[float, float, float] | None:
+    """(m, n, k) from the output shape and the FLOPs (2·m·n·k for a matmul).
+
+    A matmul's n is the output's last dim (a convolution's: its channels, dim 1) and m
+    the rest of the output; k = FLOPs / (2·m·n). Attention is the batched matmul of
+    scores: m = query length L, k = head dim E, n = key length S, recovered from the
+    FLOPs 2·B·H·L·S·(E + Ev) with Ev = E."""
+    out = SHAPE.get(node)
+    if kind == OTHER or not isinstance(out, TensorInfo) or not out.shape or not flops:
+        return None
+    numel = evaluate(out.numel, dims)
+    if kind == ATTENTION:
+        length, head = evaluate(out.shape[-2], dims), evaluate(out.shape[-1], dims)
+        return (length, flops / (4 * numel), head)
+    n = evaluate(out.shape[1] if name in CONVOLUTIONS else out.shape[-1], dims)
+    m = numel / n
+    return (m, n, flops / (2 * numel))
