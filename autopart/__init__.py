@@ -9,8 +9,10 @@ from autopart.capture import CaptureError, capture
 from autopart.mesh import Axis, DeviceSpec, Mesh, MeshError
 from autopart.plan import Plan, PlanError
 from autopart.runtime.parallel_module import ParallelModule
+from autopart.runtime.weights import init_empty_weights, save_checkpoint
 
 __all__ = [
     "Axis", "BatchError", "CaptureError", "DeviceSpec", "Mesh", "MeshError", "ParallelModule",
-    "Plan", "PlanError", "capture", "parallelize", "plan",
+    "Plan", "PlanError", "capture", "init_empty_weights", "parallelize", "plan",
+    "save_checkpoint",
 ]

@@ -16,6 +16,7 @@ from autopart.passes.rewrite import rank_program
 from autopart.plan import Plan
 from autopart.runtime.groups import MeshGroups
 from autopart.runtime.parallel_module import LossFn, OptimizerFactory, ParallelModule
+from autopart.runtime.weights import Weights
 from autopart.solver import Pins, make_plan
 
 
@@ -55,10 +56,14 @@ def parallelize(
     optimizer: OptimizerFactory | None = None,
     plan: Plan | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
+    weights: Weights | None = None,
     **pins: Any,
 ) -> ParallelModule:
     """Capture, plan (unless `plan` is given), rewrite and return the per-rank module.
-    The model's parameters are trained in place."""
+    The model's parameters are trained in place where they are not sharded. A model
+    built on the meta device (`autopart.init_empty_weights()`) takes its `weights` from
+    a state dict of whole tensors or a torch.distributed.checkpoint directory; each
+    rank loads only its own pieces."""
     captured = _captured(model, example_inputs, example_kwargs)
     if plan is None:
         plan = make_plan(captured, mesh, Pins(**pins))
@@ -71,7 +76,7 @@ def parallelize(
         local_inputs = split_batch(captured.example_args, 0, parts)
         captured = _captured(model, local_inputs, example_kwargs)
     groups = MeshGroups(mesh.device_mesh(dp=plan.dp, tp=plan.tp, pp=plan.pp))
-    program = rank_program(captured, plan, groups)
+    program = rank_program(captured, plan, groups, weights)
     return ParallelModule(program, plan, groups, loss_fn, optimizer)
 
 

@@ -2,6 +2,7 @@
 
     tensor parallelism (tp > 1)   shard parameters, insert tp collectives (whole graph)
     pipeline split (pp > 1)       cut the graph into stages, keep this rank's
+    materialize                   real memory for this rank's pieces of a meta model
     ZeRO-3 (zero = 3)             shard each stage's parameters over dp; gather on use
 
 Each step is a pass with the usual contract; the plan and this rank's coordinates reach
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
 
 from autopart.capture import Captured
 from autopart.plan import Plan
 from autopart.runtime.groups import MeshGroups
+from autopart.runtime.weights import Weights, materialize
 
 
 @dataclass
@@ -30,7 +33,9 @@ class RankProgram:
     tp_layout: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-def rank_program(captured: Captured, plan: Plan, groups: MeshGroups) -> RankProgram:
+def rank_program(
+    captured: Captured, plan: Plan, groups: MeshGroups, weights: Weights | None = None
+) -> RankProgram:
     ctx = captured.context(plan=plan, groups=groups)
     gm = captured.gm
     if plan.tp > 1:
@@ -43,8 +48,31 @@ def rank_program(captured: Captured, plan: Plan, groups: MeshGroups) -> RankProg
         stages, stage_ids = split_stages(gm, ctx)
     else:
         stages, stage_ids = [gm], [0]
+    materialize(stages, weights, ctx.options.get("tp_layout", {}), groups.tp_mesh, groups.device)
+    stages = [retarget_devices(stage, groups.device) for stage in stages]
+    if groups.device.type != "cpu":
+        stages = [stage.to(groups.device) for stage in stages]
     if plan.zero == 3:
         from autopart.passes.zero import zero3_pass
 
         stages = [zero3_pass(stage, ctx) for stage in stages]
     return RankProgram(stages, stage_ids, ctx.options.get("tp_layout", {}))
+
+
+def retarget_devices(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """Point device arguments baked in at capture (`arange(..., device=meta)`) at this
+    rank's device, in the graph and in the subgraphs of higher-order operators."""
+
+    def retarget(value: object) -> object:
+        if isinstance(value, torch.device) and value != device:
+            return device
+        return value
+
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            node.args = fx.node.map_aggregate(node.args, retarget)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, retarget)
+        module.recompile()
+    return gm

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -29,6 +30,17 @@ class MeshGroups:
     @property
     def device_type(self) -> str:
         return self.device_mesh.device_type
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device: its GPU under NCCL, the CPU under Gloo."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.device_mesh[Axis.TP.value]
 
     @property
     def is_last_stage(self) -> bool:
