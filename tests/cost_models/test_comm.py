@@ -1,0 +1,86 @@
+"""Collectives: the ring's volumes, the axis-to-topology mapping, algorithm choice and
+measured costs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from autopart.cost_models.comm import CommModel, ring_steps, ring_volume
+from autopart.mesh import PRESETS, Mesh
+
+H100 = PRESETS["h100-80g"]
+MB = 1e6
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 64])
+def test_ring_all_reduce_moves_two_n_minus_one_over_n(n):
+    # Patarasuk & Yuan 2009: a bandwidth-optimal all-reduce sends 2(n−1)/n of the buffer.
+    assert ring_volume("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
+    assert ring_steps("all_reduce", n) == 2 * (n - 1)
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert ring_volume(op, n) == pytest.approx((n - 1) / n)
+
+
+def test_large_all_reduce_inside_a_node_is_bandwidth_bound():
+    comm = CommModel(Mesh.cluster(H100, nodes=1, per_node=8))
+    nbytes = 1e9
+    bandwidth_term = 2 * 7 / 8 * nbytes / H100.intra_node_bandwidth
+    times = comm.algorithms("all_reduce", nbytes, 8)
+    assert min(times, key=times.get) == "ring"
+    assert comm.time("all_reduce", nbytes, 8) == pytest.approx(bandwidth_term, rel=0.03)
+
+
+def test_small_all_reduce_is_latency_bound_and_avoids_the_ring():
+    comm = CommModel(Mesh.cluster(H100, nodes=64, per_node=8))
+    times = comm.algorithms("all_reduce", 1024, 64, stride=8)
+    assert min(times, key=times.get) != "ring"
+    assert comm.time("all_reduce", 1024, 64, stride=8) < times["ring"] / 5
+
+
+def test_axis_placement_on_the_topology():
+    comm = CommModel(Mesh.cluster(H100, nodes=4, per_node=8))
+    tp = comm.placement(8, stride=1)  # tp innermost: one node
+    dp = comm.placement(4, stride=8)  # dp outside tp=8: one member per node
+    mixed = comm.placement(8, stride=2)  # dp outside tp=2: 4 per node, 2 nodes
+    assert (tp.per_node, tp.nodes, tp.spans_nodes) == (8, 1, False)
+    assert (dp.per_node, dp.nodes) == (1, 4)
+    assert (mixed.per_node, mixed.nodes) == (4, 2)
+
+
+def test_spanning_nodes_shares_the_nics():
+    mesh = Mesh.cluster(H100, nodes=2, per_node=8)
+    comm = CommModel(mesh)
+    nbytes = 1e9
+    inside = comm.time("all_gather", nbytes, 8, stride=1)
+    across = comm.time("all_gather", nbytes, 2, stride=8)  # one member per node
+    # Across nodes each device has its share of the NICs, far below NVLink.
+    assert across == pytest.approx(nbytes / 2 / H100.inter_node_bandwidth, rel=0.01)
+    assert across > inside
+
+
+def test_hierarchical_all_reduce_wins_across_nodes():
+    comm = CommModel(Mesh.cluster(H100, nodes=8, per_node=8))
+    times = comm.algorithms("all_reduce", 256 * MB, 64, stride=1)
+    assert "hierarchical" in times
+    assert comm.time("all_reduce", 256 * MB, 64) == min(times.values())
+    assert times["hierarchical"] < times["ring"]
+
+
+def test_one_rank_and_empty_messages_cost_nothing():
+    comm = CommModel(Mesh.cluster(H100, nodes=1, per_node=8))
+    assert comm.time("all_reduce", 1e9, 1) == 0.0
+    assert comm.time("broadcast", 0, 8) == 0.0
+    with pytest.raises(ValueError, match="unknown collective"):
+        comm.time("gossip", 1.0, 2)
+
+
+def test_measured_collectives_replace_the_topology():
+    alpha, beta = 1e-4, 1e-9
+    device = replace(PRESETS["cpu"], collectives={"all_reduce": {"alpha": alpha, "beta": beta}})
+    comm = CommModel(Mesh.cluster(device, nodes=1, per_node=4))
+    nbytes = 4e6
+    expected = 2 * 3 * alpha + 2 * 3 / 4 * nbytes * beta
+    assert comm.time("all_reduce", nbytes, 4) == pytest.approx(expected)
+    assert comm.algorithms("all_gather", nbytes, 4).keys() != {"measured"}

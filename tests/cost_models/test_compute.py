@@ -1,0 +1,95 @@
+"""The roofline compute model, and the Megatron-LM FLOPs formula matched by the analysis
+passes plus the model's accounting of forward, backward and recomputation."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from autopart.cost_models.compute import ComputeModel, PhaseCost, training_flops
+from autopart.cost_models.summary import GraphSummary
+from autopart.cost_models.work import MATMUL, OTHER, NodeWork, evaluate
+from autopart.mesh import PRESETS
+from autopart.passes import MODULE_PATH, total_flops
+from tests.cost_models.conftest import GPT
+
+H100 = PRESETS["h100-80g"]
+
+
+def _matmul(m, n, k):
+    return NodeWork(MATMUL, 2.0 * m * n * k, 2.0 * (m * k + m * n), 2.0 * k * n, 0.0, (m, n, k))
+
+
+def test_megatron_flops_formula_with_recomputation(gpt_graph):
+    # Narayanan et al. 2021, appendix: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) FLOPs per
+    # iteration with full recomputation: 4× the transformer layers' forward, 3× the LM head's.
+    b, s, layers, h, v = GPT["batch"], GPT["seq"], GPT["layers"], GPT["hidden"], GPT["vocab"]
+    formula = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
+    segments = GraphSummary(gpt_graph).evaluate({"batch": b})
+    flops = sum(
+        (training_flops(seg.nodes, recompute=seg.is_block) for seg in segments), PhaseCost()
+    )
+    assert flops.total == pytest.approx(formula, rel=0.03)
+    # The forward alone: 24·B·s·l·h²·(1 + s/(6h)) + 2·B·s·h·V.
+    forward = 24 * b * s * layers * h**2 * (1 + s / (6 * h)) + 2 * b * s * h * v
+    assert evaluate(total_flops(gpt_graph), {"batch": b}) == pytest.approx(forward, rel=0.03)
+    assert flops.forward == pytest.approx(forward, rel=0.03)
+    assert flops.backward == pytest.approx(2 * forward, rel=0.03)
+
+
+def test_efficiency_saturates_at_the_device_cap():
+    model = ComputeModel(H100, "bf16-mixed")
+    assert model.efficiency(8192, 8192, 8192) == pytest.approx(H100.matmul_efficiency, rel=0.01)
+    assert model.efficiency(4096, 4096, 64) < model.efficiency(4096, 4096, 4096)
+    assert model.efficiency(32, 4096, 4096) == pytest.approx(H100.matmul_efficiency / 2)
+
+
+def test_large_matmul_is_compute_bound_at_the_mixed_precision_peak():
+    work = _matmul(8192, 8192, 8192)
+    bf16 = ComputeModel(H100, "bf16-mixed")
+    fp32 = ComputeModel(H100, "fp32")
+    peak_time = work.flops / (989.4e12 * bf16.efficiency(8192, 8192, 8192))
+    assert bf16.forward_time(work) == pytest.approx(peak_time + H100.kernel_launch_s)
+    assert fp32.forward_time(work) > 10 * bf16.forward_time(work)
+
+
+def test_elementwise_is_memory_bound_and_halves_under_mixed_precision():
+    work = NodeWork(OTHER, 1e8, 8e8, 0.0, 0.0)
+    fp32 = ComputeModel(H100, "fp32").forward_time(work) - H100.kernel_launch_s
+    bf16 = ComputeModel(H100, "bf16-mixed").forward_time(work) - H100.kernel_launch_s
+    assert fp32 == pytest.approx(8e8 / H100.memory_bandwidth)
+    assert bf16 == pytest.approx(fp32 / 2)
+
+
+def test_tiny_operators_pay_the_launch_floor():
+    slow_launch = replace(H100, kernel_launch_s=1e-3)
+    tiny = ComputeModel(slow_launch).forward_time(_matmul(2, 2, 2))
+    assert tiny == pytest.approx(1e-3, rel=1e-3)
+    view = NodeWork(OTHER, 0.0, 0.0, 0.0, 0.0)
+    assert ComputeModel(slow_launch).forward_time(view) == 0.0
+
+
+def test_backward_is_twice_a_matmul_once_an_elementwise_and_recompute_adds_a_forward():
+    model = ComputeModel(H100, "bf16-mixed")
+    matmul, other = _matmul(4096, 4096, 4096), NodeWork(OTHER, 1e6, 1e7, 0.0, 0.0)
+    t = model.time(matmul, recompute=True)
+    assert t.backward == pytest.approx(2 * t.forward)
+    assert t.recompute == t.forward
+    assert model.time(other).backward == model.time(other).forward
+    flops = training_flops([matmul, other], recompute=True)
+    assert flops.total == pytest.approx(4 * matmul.flops + 3 * other.flops)
+
+
+def test_nodes_cost_prices_a_subset(gpt_graph):
+    model = ComputeModel(H100, "bf16-mixed")
+    nodes = gpt_graph.graph.nodes
+    block = [n for n in nodes if MODULE_PATH.get(n).startswith("transformer.h.0")]
+    whole = model.nodes_cost(gpt_graph, {"batch": 2})
+    one_block = model.nodes_cost(gpt_graph, {"batch": 2}, block)
+    assert 0 < one_block.total < whole.total / GPT["layers"]
+
+
+def test_unknown_precision_is_an_error():
+    with pytest.raises(ValueError, match="precision"):
+        ComputeModel(H100, "int8")
