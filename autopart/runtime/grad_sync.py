@@ -45,9 +45,14 @@ class GradientSync:
         group: dist.ProcessGroup,
         accumulation: int = 1,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        finish_with_backward: bool = False,
     ) -> None:
+        """`finish_with_backward`: call `finish` when the backward that produced the
+        gradients ends (for callers that do not drive the step themselves)."""
         self.group = group
         self.accumulation = accumulation
+        self.finish_with_backward = finish_with_backward
+        self._finish_queued = False
         self.size = dist.get_world_size(group)
         self.buckets = _make_buckets(params_in_backward_order, bucket_bytes)
         self._bucket_of: dict[int, _Bucket] = {}
@@ -65,6 +70,7 @@ class GradientSync:
 
     def begin(self) -> None:
         """Before the step's first backward: zero the buffers and point the grads at them."""
+        self._finish_queued = False
         for bucket in self.buckets:
             bucket.buffer.zero_()
             bucket.arrivals.clear()
@@ -86,6 +92,9 @@ class GradientSync:
                     p.grad = None
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if self.finish_with_backward and not self._finish_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self._finish_queued = True
         bucket = self._bucket_of[id(p)]
         arrived = bucket.arrivals[id(p)] = bucket.arrivals.get(id(p), 0) + 1
         if arrived == self.accumulation:
