@@ -1,0 +1,52 @@
+"""Calibration writes a device profile that Mesh accepts, in one process and on a Gloo
+world; the fitted matmul curve recovers a known one."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopart.calibrate import QUICK_MESSAGES, calibrate, fit_matmul_curve, main
+from autopart.cost_models.comm import CommModel
+from autopart.mesh import Mesh, device_spec
+from autopart.testing import run_world
+
+
+def test_quick_calibration_in_one_process_writes_a_loadable_profile(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    assert main(["--out", str(path), "--quick", "--name", "this-cpu"]) == 0
+    spec = device_spec(path)
+    assert spec.name == "this-cpu"
+    assert spec.peak_flops["fp32"] > 1e8
+    assert spec.memory_bandwidth > 1e8
+    assert 0 < spec.kernel_launch_s < 1e-2
+    assert spec.matmul_efficiency == 1.0
+    assert spec.collectives == {}  # a world of one has no collectives to measure
+    assert Mesh.cluster(path, nodes=1, per_node=2).device == spec
+    assert "#" in capsys.readouterr().err  # the progress bar
+
+
+def _calibrate_world(path: str) -> dict:
+    return calibrate(path, sizes=(64,), messages=QUICK_MESSAGES, copy_bytes=1 << 20,
+                     repeats=2).collectives
+
+
+def test_calibration_on_a_gloo_world_fits_every_collective(tmp_path):
+    path = tmp_path / "profile.json"
+    collectives = run_world(_calibrate_world, 2, str(path))[0]
+    assert set(collectives) == {
+        "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"
+    }
+    for fit in collectives.values():
+        assert fit["alpha"] >= 0 and fit["beta"] > 0
+    spec = device_spec(path)
+    assert spec.collectives == collectives
+    comm = CommModel(Mesh.cluster(spec, nodes=1, per_node=2))
+    assert comm.algorithms("all_reduce", 1 << 20, 2).keys() == {"measured"}
+
+
+def test_matmul_curve_fit_recovers_peak_and_half_dim():
+    peak, half = 2e12, 96.0
+    measured = {n: peak * n / (n + half) for n in (64, 128, 256, 512, 1024)}
+    fitted_peak, fitted_half = fit_matmul_curve(measured)
+    assert fitted_peak == pytest.approx(peak)
+    assert fitted_half == pytest.approx(half)

@@ -1,0 +1,135 @@
+"""Predictions for whole plans: Llama-3-8B on H100 meshes (meta device), pipelines,
+stage cuts, recomputation, and graphs captured with a static batch."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from autopart.capture import capture
+from autopart.cost_models.predict import Choices, predict
+from autopart.cost_models.summary import GraphSummary
+from autopart.mesh import Mesh
+from autopart.passes import analyze
+from autopart.plan import MeshSpec, Plan
+from tests.models import tiny_gpt2, token_batch
+
+GB = 1e9
+BF16_PEAK = 989.4e12
+NODE = Mesh.cluster("h100-80g", nodes=1, per_node=8)
+CLUSTER = Mesh.cluster("h100-80g", nodes=128, per_node=8)
+
+
+def _parts_add_up(p):
+    assert p.step_time_s == pytest.approx(p.compute_s + p.exposed_comm_s + p.bubble_s)
+    assert p.peak_memory_bytes == sum(p.memory.values())
+
+
+def test_llama3_8b_data_parallel_on_one_node(llama3_8b_graph):
+    p = predict(llama3_8b_graph, NODE, Choices(global_batch=8, dp=8, precision="bf16-mixed"))
+    _parts_add_up(p)
+    mfu = p.model_flops_per_device / BF16_PEAK
+    assert 0.1 < mfu < 0.8
+    assert p.bubble_s == 0.0
+    # 8.03B parameters: bf16 weights and gradients, 12 bytes of Adam state each.
+    assert p.memory["parameters"] == pytest.approx(2 * 8.03e9, rel=0.01)
+    assert p.memory["optimizer"] == pytest.approx(12 * 8.03e9, rel=0.01)
+
+
+def test_llama3_8b_fp32_adam_does_not_fit_plain_data_parallel(llama3_8b_graph):
+    p = predict(llama3_8b_graph, NODE, Choices(global_batch=8, dp=8, precision="fp32"))
+    _parts_add_up(p)
+    assert p.peak_memory_bytes > 16 * GB
+    assert p.memory["parameters"] + p.memory["gradients"] + p.memory["optimizer"] == (
+        pytest.approx(16 * 8.03e9, rel=0.01)
+    )
+    zero3 = predict(llama3_8b_graph, NODE, Choices(global_batch=8, dp=8, zero=3))
+    assert zero3.memory["optimizer"] == pytest.approx(p.memory["optimizer"] / 8, rel=0.01)
+    assert zero3.peak_memory_bytes < p.peak_memory_bytes / 3
+
+
+def test_tensor_parallel_shards_weights_and_pays_all_reduces(llama3_8b_graph):
+    dp = predict(llama3_8b_graph, NODE, Choices(global_batch=8, dp=8, precision="bf16-mixed"))
+    tp = predict(llama3_8b_graph, NODE, Choices(global_batch=8, tp=8, precision="bf16-mixed"))
+    assert tp.memory["parameters"] == pytest.approx(dp.memory["parameters"] / 8, rel=0.02)
+    assert tp.exposed_comm_s > dp.exposed_comm_s
+
+
+def test_recomputation_trades_activations_for_time(llama3_8b_graph):
+    plain = Choices(global_batch=16, dp=8, zero=3, precision="bf16-mixed")
+    recompute = Choices(
+        global_batch=16, dp=8, zero=3, precision="bf16-mixed", recompute=("model.layers",)
+    )
+    a, b = predict(llama3_8b_graph, NODE, plain), predict(llama3_8b_graph, NODE, recompute)
+    assert b.memory["activations"] < a.memory["activations"] / 5
+    assert b.compute_s > a.compute_s
+
+
+def test_pipelines_on_a_thousand_devices(llama3_8b_graph):
+    summary = GraphSummary(llama3_8b_graph)
+    base = {"global_batch": 1024, "dp": 32, "tp": 8, "pp": 4, "microbatches": 8,
+            "precision": "bf16-mixed"}
+    one = predict(summary, CLUSTER, Choices(**base, schedule="1f1b"))
+    gpipe = predict(summary, CLUSTER, Choices(**base, schedule="gpipe"))
+    interleaved = predict(
+        summary, CLUSTER, Choices(**base, schedule="interleaved-1f1b", virtual_stages=2)
+    )
+    for p in (one, gpipe, interleaved):
+        _parts_add_up(p)
+        assert 0.05 < p.model_flops_per_device / BF16_PEAK < 0.8
+    assert one.step_time_s == pytest.approx(gpipe.step_time_s)
+    assert one.memory["activations"] < gpipe.memory["activations"]
+    assert interleaved.bubble_s < one.bubble_s
+
+
+def test_prediction_is_fast_for_an_8b_model(llama3_8b_graph):
+    start = time.perf_counter()
+    predict(llama3_8b_graph, CLUSTER, Choices(global_batch=1024, dp=128, tp=8))
+    assert time.perf_counter() - start < 1.0
+
+
+def test_stage_cuts_place_the_boundary(llama3_8b_graph):
+    summary = GraphSummary(llama3_8b_graph)
+    choices = {"global_batch": 64, "dp": 4, "pp": 2, "microbatches": 4, "schedule": "1f1b"}
+    even = predict(summary, NODE, Choices(**choices, stage_cuts=("model.layers.16",)))
+    uneven = predict(summary, NODE, Choices(**choices, stage_cuts=("model.layers.4",)))
+    assert uneven.step_time_s > even.step_time_s
+    assert uneven.peak_memory_bytes > even.peak_memory_bytes
+    with pytest.raises(ValueError, match="names no module"):
+        predict(summary, NODE, Choices(**choices, stage_cuts=("model.nowhere",)))
+
+
+def test_choices_of_a_plan(llama3_8b_graph):
+    plan = Plan(MeshSpec("h100-80g", 1, 8), "f", global_batch=8, dp=8, precision="bf16-mixed")
+    p = predict(llama3_8b_graph, NODE, Choices.of(plan))
+    q = predict(llama3_8b_graph, NODE, Choices(global_batch=8, dp=8, precision="bf16-mixed"))
+    assert p == q
+
+
+def test_a_static_batch_graph_is_scaled_to_the_microbatch():
+    model = tiny_gpt2()
+    ids, _ = token_batch(batch=8)
+    graphs = {}
+    for dynamic in (True, False):
+        captured = capture(model, (ids,), dynamic_batch=dynamic)
+        analyze(captured.gm, captured.context())
+        graphs[dynamic] = captured.gm
+    mesh = Mesh.cluster("cpu", nodes=1, per_node=2)
+    dynamic, static = (
+        predict(graphs[d], mesh, Choices(global_batch=8, dp=2, microbatches=2))
+        for d in (True, False)
+    )
+    assert static.compute_s == pytest.approx(dynamic.compute_s, rel=0.05)
+    assert static.memory["activations"] == pytest.approx(dynamic.memory["activations"], rel=0.05)
+
+
+def test_plain_cpu_mesh_gives_finite_numbers():
+    with torch.device("meta"):
+        model = tiny_gpt2()
+    captured = capture(model, (torch.zeros(4, 16, dtype=torch.long, device="meta"),))
+    analyze(captured.gm, captured.context())
+    p = predict(captured.gm, Mesh.cluster("cpu", 1, 1), Choices(global_batch=4))
+    _parts_add_up(p)
+    assert p.step_time_s > 0 and p.exposed_comm_s == 0.0
