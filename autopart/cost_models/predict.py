@@ -48,7 +48,7 @@ from autopart.cost_models.memory import (
     in_flight_microbatches,
     total,
 )
-from autopart.cost_models.pipeline import bucket_sizes, exposed_sync, pipeline_step
+from autopart.cost_models.pipeline import SCHEDULES, bucket_sizes, exposed_sync, pipeline_step
 from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
 from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork
 from autopart.mesh import Mesh
@@ -73,6 +73,10 @@ class Choices:
     precision: str = "fp32"
     recompute: tuple[str, ...] = ()  # module paths of recomputed blocks (or containers)
     stage_cuts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.pp > 1 and self.schedule is None:
+            raise ValueError("a pipeline (pp > 1) needs a schedule: one of " + ", ".join(SCHEDULES))
 
     @classmethod
     def of(cls, plan: Plan) -> Choices:
