@@ -58,7 +58,7 @@ class ParallelModule(nn.Module):
             )
         from autopart.runtime.pipeline import PipelineExecutor
 
-        return PipelineExecutor(program, self.plan, self.groups, loss_fn)
+        return PipelineExecutor(program, self.plan, self.groups, loss_fn, self.precision)
 
     @property
     def graph(self) -> fx.GraphModule:

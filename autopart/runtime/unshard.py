@@ -24,7 +24,7 @@ def gather_full_parameters(pm: ParallelModule) -> dict[str, torch.Tensor]:
     for stage in pm.stages:
         for name, p in stage.named_parameters():
             full[name] = p.detach().clone()
-    return _undo_tensor_parallel(pm, full)
+    return _gather_pipeline_stages(pm, _undo_tensor_parallel(pm, full))
 
 
 def _undo_tensor_parallel(
@@ -41,3 +41,17 @@ def _undo_tensor_parallel(
         dist.all_gather(gathered, local, group=group)
         params[fqn] = unshard(gathered, dim, parts)
     return params
+
+
+def _gather_pipeline_stages(
+    pm: ParallelModule, params: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Each pipeline rank holds its own stages' parameters: every rank gets all of them
+    (through the CPU, as objects, then back on this rank's device)."""
+    if pm.plan.pp == 1:
+        return params
+    group = pm.groups.group(Axis.PP)
+    pieces: list[dict[str, torch.Tensor] | None] = [None] * pm.plan.pp
+    dist.all_gather_object(pieces, {k: v.cpu() for k, v in params.items()}, group=group)
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    return {k: v.to(device) for piece in pieces for k, v in piece.items()}

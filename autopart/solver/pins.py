@@ -13,7 +13,8 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from autopart.batch import batch_size, check_divisible
 from autopart.capture import Captured
 from autopart.mesh import Mesh
-from autopart.plan import MeshSpec, Plan, PlanError
+from autopart.plan import MeshSpec, Plan
+from autopart.solver.pipeline import choose_pipeline
 from autopart.solver.tensor_parallel import choose_tp_placements
 
 
@@ -37,10 +38,12 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     pp = pins.pp or 1
     dp = pins.dp or world // (tp * pp)
     mesh.check_factorization(dp, tp, pp)
-    if pp > 1:
-        raise PlanError("pipeline parallelism is not available yet; use pp=1")
     batch = batch_size((captured.example_args, captured.example_kwargs))
-    microbatches = pins.microbatches or 1
+    check_divisible(batch, dp, "dp")
+    pipeline = choose_pipeline(
+        captured.gm, pp, batch // dp, pins.schedule, pins.virtual_stages, pins.microbatches
+    )
+    microbatches = pipeline.microbatches
     check_divisible(batch, dp * microbatches, "dp×microbatches" if microbatches > 1 else "dp")
     zero = pins.zero or 0
     placements = _placements(captured, tp, zero)
@@ -53,8 +56,9 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         pp=pp,
         zero=zero,
         microbatches=microbatches,
-        schedule=pins.schedule,
-        virtual_stages=pins.virtual_stages or 1,
+        schedule=pipeline.schedule,
+        virtual_stages=pipeline.virtual_stages,
+        stage_cuts=pipeline.stage_cuts,
         precision=pins.precision,
         sequence_parallel=pins.sequence_parallel,
         recompute=tuple(pins.recompute or ()),

@@ -1,0 +1,204 @@
+"""Pipeline parallelism at run time: this rank's stages under torch.distributed.pipelining.
+
+Each stage module runs as a `PipelineStage` with static metadata: input and output
+shapes come from the SHAPE analysis at this step's microbatch size, and which values
+carry a gradient from the split. Pipelining then runs no trial forward and backward to
+infer them, which would accumulate gradients and fire the data-parallel hooks. Stages are
+made again when the batch's shape changes.
+
+The schedule is the plan's: "gpipe" (ScheduleGPipe), "1f1b" (Schedule1F1B) or
+"interleaved-1f1b" (ScheduleInterleaved1F1B, several stages per rank). The last stage
+computes each microbatch's loss, divided by the number of microbatches, so the
+accumulated gradients are those of the mean loss over the rank's batch, as with
+`LocalExecutor`. Pipelining's own gradient scaling is off: it would divide the gradients
+after the data-parallel all-reduce has started on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import chain
+from typing import Any
+
+import sympy
+import torch
+from torch import fx, nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.utils import _pytree as pytree
+
+from autopart.batch import split_batch
+from autopart.mesh import Axis
+from autopart.passes.meta import SHAPE, TensorInfo
+from autopart.passes.rewrite import RankProgram
+from autopart.passes.stage_modules import PipelineInfo, pipeline_info
+from autopart.plan import Plan
+from autopart.runtime.groups import MeshGroups
+from autopart.runtime.precision import Precision
+from autopart.runtime.shared_params import SharedParameters
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+}
+
+
+class PipelineExecutor:
+    """pp > 1: forward and backward of all microbatches, in the plan's schedule."""
+
+    def __init__(
+        self,
+        program: RankProgram,
+        plan: Plan,
+        groups: MeshGroups,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        precision: Precision | None = None,
+    ) -> None:
+        self.precision = precision or Precision(plan.precision, groups.device_type)
+        self.modules = [_StageOutputs(gm, self.precision) for gm in program.stages]
+        self.infos = [pipeline_info(gm) for gm in program.stages]
+        self.stage_ids = program.stage_ids
+        self.num_stages = self.infos[0].stages
+        self.schedule_type = SCHEDULES[plan.schedule]
+        self.microbatches = plan.microbatches
+        self.group = groups.group(Axis.PP)
+        self.loss_fn = loss_fn
+        self.device = _device(program.stages[0])
+        self.shared = SharedParameters(
+            program.stages, program.stage_ids, groups, plan.microbatches
+        )
+        self._schedules: dict[tuple, Any] = {}
+        self._targets: list[Any] = []
+        self._losses: list[torch.Tensor] = []
+
+    @property
+    def runs_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def runs_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def run(self, args: tuple, target: Any) -> torch.Tensor:
+        """Forward and backward over the rank's batch. Returns its mean loss (detached)
+        where this rank runs the last stage, zero elsewhere."""
+        m = self.microbatches
+        schedule = self._schedule(split_batch(args, 0, m, "microbatches"))
+        # Pipelining splits `target` along dim 0; handing it microbatch indices lets any
+        # target (a pytree) be split exactly as LocalExecutor splits it.
+        self._targets = [split_batch(target, i, m, "microbatches") for i in range(m)]
+        self._losses = []
+        self.shared.begin()
+        schedule.step(
+            *(args if self.runs_first else ()),
+            target=torch.arange(m) if self.runs_last else None,
+            return_outputs=False,
+        )
+        self.shared.finish()
+        return sum(self._losses, torch.zeros((), device=self.device))
+
+    def _microbatch_loss(self, outputs: tuple, index: torch.Tensor) -> torch.Tensor:
+        output = pytree.tree_unflatten(list(outputs), self.modules[-1].out_spec)
+        with self.precision.autocast():
+            loss = self.loss_fn(output, self._targets[int(index)]) / self.microbatches
+        self._losses.append(loss.detach().float())
+        return self.precision.scale(loss)
+
+    def _schedule(self, microbatch: tuple):
+        leaves = pytree.tree_leaves(microbatch)
+        key = tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor))
+        if key not in self._schedules:
+            sizes = _bind_dims(self.infos[0].model_inputs, leaves)
+            stages = [
+                self._stage(module, info, sizes, leaves)
+                for module, info in zip(self.modules, self.infos)
+            ]
+            self._schedules[key] = self._make_schedule(stages)
+        return self._schedules[key]
+
+    def _stage(
+        self, module: _StageOutputs, info: PipelineInfo, sizes: dict, leaves: list
+    ) -> PipelineStage:
+        graph = module.stage.graph
+        if info.stage == 0:
+            inputs = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+        else:
+            placeholders = graph.find_nodes(op="placeholder")
+            inputs = tuple(
+                _example(SHAPE.get(n), sizes, grad, self.device)
+                for n, grad in zip(placeholders, info.input_grads)
+            )
+        (output,) = graph.find_nodes(op="output")
+        values = [v for v in pytree.tree_leaves(output.args[0]) if isinstance(v, fx.Node)]
+        outputs = tuple(
+            _example(SHAPE.get(v), sizes, grad, self.device)
+            for v, grad in zip(values, info.output_grads)
+        )
+        return PipelineStage(
+            module, info.stage, self.num_stages, self.device,
+            input_args=inputs, output_args=outputs, group=self.group,
+        )
+
+    def _make_schedule(self, stages: list[PipelineStage]):
+        kwargs = {"loss_fn": self._microbatch_loss, "scale_grads": False}
+        if self.schedule_type is ScheduleInterleaved1F1B:
+            return ScheduleInterleaved1F1B(stages, self.microbatches, **kwargs)
+        if len(stages) > 1:
+            raise ValueError(
+                f"the {self.schedule_type.__name__} schedule runs one stage per rank, not "
+                f"{len(stages)}: use schedule='interleaved-1f1b' with virtual stages"
+            )
+        return self.schedule_type(stages[0], self.microbatches, **kwargs)
+
+
+class _StageOutputs(nn.Module):
+    """A stage as pipelining wants it: a flat tuple of contiguous tensors out (they are
+    sent as they are). The output's structure is kept, so the last stage's output can
+    be rebuilt for the loss function."""
+
+    def __init__(self, stage: fx.GraphModule, precision: Precision) -> None:
+        super().__init__()
+        self.stage = stage
+        self.precision = precision
+        self.out_spec: pytree.TreeSpec | None = None
+
+    def forward(self, *args: Any) -> tuple[torch.Tensor, ...]:
+        with self.precision.autocast():
+            output = self.stage(*args)
+        leaves, self.out_spec = pytree.tree_flatten(output)
+        return tuple(x.contiguous() for x in leaves)
+
+
+def _bind_dims(model_inputs: tuple[TensorInfo | None, ...], leaves: list) -> dict:
+    """The named dims ("batch", ...) of the model's inputs, at this microbatch's sizes."""
+    sizes: dict[sympy.Symbol, int] = {}
+    for info, leaf in zip(model_inputs, leaves):
+        if isinstance(info, TensorInfo) and isinstance(leaf, torch.Tensor):
+            for dim, size in zip(info.shape, leaf.shape):
+                if isinstance(dim, sympy.Symbol):
+                    sizes[dim] = sympy.Integer(size)
+    return sizes
+
+
+def _example(
+    info: TensorInfo, sizes: dict, requires_grad: bool, device: torch.device
+) -> torch.Tensor:
+    shape = [sympy.sympify(d).xreplace(sizes) for d in info.shape]
+    if not all(d.is_Integer for d in shape):
+        raise ValueError(
+            f"a pipeline stage value of shape {info.shape} depends on sizes the model's "
+            f"inputs do not name ({sizes}): only named dynamic dims can vary"
+        )
+    return torch.empty(
+        [int(d) for d in shape], dtype=info.dtype, device=device, requires_grad=requires_grad
+    )
+
+
+def _device(stage: nn.Module) -> torch.device:
+    tensor = next(chain(stage.parameters(), stage.buffers()), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
