@@ -9,7 +9,10 @@ blocks) and chunks to pipeline ranks; then per rank:
   communication on the critical path, per microbatch:
     tensor parallelism (Megatron-LM): each block all-reduces its output activation
       twice in forward (after attention and after the MLP) and twice in backward (their
-      input gradients), twice more when recomputed, over the tp axis (stride 1);
+      input gradients), twice more when recomputed, over the tp axis (stride 1). This
+      assumes transformer blocks (one attention and one MLP each); with sequence
+      parallelism each all-reduce becomes a reduce-scatter plus an all-gather of the
+      same total volume;
     pipeline transfers: one activation sent forward and one gradient sent backward per
       chunk, over the pp axis (stride dp·tp);
     ZeRO-3: every microbatch gathers the rank's parameters in forward and again in
@@ -261,15 +264,10 @@ def _zero3_comm(
     comm, stride = models.comm, choices.tp
     gather = comm.time(ALL_GATHER, params * param_bytes, choices.dp, stride)
     first = comm.time(ALL_GATHER, gathered * param_bytes, choices.dp, stride)
-    buckets = [
-        comm.time(REDUCE_SCATTER, b, choices.dp, stride)
-        for b in bucket_sizes(params * grad_bytes, models.memory.bucket_bytes)
-    ]
+    scatter, last = _bucketed(REDUCE_SCATTER, params * grad_bytes, choices, models)
     backward = compute.backward + compute.recompute
-    return (
-        first
-        + max(0.0, gather - compute.forward)
-        + exposed_sync(gather + sum(buckets), backward, buckets[-1] if buckets else 0.0)
+    return first + max(0.0, gather - compute.forward) + exposed_sync(
+        gather + scatter, backward, last
     )
 
 
@@ -280,17 +278,21 @@ def _dp_sync(params: float, compute: PhaseCost, choices: Choices, models: CostMo
         return 0.0
     param_bytes, grad_bytes = STATE_BYTES[choices.precision][:2]
     op = ALL_REDUCE if choices.zero == 0 else REDUCE_SCATTER
-    comm = models.comm
-    buckets = [
-        comm.time(op, b, choices.dp, choices.tp)
-        for b in bucket_sizes(params * grad_bytes, models.memory.bucket_bytes)
-    ]
-    if not buckets:
-        return 0.0
-    hidden = exposed_sync(sum(buckets), compute.backward + compute.recompute, buckets[-1])
+    sync, last = _bucketed(op, params * grad_bytes, choices, models)
+    exposed = exposed_sync(sync, compute.backward + compute.recompute, last)
     if choices.zero == 0:
-        return hidden
-    return hidden + comm.time(ALL_GATHER, params * param_bytes, choices.dp, choices.tp)
+        return exposed
+    return exposed + models.comm.time(ALL_GATHER, params * param_bytes, choices.dp, choices.tp)
+
+
+def _bucketed(
+    op: str, nbytes: float, choices: Choices, models: CostModels
+) -> tuple[float, float]:
+    """(every bucket, the last bucket): seconds of `op` over dp on `nbytes` of gradients
+    cut into the memory model's buckets."""
+    sizes = bucket_sizes(nbytes, models.memory.bucket_bytes)
+    seconds = {b: models.comm.time(op, b, choices.dp, choices.tp) for b in set(sizes)}
+    return sum(seconds[b] for b in sizes), seconds[sizes[-1]] if sizes else 0.0
 
 
 def _optimizer_time(params: float, choices: Choices, compute: ComputeModel) -> float:

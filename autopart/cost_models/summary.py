@@ -140,7 +140,7 @@ def _segments(gm: fx.GraphModule, numel: Mapping[str, int]) -> tuple[Segment, ..
         if block is not None:
             instance_run[key] = len(runs)
         runs.append((key, block.block_id if block else None, [node]))
-    owners = _first_readers(gm, runs, numel)
+    owners = _first_readers(runs, numel)
     return tuple(
         Segment(
             key, block_id, tuple(nodes), _sharded_flags(gm, key, block_id, nodes),
@@ -152,8 +152,7 @@ def _segments(gm: fx.GraphModule, numel: Mapping[str, int]) -> tuple[Segment, ..
 
 
 def _first_readers(
-    gm: fx.GraphModule, runs: list[tuple[str, str | None, list[fx.Node]]],
-    numel: Mapping[str, int],
+    runs: list[tuple[str, str | None, list[fx.Node]]], numel: Mapping[str, int]
 ) -> list[list[str]]:
     """For each run, the parameters it is the first to read. Parameters no operator
     reads still take memory: they go to the first run."""
