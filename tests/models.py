@@ -83,9 +83,11 @@ def make_optimizer(kind: str):
 LM_FACTORIES = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
 
-def train_single_device(model_name: str, optimizer: str, steps: int, batch) -> dict:
+def train_single_device(
+    model_name: str, optimizer: str, steps: int, batch, layers: int = 2
+) -> dict:
     """The reference: the unmodified model on one device, on the whole global batch."""
-    model = LM_FACTORIES[model_name]()
+    model = LM_FACTORIES[model_name](layers=layers)
     opt = make_optimizer(optimizer)(model.parameters())
     ids, target = batch
     losses = []
