@@ -54,6 +54,20 @@ class Captured:
     # Sizes each named dim may take at run time (inclusive).
     dim_ranges: dict[str, tuple[int, float]] = field(default_factory=dict)
 
+    @property
+    def dim_sizes(self) -> dict[str, int]:
+        """The size each named dim has in the example inputs."""
+        sizes = {}
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        for node, arg in zip(placeholders, pytree.tree_leaves(self.example_args)):
+            val = node.meta.get("val")
+            if not isinstance(arg, torch.Tensor) or not isinstance(val, torch.Tensor):
+                continue
+            for size, example in zip(val.shape, arg.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr in self.symbols:
+                    sizes[self.symbols[size.node.expr].name] = int(example)
+        return sizes
+
     def admits_batch(self, size: int) -> bool:
         """Whether the program runs unchanged on a batch (dim 0) of `size`."""
         if BATCH not in self.dims:

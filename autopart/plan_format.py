@@ -12,7 +12,13 @@ from autopart.placements import placement_to_str
 if TYPE_CHECKING:
     from autopart.plan import Plan
 
-GiB = 1024**3
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
 PLACEMENT_AXES = (Axis.DP, Axis.TP)  # the order of a parameter's placements
 
 
@@ -45,7 +51,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(
             f"  predicted step {p.step_time_s * 1e3:.2f} ms (compute {p.compute_s * 1e3:.2f}, "
             f"exposed comm {p.exposed_comm_s * 1e3:.2f}, bubble {p.bubble_s * 1e3:.2f}); "
-            f"peak memory {p.peak_memory_bytes / GiB:.2f} GiB; "
+            f"peak memory {format_bytes(p.peak_memory_bytes)}; "
             f"{p.model_flops_per_device / 1e12:.3f} model TFLOP/s per device"
         )
     if plan.placements:
@@ -65,7 +71,7 @@ def format_plan(plan: Plan) -> str:
         for a in plan.alternatives:
             lines.append(
                 f"    dp={a.dp} tp={a.tp} pp={a.pp} zero={a.zero} m={a.microbatches}: "
-                f"{a.step_time_s * 1e3:.2f} ms, {a.peak_memory_bytes / GiB:.2f} GiB {a.note}"
+                f"{a.step_time_s * 1e3:.2f} ms, {format_bytes(a.peak_memory_bytes)} {a.note}"
             )
     return "\n".join(lines)
 
@@ -107,8 +113,8 @@ def explain_plan(plan: Plan) -> str:
         p = plan.predicted
         lines.append(
             f"Predicted step time {p.step_time_s * 1e3:.2f} ms; peak memory "
-            f"{p.peak_memory_bytes / GiB:.2f} GiB per rank ("
-            + ", ".join(f"{k} {v / GiB:.2f}" for k, v in p.memory.items())
+            f"{format_bytes(p.peak_memory_bytes)} per rank ("
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in p.memory.items())
             + ")."
         )
     return "\n".join(lines)

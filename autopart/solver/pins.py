@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from autopart.batch import batch_size, check_divisible
-from autopart.capture import Captured
+from autopart.capture import BATCH, Captured
+from autopart.cost_models import Choices, predict
 from autopart.mesh import Mesh
 from autopart.plan import MeshSpec, Plan
 from autopart.solver.pipeline import choose_pipeline
@@ -47,7 +48,7 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     check_divisible(batch, dp * microbatches, "dp×microbatches" if microbatches > 1 else "dp")
     zero = pins.zero or 0
     placements = _placements(captured, tp, zero)
-    return Plan(
+    plan = Plan(
         mesh=MeshSpec.of(mesh),
         fingerprint=captured.fingerprint,
         global_batch=batch,
@@ -63,6 +64,10 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         sequence_parallel=pins.sequence_parallel,
         recompute=tuple(pins.recompute or ()),
         placements=placements,
+    )
+    other_dims = {k: v for k, v in captured.dim_sizes.items() if k != BATCH}
+    return plan.with_changes(
+        predicted=predict(captured.gm, mesh, Choices.of(plan), dims=other_dims)
     )
 
 
