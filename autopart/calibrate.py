@@ -1,16 +1,19 @@
 """Measure this machine into a device profile: `autopart calibrate --out profile.json`.
 
-    matmul        n×n @ n×n for each size and dtype: 2n³ FLOPs over the median time.
-                  The curve flops(n) = P · n / (n + n½) (the compute model's efficiency
-                  curve) is fitted by least squares on 1/flops = 1/P + (n½/P) · 1/n;
-                  P, the asymptotic peak, becomes `peak_flops[dtype]` and the profile's
+    launch        one tiny operator, many back to back: `kernel_launch_s`.
+    matmul        n×n @ n×n for each size and dtype, median time t(n). The compute
+                  model's curve, efficiency n/(n + n½) of a peak P plus the launch, says
+                  t(n) − launch = 2n³/P + 2n²·n½/P: linear in 1/P and n½/P, fitted by
+                  least squares on relative error over the sizes that take at least 4
+                  launches. A fit that extrapolates P beyond 1.25× the best measured
+                  rate (the curve has not saturated, or is noisy) keeps P at the best
+                  rate and fits n½ alone. P becomes `peak_flops[dtype]` and
                   `matmul_efficiency` is 1.0 (a measured peak is achievable).
     memory        a large copy: 2 × its bytes (read and written) over the median time.
-    launch        the median time of one tiny operator: `kernel_launch_s`.
     collectives   all_reduce, all_gather, reduce_scatter, broadcast and all_to_all (each
                   where the backend supports it) of 1 KiB to 64 MiB buffers, timed on
                   every rank and taking the slowest. t(M) = A + B·M is fitted by least
-                  squares and stored per ring step and per byte sent:
+                  squares on relative error and stored per ring step and per byte sent:
                   alpha = A / ring_steps(op, world), beta = B / ring_volume(op, world),
                   which `cost_models.comm.CommModel` reads. The all-reduce's figures
                   also become the link latency and bandwidth (intra-node on one node,
@@ -44,6 +47,8 @@ QUICK_SIZES = (64, 128, 256)
 MESSAGE_SIZES = tuple(1024 * 4**i for i in range(9))  # 1 KiB ... 64 MiB
 QUICK_MESSAGES = (1024, 64 * 1024, 1024**2)
 COPY_BYTES = 256 * 1024**2
+MAX_EXTRAPOLATION = 1.25  # a fitted peak may exceed the best measured rate by this much
+SAMPLE_S = 0.01  # the length of one timing sample of a batched measurement
 QUICK_COPY_BYTES = 16 * 1024**2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -86,14 +91,14 @@ def calibrate(
     ops = COLLECTIVE_OPS if world > 1 else ()
     progress = Progress(len(dtypes) * len(sizes) + 2 + len(ops) * len(messages), rank == 0)
 
-    peaks, half_dims = {}, {}
-    for dtype in dtypes:
-        measured = {n: _matmul_flops(n, DTYPES[dtype], device, repeats, progress) for n in sizes}
-        peaks[dtype], half_dims[dtype] = fit_matmul_curve(measured)
-    bandwidth = _copy_bandwidth(copy_bytes, device, repeats)
-    progress.step("memory bandwidth")
     launch = _launch_time(device)
     progress.step("kernel launch")
+    peaks, half_dims = {}, {}
+    for dtype in dtypes:
+        measured = {n: _matmul_time(n, DTYPES[dtype], device, repeats, progress) for n in sizes}
+        peaks[dtype], half_dims[dtype] = fit_matmul_curve(measured, launch)
+    bandwidth = _copy_bandwidth(copy_bytes, device, repeats)
+    progress.step("memory bandwidth")
     collectives = {}
     for op in ops:
         fitted = _collective_fit(op, messages, device, world, repeats, progress)
@@ -107,38 +112,60 @@ def calibrate(
     return spec
 
 
-def fit_matmul_curve(flops_by_dim: dict[int, float]) -> tuple[float, float]:
-    """(P, n½) of flops(n) = P·n/(n + n½), by least squares on 1/flops against 1/n.
-    A fit that comes out unphysical (noise on a flat curve) gives (best measured, 0)."""
-    intercept, slope = _least_squares(
-        [1 / n for n in flops_by_dim], [1 / f for f in flops_by_dim.values()]
-    )
-    if intercept <= 0 or slope < 0:
-        return max(flops_by_dim.values()), 0.0
-    return 1 / intercept, slope / intercept
+def fit_matmul_curve(seconds_by_dim: dict[int, float], launch: float) -> tuple[float, float]:
+    """(P, n½) with t(n) = launch + 2n³/(P · n/(n + n½)) = launch + (2n³ + 2n²·n½)/P,
+    over the sizes that take at least 4 launches (see the module docstring)."""
+    best = max(2 * n**3 / t for n, t in seconds_by_dim.items())
+    rows = [(2 * n**3, 2 * n**2, t - launch) for n, t in seconds_by_dim.items() if t >= 4 * launch]
+    if not rows:
+        return best, 0.0
+    a, b = _relative_fit(rows) if len(rows) > 1 else (0.0, 0.0)
+    if a > 0 and b >= 0 and 1 / a <= MAX_EXTRAPOLATION * best:
+        return 1 / a, b / a
+    # P fixed at the best rate: the relative residual of a row is c + d·n½ with
+    # c = x1/(P·y) − 1 and d = x2/(P·y), minimized by n½ = −Σcd / Σd².
+    cd = [(x1 / (best * y) - 1, x2 / (best * y)) for x1, x2, y in rows]
+    half = -sum(c * d for c, d in cd) / sum(d * d for _, d in cd)
+    return best, max(half, 0.0)
 
 
-def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """(intercept, slope) of the least-squares line through the points."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-    return my - slope * mx, slope
+def _relative_fit(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, b) minimizing Σ ((a·x1 + b·x2 − y) / y)² over rows (x1, x2, y): least squares
+    on relative error, so small and large measurements count alike (2×2 normal
+    equations)."""
+    xs = [(x1 / y, x2 / y) for x1, x2, y in rows]
+    s11 = sum(u * u for u, _ in xs)
+    s12 = sum(u * v for u, v in xs)
+    s22 = sum(v * v for _, v in xs)
+    t1, t2 = sum(u for u, _ in xs), sum(v for _, v in xs)
+    det = s11 * s22 - s12 * s12
+    if not det:
+        return t1 / s11, 0.0
+    return (t1 * s22 - t2 * s12) / det, (s11 * t2 - s12 * t1) / det
 
 
 # -- measurements --------------------------------------------------------------------
 
 
-def _median_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    fn()  # warm-up: allocation, kernel selection
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
+def _median_time(
+    fn: Callable[[], object], device: torch.device, repeats: int, batched: bool = False
+) -> float:
+    """The median seconds of one call. `batched` runs enough calls back to back per
+    sample (about 10 ms) that the synchronization at its ends does not count."""
+    inner = 1
+    first = _timed(fn, device, 1)  # also the warm-up: allocation, kernel selection
+    if batched:
+        inner = max(1, min(100, int(SAMPLE_S / max(first, 1e-9))))
+    return statistics.median(_timed(fn, device, inner) for _ in range(repeats))
+
+
+def _timed(fn: Callable[[], object], device: torch.device, calls: int) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
         fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    _sync(device)
+    return (time.perf_counter() - start) / calls
 
 
 def _sync(device: torch.device) -> None:
@@ -146,32 +173,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _matmul_flops(
+def _matmul_time(
     n: int, dtype: torch.dtype, device: torch.device, repeats: int, progress: Progress
 ) -> float:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    seconds = _median_time(lambda: a @ b, device, repeats)
+    seconds = _median_time(lambda: a @ b, device, repeats, batched=True)
     progress.step(f"matmul {str(dtype).removeprefix('torch.')} {n}")
-    return 2 * n**3 / seconds
+    return seconds
 
 
 def _copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_time(lambda: dst.copy_(src), device, repeats)
+    return 2 * nbytes / _median_time(lambda: dst.copy_(src), device, repeats, batched=True)
 
 
 def _launch_time(device: torch.device, count: int = 200) -> float:
     """Per operator: `count` tiny additions back to back, synchronized once."""
     x = torch.zeros(1, device=device)
     x.add_(1)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(count):
-        x.add_(1)
-    _sync(device)
-    return (time.perf_counter() - start) / count
+    return _timed(lambda: x.add_(1), device, count)
 
 
 def _collective_fit(
@@ -193,7 +215,7 @@ def _collective_fit(
                 progress.step(f"{op} (unsupported)")
             return None
         progress.step(f"{op} {nbytes // 1024} KiB")
-    intercept, slope = _least_squares([float(m) for m in messages], times)
+    intercept, slope = _relative_fit([(1.0, float(m), t) for m, t in zip(messages, times)])
     return {
         "alpha": max(intercept, 0.0) / ring_steps(op, world),
         "beta": max(slope, 1e-15) / ring_volume(op, world),

@@ -16,14 +16,20 @@ Efficiency of a contraction is a saturating curve of its smallest dim d = min(m,
 `matmul_efficiency` (DeviceSpec) is the fraction of peak large matmuls reach; d½ is the
 dim at which a matmul reaches half of that. Small and skinny matmuls fill few tiles and
 waves of the device and run far below peak; the bytes term of the roofline covers the
-ones that become memory-bound. The default d½ = 32 puts an attention with head dim 128
-at 0.8 of the large-matmul efficiency (FlashAttention-2 reaches 50-70% of A100/H100 peak
-against cuBLAS's ~75-80%) and a hidden-4096 projection at 0.99. `autopart calibrate`
-fits d½ for the local device (`calibrate.fit_matmul_curve`).
+ones that become memory-bound. For attention d is the head dim.
 
-Precision. The graph is captured in fp32 (mixed-precision training keeps fp32 master
-weights). Under "bf16-mixed" / "fp16-mixed" operators read and write 16-bit copies, half
-the captured bytes.
+Fitted on an H100 SXM 80GB (PyTorch 2.11, CUDA 13, bf16): with matmul_efficiency 0.75
+and d½ = 64 the roofline predicts the 18 measured matmul shapes that run for 100 µs or
+more (m, n, k from 16 to 16384) within −12% / +7%, where any d½ up to 128 fits about as
+well; and flash attention forward + backward (head dim 64 and 128) within 11% at
+sequence length 2048 and 4096, the fit that decides d½. Shorter sequences run slower
+than modelled (1.3× at 1024, 1.8× at 512). `autopart calibrate` fits d½ for the local
+device (`calibrate.fit_matmul_curve`).
+
+Precision (`precision`). The graph is captured in fp32. Under "bf16-mixed" /
+"fp16-mixed" (torch.autocast) contractions move half the captured bytes and pay a cast
+of their fp32 operands (one more kernel, 1.5× the operands' captured bytes); other
+operators run in fp32 as captured.
 
 Backward and recomputation. A contraction's backward computes two products of the same
 size as its forward (the input gradient and the weight gradient): 2× the forward's
@@ -39,10 +45,11 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from autopart.cost_models.precision import bytes_scale, cast_bytes, is_mixed
 from autopart.cost_models.work import NodeWork, node_work
 from autopart.mesh import DeviceSpec
 
-DEFAULT_HALF_DIM = 32.0
+DEFAULT_HALF_DIM = 64.0
 BACKWARD_CONTRACTION = 2.0  # backward / forward for matmuls, attention, convolutions
 BACKWARD_OTHER = 1.0  # backward / forward for everything else
 COMPUTE_DTYPES = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
@@ -77,15 +84,12 @@ class ComputeModel:
     def __init__(
         self, device: DeviceSpec, precision: str = "fp32", half_dim: float = DEFAULT_HALF_DIM
     ) -> None:
-        if precision not in COMPUTE_DTYPES:
-            known = sorted(COMPUTE_DTYPES)
-            raise ValueError(f"precision must be one of {known}, not {precision!r}")
+        is_mixed(precision)  # fails on an unknown precision
         self.device = device
         self.precision = precision
         self.half_dim = half_dim
         self.contraction_peak = device.flops_for(COMPUTE_DTYPES[precision])
         self.vector_peak = device.flops_for("fp32")
-        self.bytes_scale = 1.0 if precision == "fp32" else 0.5
 
     # -- one operator -----------------------------------------------------------------
 
@@ -95,7 +99,8 @@ class ComputeModel:
         return self.device.matmul_efficiency * d / (d + self.half_dim)
 
     def forward_time(self, work: NodeWork) -> float:
-        """The roofline time of one operator's forward, with its launch floor."""
+        """The roofline time of one operator's forward, with its launch floor, plus the
+        cast of its operands under mixed precision."""
         if not work.flops and not work.bytes:
             return 0.0
         if work.is_contraction:
@@ -103,8 +108,10 @@ class ComputeModel:
             math = work.flops / (self.contraction_peak * eff)
         else:
             math = work.flops / self.vector_peak
-        memory = work.bytes * self.bytes_scale / self.device.memory_bandwidth
-        return max(math, memory) + self.device.kernel_launch_s
+        bandwidth, launch = self.device.memory_bandwidth, self.device.kernel_launch_s
+        memory = work.bytes * bytes_scale(work, self.precision) / bandwidth
+        cast = cast_bytes(work, self.precision)
+        return max(math, memory) + launch + (cast / bandwidth + launch if cast else 0.0)
 
     def time(self, work: NodeWork, recompute: bool = False) -> PhaseCost:
         """Forward, backward (2× for contractions, 1× otherwise) and recomputation."""

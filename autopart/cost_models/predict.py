@@ -205,12 +205,11 @@ def _rank_cost(
     own = [segments[i] for i in mine]
     compute = sum((times[i] for i in mine), PhaseCost())
     params = sum(s.param_numel(choices.tp) for s in own)
-    scale = models.compute.bytes_scale
-    boundary = max((s.output_bytes for s in own if s.is_block), default=0.0) * scale
+    boundary = max((s.output_bytes for s in own if s.is_block), default=0.0)
     blocks = [s for s in own if s.is_block]
     gathered = max((s.param_numel(choices.tp) for s in blocks), default=params)
     comm = (
-        _tp_comm(own, choices, models.comm, scale)
+        _tp_comm(own, choices, models.comm)
         + _p2p_comm(boundary, choices, models.comm)
         + _zero3_comm(params, gathered, compute, choices, models)
     )
@@ -219,7 +218,7 @@ def _rank_cost(
     )
     memory = models.memory.breakdown(
         params, choices.dp, choices.zero,
-        activations=_activations(own, choices, scale).bytes(in_flight),
+        activations=_activations(own, choices).bytes(in_flight),
         gathered_params=gathered,
         pipeline_bytes=boundary if choices.pp > 1 else 0.0,
     )
@@ -232,11 +231,13 @@ def _rank_cost(
     )
 
 
-def _tp_comm(own: list[SegmentWork], choices: Choices, comm: CommModel, scale: float) -> float:
-    """Per microbatch: 2 forward + 2 backward (+ 2 recomputed) all-reduces of each
-    block's output over tp."""
+def _tp_comm(own: list[SegmentWork], choices: Choices, comm: CommModel) -> float:
+    """Per microbatch: 2 forward + 2 backward (+ 2 recomputed) all-reduces over tp of a
+    block's output, as a row-parallel matmul produces it (16-bit under mixed
+    precision)."""
     if choices.tp == 1:
         return 0.0
+    scale = 1.0 if choices.precision == "fp32" else 0.5
     seconds = 0.0
     for seg in own:
         if seg.is_block:
@@ -302,12 +303,13 @@ def _optimizer_time(params: float, choices: Choices, compute: ComputeModel) -> f
     return compute.optimizer_step_time(shard * sum(STATE_BYTES[choices.precision]))
 
 
-def _activations(own: list[SegmentWork], choices: Choices, scale: float) -> Activations:
-    """Saved bytes per microbatch, at the compute precision; recomputed blocks keep
-    their input, which has the size of their output (the residual stream)."""
+def _activations(own: list[SegmentWork], choices: Choices) -> Activations:
+    """Saved bytes per microbatch at the plan's precision; recomputed blocks keep their
+    input, which has the size of their output (the residual stream, as captured)."""
     recomputed = [s for s in own if choices.recomputes(s)]
+    saved = {id(s): s.saved_bytes(choices.precision) for s in own}
     return Activations(
-        kept=scale * sum(s.saved_bytes for s in own if not choices.recomputes(s)),
-        recomputed_inputs=scale * sum(s.output_bytes for s in recomputed),
-        largest_recomputed=scale * max((s.saved_bytes for s in recomputed), default=0.0),
+        kept=sum(saved[id(s)] for s in own if not choices.recomputes(s)),
+        recomputed_inputs=sum(s.output_bytes for s in recomputed),
+        largest_recomputed=max((saved[id(s)] for s in recomputed), default=0.0),
     )

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import sympy
 from torch import fx
 
+from autopart.cost_models.precision import bytes_scale
 from autopart.cost_models.work import OTHER, NodeWork, evaluate, node_work, op_kind
 from autopart.passes.meta import BLOCK, MODULE_PATH, PARAMS, SHAPE, TensorInfo
 from autopart.passes.ops import op_name
@@ -59,9 +60,9 @@ class SegmentWork:
     def is_block(self) -> bool:
         return self.segment.block_id is not None
 
-    @property
-    def saved_bytes(self) -> float:
-        return sum(w.saved_bytes for w in self.nodes)
+    def saved_bytes(self, precision: str = "fp32") -> float:
+        """Bytes saved for backward per microbatch at `precision` (`precision.py`)."""
+        return sum(w.saved_bytes * bytes_scale(w, precision) for w in self.nodes)
 
     @property
     def flops(self) -> float:

@@ -3,8 +3,8 @@
 The analysis passes leave sympy expressions of the named dims (`batch`, `seq`) in
 `node.meta`: FLOPs, bytes read and written, bytes saved for backward. A cost model needs
 numbers, so `node_work` substitutes the sizes once per operator and keeps what the
-compute and memory models read: the FLOPs, the bytes moved (split into activations and
-parameters, which scale differently with the batch, the precision and tensor
+compute and memory models read: the FLOPs, the bytes moved (activations read, written,
+and parameters read, which scale differently with the batch, the precision and tensor
 parallelism), the bytes saved for backward and, for contractions, the matmul shape
 (m, n, k) that decides how close to peak the kernel runs.
 """
@@ -36,15 +36,16 @@ class NodeWork:
 
     kind: str  # MATMUL, ATTENTION or OTHER
     flops: float
-    activation_bytes: float  # tensors read and written other than parameters
-    param_bytes: float  # parameters read
-    saved_bytes: float  # saved for backward
+    read_bytes: float = 0.0  # tensors read other than parameters
+    written_bytes: float = 0.0
+    param_bytes: float = 0.0  # parameters read
+    saved_bytes: float = 0.0  # saved for backward
     shape: tuple[float, float, float] | None = None  # (m, n, k) of a contraction
     tp_sharded: bool = False  # split over the tensor-parallel axis (Megatron layout)
 
     @property
     def bytes(self) -> float:
-        return self.activation_bytes + self.param_bytes
+        return self.read_bytes + self.written_bytes + self.param_bytes
 
     @property
     def is_contraction(self) -> bool:
@@ -65,7 +66,8 @@ class NodeWork:
         return replace(
             self,
             flops=self.flops / tp,
-            activation_bytes=self.activation_bytes / tp,
+            read_bytes=self.read_bytes / tp,
+            written_bytes=self.written_bytes / tp,
             param_bytes=self.param_bytes / tp,
             saved_bytes=self.saved_bytes / tp,
             shape=shape,
@@ -82,7 +84,8 @@ class NodeWork:
         return replace(
             self,
             flops=self.flops * factor,
-            activation_bytes=self.activation_bytes * factor,
+            read_bytes=self.read_bytes * factor,
+            written_bytes=self.written_bytes * factor,
             saved_bytes=self.saved_bytes * factor,
             shape=shape,
         )
@@ -117,14 +120,15 @@ def node_work(
     kind = op_kind(name)
     flops = evaluate(FLOPS.get(node), dims)
     traffic = TRAFFIC.get(node)
-    moved = evaluate(traffic.read, dims) + evaluate(traffic.written, dims)
-    params = float(sum(param_bytes.get(fqn, 0) for fqn in PARAMS.get(node)))
+    read = evaluate(traffic.read, dims)
+    params = min(float(sum(param_bytes.get(fqn, 0) for fqn in PARAMS.get(node))), read)
     shape = _contraction_shape(node, name, kind, flops, dims)
     return NodeWork(
         kind=kind,
         flops=flops,
-        activation_bytes=max(moved - params, 0.0),
-        param_bytes=min(params, moved),
+        read_bytes=read - params,
+        written_bytes=evaluate(traffic.written, dims),
+        param_bytes=params,
         saved_bytes=evaluate(SAVED_BYTES.get(node), dims),
         shape=shape,
         tp_sharded=tp_sharded,

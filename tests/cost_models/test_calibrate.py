@@ -45,8 +45,24 @@ def test_calibration_on_a_gloo_world_fits_every_collective(tmp_path):
 
 
 def test_matmul_curve_fit_recovers_peak_and_half_dim():
-    peak, half = 2e12, 96.0
-    measured = {n: peak * n / (n + half) for n in (64, 128, 256, 512, 1024)}
-    fitted_peak, fitted_half = fit_matmul_curve(measured)
+    # The compute model's curve: t(n) = launch + 2n³ / (peak · n / (n + n½)).
+    peak, half, launch = 2e12, 96.0, 5e-6
+    seconds = {n: launch + 2 * n**3 / (peak * n / (n + half)) for n in (16, 64, 256, 1024)}
+    fitted_peak, fitted_half = fit_matmul_curve(seconds, launch)
     assert fitted_peak == pytest.approx(peak)
     assert fitted_half == pytest.approx(half)
+
+
+def test_matmul_curve_fit_keeps_the_best_rate_when_it_would_extrapolate():
+    # Still far from saturation at the largest size: the two-parameter fit would put the
+    # peak far above anything measured.
+    peak, half, launch = 1e12, 4096.0, 1e-6
+    seconds = {n: launch + 2 * n**2 * (n + half) / peak for n in (256, 512, 1024)}
+    fitted_peak, fitted_half = fit_matmul_curve(seconds, launch)
+    assert fitted_peak == pytest.approx(max(2 * n**3 / t for n, t in seconds.items()))
+    assert fitted_half > 0
+
+
+def test_matmul_curve_fit_with_only_overhead_is_the_best_rate():
+    seconds = {64: 1e-3, 128: 1e-3}  # no longer for a bigger matmul: overhead, not math
+    assert fit_matmul_curve(seconds, launch=1e-3) == (2 * 128**3 / 1e-3, 0.0)

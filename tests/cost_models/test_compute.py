@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from autopart.cost_models.compute import ComputeModel, PhaseCost, training_flops
+from autopart.cost_models.precision import bytes_scale, cast_bytes
 from autopart.cost_models.summary import GraphSummary
 from autopart.cost_models.work import MATMUL, OTHER, NodeWork, evaluate
 from autopart.mesh import PRESETS
@@ -18,7 +19,8 @@ H100 = PRESETS["h100-80g"]
 
 
 def _matmul(m, n, k):
-    return NodeWork(MATMUL, 2.0 * m * n * k, 2.0 * (m * k + m * n), 2.0 * k * n, 0.0, (m, n, k))
+    return NodeWork(MATMUL, 2.0 * m * n * k, read_bytes=4.0 * m * k, written_bytes=4.0 * m * n,
+                    param_bytes=4.0 * k * n, shape=(m, n, k))
 
 
 def test_megatron_flops_formula_with_recomputation(gpt_graph):
@@ -42,7 +44,8 @@ def test_efficiency_saturates_at_the_device_cap():
     model = ComputeModel(H100, "bf16-mixed")
     assert model.efficiency(8192, 8192, 8192) == pytest.approx(H100.matmul_efficiency, rel=0.01)
     assert model.efficiency(4096, 4096, 64) < model.efficiency(4096, 4096, 4096)
-    assert model.efficiency(32, 4096, 4096) == pytest.approx(H100.matmul_efficiency / 2)
+    half = model.half_dim
+    assert model.efficiency(half, 4096, 4096) == pytest.approx(H100.matmul_efficiency / 2)
 
 
 def test_large_matmul_is_compute_bound_at_the_mixed_precision_peak():
@@ -50,29 +53,40 @@ def test_large_matmul_is_compute_bound_at_the_mixed_precision_peak():
     bf16 = ComputeModel(H100, "bf16-mixed")
     fp32 = ComputeModel(H100, "fp32")
     peak_time = work.flops / (989.4e12 * bf16.efficiency(8192, 8192, 8192))
-    assert bf16.forward_time(work) == pytest.approx(peak_time + H100.kernel_launch_s)
+    launch, bandwidth = H100.kernel_launch_s, H100.memory_bandwidth
     assert fp32.forward_time(work) > 10 * bf16.forward_time(work)
+    # autocast converts the fp32 operands first: read 4, write 2 bytes per element.
+    cast = 1.5 * (work.read_bytes + work.param_bytes) / bandwidth + launch
+    assert bf16.forward_time(work) == pytest.approx(peak_time + launch + cast)
 
 
-def test_elementwise_is_memory_bound_and_halves_under_mixed_precision():
-    work = NodeWork(OTHER, 1e8, 8e8, 0.0, 0.0)
+def test_elementwise_is_memory_bound_and_stays_fp32_under_autocast():
+    work = NodeWork(OTHER, 1e8, read_bytes=4e8, written_bytes=4e8)
     fp32 = ComputeModel(H100, "fp32").forward_time(work) - H100.kernel_launch_s
     bf16 = ComputeModel(H100, "bf16-mixed").forward_time(work) - H100.kernel_launch_s
     assert fp32 == pytest.approx(8e8 / H100.memory_bandwidth)
-    assert bf16 == pytest.approx(fp32 / 2)
+    assert bf16 == pytest.approx(fp32)
+
+
+def test_mixed_precision_halves_contraction_bytes_and_casts_their_operands():
+    matmul, other = _matmul(16, 8192, 8192), NodeWork(OTHER, 1e6, read_bytes=1e7)
+    assert bytes_scale(matmul, "bf16-mixed") == 0.5
+    assert bytes_scale(other, "bf16-mixed") == bytes_scale(matmul, "fp32") == 1.0
+    assert cast_bytes(matmul, "fp16-mixed") == 1.5 * (matmul.read_bytes + matmul.param_bytes)
+    assert cast_bytes(other, "bf16-mixed") == cast_bytes(matmul, "fp32") == 0.0
 
 
 def test_tiny_operators_pay_the_launch_floor():
     slow_launch = replace(H100, kernel_launch_s=1e-3)
     tiny = ComputeModel(slow_launch).forward_time(_matmul(2, 2, 2))
     assert tiny == pytest.approx(1e-3, rel=1e-3)
-    view = NodeWork(OTHER, 0.0, 0.0, 0.0, 0.0)
+    view = NodeWork(OTHER, 0.0)
     assert ComputeModel(slow_launch).forward_time(view) == 0.0
 
 
 def test_backward_is_twice_a_matmul_once_an_elementwise_and_recompute_adds_a_forward():
     model = ComputeModel(H100, "bf16-mixed")
-    matmul, other = _matmul(4096, 4096, 4096), NodeWork(OTHER, 1e6, 1e7, 0.0, 0.0)
+    matmul, other = _matmul(4096, 4096, 4096), NodeWork(OTHER, 1e6, read_bytes=1e7)
     t = model.time(matmul, recompute=True)
     assert t.backward == pytest.approx(2 * t.forward)
     assert t.recompute == t.forward
