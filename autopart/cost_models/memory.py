@@ -26,9 +26,9 @@ recomputed block's saved bytes are live once more:
 
 Buffers. Gradients live in the flat communication buckets (`runtime.grad_sync`), so
 plain data parallelism needs nothing more. ZeRO-1/2 stage one bucket for the
-reduce-scatter; ZeRO-3 also holds the gathered parameters of two blocks (the one
-running and the one prefetched). A pipeline stage holds one activation to send and one
-received.
+reduce-scatter (at most all the gradients); ZeRO-3 also holds the gathered parameters
+of two blocks (the one running and the one prefetched). A pipeline stage holds one
+activation to send and one received.
 
 Allocator. PyTorch's caching allocator rounds blocks up and fragments; 5-15% of the
 allocated bytes is typical. The allowance is `allocator_fraction` (10%) of the rest.
@@ -124,20 +124,21 @@ class MemoryModel:
         `gathered_params` parameters and pipeline transfers of `pipeline_bytes`."""
         parts = model_state_bytes(params, dp, zero, self.precision)
         parts["activations"] = activations
-        parts["buffers"] = self.buffer_bytes(dp, zero, gathered_params, pipeline_bytes)
+        parts["buffers"] = self.buffer_bytes(params, dp, zero, gathered_params, pipeline_bytes)
         parts["allocator"] = self.allocator_fraction * sum(parts.values())
         return {name: round(parts[name]) for name in PARTS}
 
     def buffer_bytes(
-        self, dp: int, zero: int, gathered_params: float, pipeline_bytes: float
+        self, params: float, dp: int, zero: int, gathered_params: float, pipeline_bytes: float
     ) -> float:
         """A reduce-scatter bucket (ZeRO ≥ 1), two blocks of gathered parameters
         (ZeRO-3), one activation sent and one received (pipelines)."""
+        per_param, per_grad, _ = STATE_BYTES[self.precision]
         buffers = 2 * pipeline_bytes
         if dp > 1 and zero >= 1:
-            buffers += self.bucket_bytes
+            buffers += min(self.bucket_bytes, params * per_grad)
         if dp > 1 and zero == 3:
-            buffers += 2 * gathered_params * STATE_BYTES[self.precision][0]
+            buffers += 2 * gathered_params * per_param
         return buffers
 
 

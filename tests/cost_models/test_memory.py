@@ -75,3 +75,8 @@ def test_recomputation_keeps_block_inputs_and_one_block():
     ).bytes(in_flight)
     assert plain == in_flight * layers * saved
     assert recomputed == in_flight * layers * block_input + saved
+
+
+def test_a_bucket_holds_at_most_all_the_gradients():
+    model = MemoryModel("fp32", allocator_fraction=0.0)
+    assert model.breakdown(1000, dp=4, zero=2)["buffers"] == 4 * 1000
