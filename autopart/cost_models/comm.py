@@ -32,7 +32,7 @@ each. A node's NICs carry per_node × `inter_node_bandwidth`, shared by the per_
 groups of the axis that touch the node; a ring crosses each node boundary once per
 direction, so each ring gets g × inter_node_bandwidth (at most the intra-node
 bandwidth), and every step pays the inter-node latency. Algorithms whose steps all go
-across nodes at once (recursive doubling, all-to-all, the inter-node phase of the
+across nodes at once (recursive doubling, the tree, all-to-all, the inter-node phase of the
 hierarchical all-reduce) give each device its own share, inter_node_bandwidth.
 
 Measured costs. A device profile from `autopart calibrate` carries, per collective,
@@ -44,7 +44,6 @@ ring's step and volume counts for the group size.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from autopart.mesh import Mesh
@@ -134,17 +133,15 @@ class CommModel:
             link = Link(1.0 / measured["beta"], measured["alpha"])
             return {"measured": link.time(ring_steps(op, size), ring_volume(op, size), nbytes)}
         where = self.placement(size, stride)
-        builders: dict[str, Callable[[], float]] = {
-            "ring": lambda: self._ring(op, nbytes, where),
-            "recursive_doubling": lambda: _doubling(op, nbytes, size, self._across(where)),
-        }
+        across = self._across(where)
+        times = {"ring": self._ring(op, nbytes, where)}
+        if op not in (SEND_RECV, ALL_TO_ALL):
+            times["recursive_doubling"] = _doubling(op, nbytes, size, across)
         if op == ALL_REDUCE:
-            builders["tree"] = lambda: _tree(nbytes, size, self._across(where))
+            times["tree"] = _tree(nbytes, size, across)
         if where.spans_nodes and where.per_node > 1 and op in _HIERARCHICAL:
-            builders["hierarchical"] = lambda: self._hierarchical(op, nbytes, where)
-        if op in (SEND_RECV, ALL_TO_ALL):
-            del builders["recursive_doubling"]
-        return {name: build() for name, build in builders.items()}
+            times["hierarchical"] = self._hierarchical(op, nbytes, where)
+        return times
 
     # -- algorithms -------------------------------------------------------------------
 
