@@ -90,10 +90,6 @@ class GraphSummary:
         self.captured_batch = _static_batch(gm)
         self._cache: dict[tuple, tuple[SegmentWork, ...]] = {}
 
-    @property
-    def param_numel(self) -> int:
-        return sum(s.param_numel for s in self.segments)
-
     def evaluate(self, dims: Mapping[str, int]) -> tuple[SegmentWork, ...]:
         """Every segment's work at `dims` ({"batch": microbatch, "seq": ...}). A graph
         captured with a static batch is evaluated as captured and scaled linearly to
