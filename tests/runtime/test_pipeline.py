@@ -34,6 +34,7 @@ WORLD_4 = [
     ("gpt2 PP4 interleaved", "gpt2", 8, INTERLEAVED),
     ("llama PP4 interleaved", "llama", 8, INTERLEAVED),
     ("gpt2 DP2×PP2 1F1B", "gpt2", 4, dict(dp=2, pp=2, schedule="1f1b", microbatches=2)),
+    ("llama TP2×PP2 1F1B", "llama", 4, dict(tp=2, pp=2, schedule="1f1b", microbatches=2)),
 ]
 
 
@@ -72,6 +73,6 @@ def test_two_stage_schedules_match_single_device():
     _check(WORLD_2, 2)
 
 
-def test_interleaved_and_data_parallel_pipelines_match_single_device():
+def test_interleaved_and_composed_pipelines_match_single_device():
     _check(WORLD_4, 4)
 
