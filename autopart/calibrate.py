@@ -106,6 +106,7 @@ def calibrate(
             collectives[op] = fitted
 
     spec = _profile(device, world, name, peaks, bandwidth, launch, collectives)
+    spec = replace(spec, matmul_half_dim=half_dims[dtypes[0]])
     if rank == 0:
         Path(output_path).write_text(json.dumps(spec.to_json(), indent=2) + "\n")
         _report(spec, half_dims, output_path)

@@ -62,6 +62,8 @@ class DeviceSpec:
     inter_node_latency: float
     kernel_launch_s: float  # the floor for one kernel or operator dispatch
     matmul_efficiency: float = 0.75  # achievable fraction of peak on large matmuls
+    # The smallest matmul dim at which half of that efficiency is reached (cost_models.compute).
+    matmul_half_dim: float = 64.0
     # Measured collective costs from `autopart calibrate`: {op: {"alpha": s, "beta": s/byte}}.
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
 

@@ -4,17 +4,19 @@ allocator allowance.
 Model states (Rajbhandari et al., "ZeRO", 2020, section 3.1). For Ψ parameters trained
 with Adam, a rank holds parameters, gradients and K·Ψ bytes of optimizer state:
 
-    precision        parameters  gradients  optimizer (K)
-    fp32             4Ψ          4Ψ         8Ψ   (two fp32 moments)
-    bf16/fp16-mixed  2Ψ          2Ψ         12Ψ  (fp32 master weights + two moments)
+    layout                          parameters  gradients  optimizer (K)
+    fp32 weights (autopart's)       4Ψ          4Ψ         8Ψ   (two fp32 moments)
+    16-bit weights (the paper's)    2Ψ          2Ψ         12Ψ  (fp32 master + two moments)
 
 ZeRO shards them over the N data-parallel ranks:
 
     DP      (2 + 2 + K)Ψ           ZeRO-2  2Ψ + (2 + K)Ψ/N
     ZeRO-1  (2 + 2)Ψ + KΨ/N        ZeRO-3  (2 + 2 + K)Ψ/N
 
-(the 2s being 4s in fp32). The paper's example, 7.5B parameters on 64 ranks, gives
-120 / 31.4 / 16.6 / 1.9 GB.
+(the 2s being 4s with fp32 weights). The paper's example, 7.5B parameters on 64 ranks
+with 16-bit weights, gives 120 / 31.4 / 16.6 / 1.9 GB. autopart's runtime keeps fp32
+weights and gradients in every precision (mixed precision is autocast: only the compute
+is 16-bit), so its total is the same 16Ψ but ZeRO-1/2 shard a different share of it.
 
 Activations. A microbatch leaves the bytes its operators save for backward
 (`passes.saved`) on the rank until its backward runs; the schedule decides how many
@@ -39,22 +41,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Bytes per parameter: (parameters, gradients, optimizer state) for Adam.
-STATE_BYTES = {
-    "fp32": (4, 4, 8),
-    "bf16-mixed": (2, 2, 12),
-    "fp16-mixed": (2, 2, 12),
-}
+FP32_WEIGHTS = (4, 4, 8)
+HALF_WEIGHTS = (2, 2, 12)
+STATE_BYTES = {"fp32": FP32_WEIGHTS, "bf16-mixed": FP32_WEIGHTS, "fp16-mixed": FP32_WEIGHTS}
 PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers", "allocator")
 DEFAULT_BUCKET_BYTES = 25 * 1024**2  # runtime.grad_sync's bucket size
 DEFAULT_ALLOCATOR_FRACTION = 0.10
 
 
-def model_state_bytes(params: float, dp: int, zero: int, precision: str) -> dict[str, float]:
+def model_state_bytes(
+    params: float, dp: int, zero: int, per_param: tuple[int, int, int]
+) -> dict[str, float]:
     """Parameters, gradients and Adam state of `params` parameters on one of `dp`
-    data-parallel ranks at ZeRO stage `zero` (0-3)."""
+    data-parallel ranks at ZeRO stage `zero` (0-3), with `per_param` bytes of each
+    (`STATE_BYTES[precision]` for autopart's runtime)."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, not {zero}")
-    per_param, per_grad, per_state = STATE_BYTES[precision]
+    per_param, per_grad, per_state = per_param
     return {
         "parameters": params * per_param / (dp if zero >= 3 else 1),
         "gradients": params * per_grad / (dp if zero >= 2 else 1),
@@ -122,7 +125,7 @@ class MemoryModel:
         """Bytes by part for a rank holding `params` parameters (its tensor-parallel
         share), `activations` bytes of activations, ZeRO-3 blocks of up to
         `gathered_params` parameters and pipeline transfers of `pipeline_bytes`."""
-        parts = model_state_bytes(params, dp, zero, self.precision)
+        parts = model_state_bytes(params, dp, zero, STATE_BYTES[self.precision])
         parts["activations"] = activations
         parts["buffers"] = self.buffer_bytes(params, dp, zero, gathered_params, pipeline_bytes)
         parts["allocator"] = self.allocator_fraction * sum(parts.values())

@@ -118,7 +118,8 @@ class CostModels:
 
     @classmethod
     def of(cls, mesh: Mesh, precision: str) -> CostModels:
-        return cls(ComputeModel(mesh.device, precision), CommModel(mesh), MemoryModel(precision))
+        compute = ComputeModel(mesh.device, precision, half_dim=mesh.device.matmul_half_dim)
+        return cls(compute, CommModel(mesh), MemoryModel(precision))
 
 
 @dataclass(frozen=True, slots=True)

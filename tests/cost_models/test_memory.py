@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from autopart.cost_models.memory import (
+    HALF_WEIGHTS,
+    STATE_BYTES,
     Activations,
     MemoryModel,
     in_flight_microbatches,
@@ -19,20 +21,21 @@ GB = 1e9
 @pytest.mark.parametrize(("zero", "expected_gb"), [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_example(zero, expected_gb):
     # Rajbhandari et al. 2020, figure 1: 7.5B parameters, N_d = 64, mixed-precision Adam.
-    states = model_state_bytes(7.5e9, dp=64, zero=zero, precision="bf16-mixed")
+    states = model_state_bytes(7.5e9, dp=64, zero=zero, per_param=HALF_WEIGHTS)
     assert sum(states.values()) / GB == pytest.approx(expected_gb, abs=0.05)
 
 
 def test_breakdown_without_activations_is_the_model_states():
+    # The runtime's mixed precision is autocast: weights and gradients stay fp32.
     model = MemoryModel("fp16-mixed", allocator_fraction=0.0)
     parts = model.breakdown(7.5e9, dp=64, zero=3)
-    assert parts["parameters"] == parts["gradients"] == round(2 * 7.5e9 / 64)
-    assert parts["optimizer"] == round(12 * 7.5e9 / 64)
+    assert parts["parameters"] == parts["gradients"] == round(4 * 7.5e9 / 64)
+    assert parts["optimizer"] == round(8 * 7.5e9 / 64)
     assert parts["activations"] == 0
 
 
 def test_fp32_adam_keeps_sixteen_bytes_per_parameter():
-    states = model_state_bytes(1e9, dp=8, zero=0, precision="fp32")
+    states = model_state_bytes(1e9, dp=8, zero=0, per_param=STATE_BYTES["fp32"])
     assert states == {"parameters": 4e9, "gradients": 4e9, "optimizer": 8e9}
 
 
@@ -48,7 +51,7 @@ def test_allocator_allowance_is_a_fraction_of_the_rest():
 def test_zero3_holds_two_gathered_blocks_and_a_bucket():
     model = MemoryModel("bf16-mixed", bucket_bytes=100, allocator_fraction=0.0)
     parts = model.breakdown(1e6, dp=4, zero=3, gathered_params=1000)
-    assert parts["buffers"] == 2 * 1000 * 2 + 100
+    assert parts["buffers"] == 2 * 1000 * 4 + 100  # gathered fp32 weights, two blocks
 
 
 @pytest.mark.parametrize(

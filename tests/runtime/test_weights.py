@@ -4,7 +4,6 @@ state dict or a distributed checkpoint, and trains as the real model does."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import autopart
 from autopart.runtime.weights import WeightsError
