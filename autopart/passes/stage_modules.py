@@ -83,7 +83,7 @@ def build_stage_modules(
     _adopt_unread_parameters(gm, stages)
     model_inputs = tuple(SHAPE.get(v) for v in live[0])
     for k, stage in enumerate(stages):
-        outputs = live[k + 1] if k + 1 < count else _output_values(work.graph)
+        outputs = live[k + 1] if k + 1 < count else output_values(work.graph)
         stage.meta[PIPELINE_KEY] = PipelineInfo(
             k, count, model_inputs,
             tuple(grads[v] for v in live[k]), tuple(grads[v] for v in outputs), shared,
@@ -131,7 +131,8 @@ def _carries_grad(graph: fx.Graph, trainable: set[str]) -> dict[fx.Node, bool]:
     }
 
 
-def _output_values(graph: fx.Graph) -> list[fx.Node]:
+def output_values(graph: fx.Graph) -> list[fx.Node]:
+    """The values a graph returns, flattened."""
     (output,) = graph.find_nodes(op="output")
     return [v for v in pytree.tree_leaves(output.args[0]) if isinstance(v, fx.Node)]
 

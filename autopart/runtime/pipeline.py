@@ -35,7 +35,7 @@ from autopart.batch import split_batch
 from autopart.mesh import Axis
 from autopart.passes.meta import SHAPE, TensorInfo
 from autopart.passes.rewrite import RankProgram
-from autopart.passes.stage_modules import PipelineInfo, pipeline_info
+from autopart.passes.stage_modules import PipelineInfo, output_values, pipeline_info
 from autopart.plan import Plan
 from autopart.runtime.groups import MeshGroups
 from autopart.runtime.precision import Precision
@@ -133,11 +133,9 @@ class PipelineExecutor:
                 _example(SHAPE.get(n), sizes, grad, self.device)
                 for n, grad in zip(placeholders, info.input_grads)
             )
-        (output,) = graph.find_nodes(op="output")
-        values = [v for v in pytree.tree_leaves(output.args[0]) if isinstance(v, fx.Node)]
         outputs = tuple(
             _example(SHAPE.get(v), sizes, grad, self.device)
-            for v, grad in zip(values, info.output_grads)
+            for v, grad in zip(output_values(graph), info.output_grads)
         )
         return PipelineStage(
             module, info.stage, self.num_stages, self.device,
@@ -158,19 +156,28 @@ class PipelineExecutor:
 
 class _StageOutputs(nn.Module):
     """A stage as pipelining wants it: a flat tuple of contiguous tensors out (they are
-    sent as they are). The output's structure is kept, so the last stage's output can
-    be rebuilt for the loss function."""
+    sent as they are), in the dtypes its metadata declares (under autocast a value may
+    come out in 16 bits where the captured program had 32). The output's structure is
+    kept, so the last stage's output can be rebuilt for the loss function."""
 
     def __init__(self, stage: fx.GraphModule, precision: Precision) -> None:
         super().__init__()
         self.stage = stage
         self.precision = precision
+        info = pipeline_info(stage)
+        self.sent_dtypes = (
+            [SHAPE.get(v).dtype for v in output_values(stage.graph)]
+            if info.stage < info.stages - 1
+            else None
+        )
         self.out_spec: pytree.TreeSpec | None = None
 
     def forward(self, *args: Any) -> tuple[torch.Tensor, ...]:
         with self.precision.autocast():
             output = self.stage(*args)
         leaves, self.out_spec = pytree.tree_flatten(output)
+        if self.sent_dtypes is not None:
+            leaves = [x.to(dtype) for x, dtype in zip(leaves, self.sent_dtypes)]
         return tuple(x.contiguous() for x in leaves)
 
 
