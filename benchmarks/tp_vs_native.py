@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from timing import median_step_times
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -81,19 +80,14 @@ def _bench(steps: int, rounds: int, batch: int, seq: int) -> dict:
     def autopart_step():
         pm.train_step(ids, target)
 
-    times = {"autopart": [], "native": []}
-    for step in (autopart_step, native_step):
+    for step in (autopart_step, native_step):  # warm up both
         step()
         step()
-    for _ in range(rounds):
-        for name, step in (("autopart", autopart_step), ("native", native_step)):
-            for _ in range(steps // rounds):
-                dist.barrier()
-                start = time.perf_counter()
-                step()
-                times[name].append(time.perf_counter() - start)
+    medians = median_step_times(
+        {"autopart": autopart_step, "native": native_step}, steps, rounds
+    )
     pm.close()
-    return {name: statistics.median(t) for name, t in times.items()}
+    return medians
 
 
 def main() -> None:

@@ -40,3 +40,6 @@ class LocalExecutor:
             self.precision.scale(loss).backward()
             total += loss.detach().float()
         return total
+
+    def close(self) -> None:
+        """Nothing to release: no hooks of its own."""

@@ -119,6 +119,8 @@ class ParallelModule(nn.Module):
         """Detach autopart's hooks from the model's parameters."""
         if self.state is not None:
             self.state.close()
+        if self.executor is not None:
+            self.executor.close()
 
     def train(self, mode: bool = True) -> ParallelModule:
         # The captured program is fixed in the mode it was captured in (an exported

@@ -84,6 +84,10 @@ class PipelineExecutor:
     def runs_last(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
+    def close(self) -> None:
+        """Remove the tied-weight hooks from the model's parameters."""
+        self.shared.close()
+
     def run(self, args: tuple, target: Any) -> torch.Tensor:
         """Forward and backward over the rank's batch. Returns its mean loss (detached)
         where this rank runs the last stage, zero elsewhere."""

@@ -137,6 +137,8 @@ def _load_checkpoint(path, tensors, tp_layout, tp_mesh) -> dict[str, torch.Tenso
 def _replace(gm: fx.GraphModule, name: str, value: torch.Tensor, old: torch.Tensor) -> None:
     if isinstance(old, nn.Parameter):
         value = nn.Parameter(value, requires_grad=old.requires_grad)
+    else:  # a pipeline stage's replica of a tied weight is a buffer that needs grad
+        value.requires_grad_(old.requires_grad)
     for alias in _aliases(gm, old):
         module_path, _, leaf = alias.rpartition(".")
         module = gm.get_submodule(module_path) if module_path else gm
