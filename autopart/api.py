@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from autopart.batch import split_batch
 from autopart.capture import Captured, capture
@@ -16,6 +18,7 @@ from autopart.passes.rewrite import rank_program
 from autopart.plan import Plan
 from autopart.runtime.groups import MeshGroups
 from autopart.runtime.parallel_module import LossFn, OptimizerFactory, ParallelModule
+from autopart.runtime.precision import LOW_DTYPES
 from autopart.runtime.weights import Weights
 from autopart.solver import Pins, make_plan
 
@@ -70,17 +73,38 @@ def parallelize(
     elif pins:
         raise TypeError(f"pass either a plan or pins, not both (got pins {sorted(pins)})")
     plan.check_compatible(captured.fingerprint, mesh)
-    parts = plan.dp * plan.microbatches
-    if not captured.admits_batch(plan.global_batch // parts):
-        # The model specialized on the batch size: capture again at the per-rank shape.
-        local_inputs = split_batch(captured.example_args, 0, parts)
-        captured = _captured(model, local_inputs, example_kwargs)
     groups = MeshGroups(mesh.device_mesh(dp=plan.dp, tp=plan.tp, pp=plan.pp))
+    captured = _program_capture(model, captured, plan, example_kwargs, groups.device)
     program = rank_program(captured, plan, groups, weights)
     return ParallelModule(program, plan, groups, loss_fn, optimizer)
 
 
-def _captured(model: nn.Module, example_inputs: Any, example_kwargs: Any) -> Captured:
-    captured = capture(model, example_inputs, example_kwargs)
+def _captured(
+    model: nn.Module, example_inputs: Any, example_kwargs: Any, autocast: Any = None
+) -> Captured:
+    captured = capture(model, example_inputs, example_kwargs, autocast=autocast)
     analyze(captured.gm, captured.context())
+    return captured
+
+
+def _program_capture(
+    model: nn.Module, captured: Captured, plan: Plan, example_kwargs: Any, device: torch.device
+) -> Captured:
+    """The capture the ranks run. The planning capture serves unless the program must be
+    traced again: under autocast for mixed precision (code that reads a tensor's dtype,
+    `.to(x.dtype)`, then records the low dtype), on the rank's accelerator (whose autocast
+    casts differently from the CPU's), or at the per-rank batch when the model
+    specialized on the batch size."""
+    inputs = captured.example_args
+    parts = plan.dp * plan.microbatches
+    specialized = not captured.admits_batch(plan.global_batch // parts)
+    if specialized:
+        inputs = split_batch(inputs, 0, parts)
+    autocast = LOW_DTYPES.get(plan.precision)
+    on_device = device.type != "cpu" and not any(p.is_meta for p in model.parameters())
+    if on_device:
+        model.to(device)
+        inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), inputs)
+    if specialized or autocast is not None or on_device:
+        return _captured(model, inputs, example_kwargs, autocast=autocast)
     return captured

@@ -107,13 +107,16 @@ def capture(
     *,
     dynamic_shapes: Any = None,
     dynamic_batch: bool = True,
+    autocast: torch.dtype | None = None,
 ) -> Captured:
     """Capture `model` as an fx graph, by torch.export, else by fx.symbolic_trace.
 
     `dynamic_shapes` takes torch.export's form (`torch.export.Dim("batch")` ...); the Dim
     names become the symbols of the FLOP and byte expressions. Without it, dim 0 of every
     positional input is the dynamic dim "batch" where the model allows (`dynamic_batch`),
-    so one program serves every microbatch size.
+    so one program serves every microbatch size. With `autocast` (a low dtype) the model
+    is traced under torch.autocast, as a mixed-precision program must be: the graph then
+    runs under the same autocast.
     """
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
@@ -122,6 +125,12 @@ def capture(
             {0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() else None
             for a in args
         )
+    device_type = _device_type(model, args)
+    with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
+        return _capture_either(model, args, kwargs, dynamic_shapes)
+
+
+def _capture_either(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> Captured:
     try:
         return _capture_export(model, args, kwargs, dynamic_shapes)
     except Exception as export_error:  # noqa: BLE001 - any failure falls to the next front end
@@ -132,6 +141,12 @@ def capture(
             raise CaptureError(explain_capture_failure(model, export_error, fx_error)) from (
                 export_error
             )
+
+
+def _device_type(model: nn.Module, args: tuple) -> str:
+    tensors = [*model.parameters(), *pytree.tree_leaves(args)]
+    device = next((t.device.type for t in tensors if isinstance(t, torch.Tensor)), "cpu")
+    return "cpu" if device == "meta" else device
 
 
 def _capture_export(

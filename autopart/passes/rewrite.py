@@ -1,5 +1,7 @@
 """The rewrite stage: from the captured graph and a plan to this rank's program.
 
+    capture assertions            dropped (local shards and autocast change sizes, dtypes)
+    causal attention              explicit causal masks back to `is_causal=True`
     tensor parallelism (tp > 1)   shard parameters, insert tp collectives (whole graph)
     pipeline split (pp > 1)       cut the graph into stages, keep this rank's
     materialize                   real memory for this rank's pieces of a meta model
@@ -17,6 +19,8 @@ import torch
 from torch import fx
 
 from autopart.capture import Captured
+from autopart.passes.causal_attention import causal_attention_pass
+from autopart.passes.runner import PassContext
 from autopart.plan import Plan
 from autopart.runtime.groups import MeshGroups
 from autopart.runtime.weights import Weights, materialize
@@ -36,8 +40,9 @@ class RankProgram:
 def rank_program(
     captured: Captured, plan: Plan, groups: MeshGroups, weights: Weights | None = None
 ) -> RankProgram:
-    ctx = captured.context(plan=plan, groups=groups)
-    gm = captured.gm
+    ctx = captured.context(plan=plan, groups=groups, example_args=captured.example_args)
+    gm = drop_capture_assertions(captured.gm, ctx)
+    gm = causal_attention_pass(gm, ctx)
     if plan.tp > 1:
         from autopart.passes.tensor_parallel import tensor_parallel_pass
 
@@ -57,6 +62,19 @@ def rank_program(
 
         stages = [zero3_pass(stage, ctx) for stage in stages]
     return RankProgram(stages, stage_ids, ctx.options.get("tp_layout", {}))
+
+
+def drop_capture_assertions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Remove export's checks of the sizes and dtypes seen at capture: local shards have
+    other sizes, and autocast other dtypes. Subgraphs of higher-order operators too."""
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in list(module.graph.nodes):
+            if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+                module.graph.erase_node(node)
+        module.recompile()
+    return gm
 
 
 def retarget_devices(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:

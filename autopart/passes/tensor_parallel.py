@@ -51,7 +51,6 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     for node in list(gm.graph.nodes):
         if node in result.decisions:
             rewriter.apply(node)
-    _drop_shape_assertions(gm)
     shard_parameters(gm, ctx.params, places, result.fused, plan.tp, groups.rank(Axis.TP))
     # How each sharded parameter was cut, for reassembling it (checkpoints, full_state_dict).
     ctx.options["tp_layout"] = {
@@ -209,13 +208,6 @@ def _copy_context(source: fx.Node, node: fx.Node, shape: Any) -> None:
     BLOCK.set(node, BLOCK.get(source) if BLOCK.has(source) else None)
     PARAMS.set(node, ())
     SHAPE.set(node, shape)
-
-
-def _drop_shape_assertions(gm: fx.GraphModule) -> None:
-    """Export's checks of global sizes no longer hold on local shards."""
-    for node in list(gm.graph.nodes):
-        if op_name(node, gm) == "_assert_tensor_metadata" and not node.users:
-            gm.graph.erase_node(node)
 
 
 def shard_parameters(

@@ -32,14 +32,14 @@ class LocalExecutor:
     def run(self, args: tuple, target: Any) -> torch.Tensor:
         """Forward and backward over the rank's batch; returns its mean loss (detached)."""
         m = self.microbatches
-        total = torch.zeros(())
+        losses = []
         for i in range(m):
             with self.precision.autocast():
                 output = self.program(*split_batch(args, i, m, "microbatches"))
                 loss = self.loss_fn(output, split_batch(target, i, m, "microbatches")) / m
             self.precision.scale(loss).backward()
-            total += loss.detach().float()
-        return total
+            losses.append(loss.detach().float())
+        return torch.stack(losses).sum()
 
     def close(self) -> None:
         """Nothing to release: no hooks of its own."""

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from autopart.batch import split_batch
 from autopart.mesh import Axis
@@ -76,8 +77,10 @@ class ParallelModule(nn.Module):
         return self.stages[0](*args, **kwargs)
 
     def local_batch(self, batch: Any) -> Any:
-        """This rank's slice of a global batch."""
-        return split_batch(batch, self.groups.rank(Axis.DP), self.plan.dp)
+        """This rank's slice of a global batch, on this rank's device."""
+        local = split_batch(batch, self.groups.rank(Axis.DP), self.plan.dp)
+        device = self.groups.device
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), local)
 
     def train_step(self, inputs: Any, target: Any) -> torch.Tensor:
         """Forward, backward, gradient sync and optimizer step on the global batch
@@ -96,6 +99,8 @@ class ParallelModule(nn.Module):
     def _global_loss(self, local_loss: torch.Tensor) -> torch.Tensor:
         """The mean over data-parallel replicas of the loss held by each replica's
         reporting rank, delivered to every rank."""
+        if dist.get_world_size() == 1:
+            return local_loss
         contribution = local_loss / self.plan.dp if self.groups.reports_loss else local_loss * 0
         dist.all_reduce(contribution)
         return contribution

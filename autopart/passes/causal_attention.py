@@ -1,0 +1,102 @@
+"""Causal attention: give attention its `is_causal` flag back.
+
+Traced, a Hugging Face decoder builds its causal mask out of aranges and comparisons and
+hands it to `scaled_dot_product_attention` as an explicit `attn_mask`, where the eager
+model passes `is_causal=True` and no mask. The results agree, but an explicit mask rules
+out the flash kernels, which are faster and what the eager model runs.
+
+For each attention with a mask, the mask's ancestry is evaluated on the example inputs
+and again on inputs with other values (same shapes): a mask that is the lower-triangular
+causal pattern both times depends on shapes alone, and is replaced by `is_causal=True`.
+A mask that depends on the data (padding) is left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from autopart.passes.ops import ATTENTION_OPS, op_name
+from autopart.passes.runner import PassContext
+
+_MASK_ARG = 3
+
+
+def causal_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    args = ctx.options.get("example_args")
+    if args is None:
+        return gm
+    changed = False
+    for node in gm.graph.nodes:
+        if op_name(node, gm) not in ATTENTION_OPS or len(node.args) <= _MASK_ARG:
+            continue
+        mask = node.args[_MASK_ARG]
+        if isinstance(mask, fx.Node) and _is_causal(gm, mask, node, args):
+            node.args = node.args[:_MASK_ARG]
+            node.kwargs = {**node.kwargs, "is_causal": True}
+            changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+def _is_causal(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node, args: tuple) -> bool:
+    if "dropout_p" in attention.kwargs or len(attention.args) > _MASK_ARG + 1:
+        return False  # only the plain (q, k, v, mask) form
+    sub = _ancestry(gm, mask)
+    if sub is None:
+        return False
+    try:
+        with torch.no_grad():
+            return all(_is_lower_triangular(sub(*a)) for a in (args, _other_values(args)))
+    except Exception:  # noqa: BLE001 - a mask we cannot evaluate (meta inputs) stays
+        return False
+
+
+def _ancestry(gm: fx.GraphModule, target: fx.Node) -> fx.GraphModule | None:
+    """A graph computing `target` from the graph's inputs; None if it reads parameters."""
+    needed: set[fx.Node] = set()
+    stack = [target]
+    while stack:
+        node = stack.pop()
+        if node in needed:
+            continue
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    if any(n.op == "get_attr" and isinstance(_attr(gm, n), torch.nn.Parameter) for n in needed):
+        return None
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or node in needed:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[target])
+    return fx.GraphModule(gm, graph)
+
+
+def _attr(gm: fx.GraphModule, node: fx.Node) -> Any:
+    owner, _, name = str(node.target).rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def _other_values(args: tuple) -> tuple:
+    def perturb(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.is_meta:
+            return x
+        if x.dtype == torch.bool:
+            return ~x
+        return (x + 1) if not x.is_floating_point() else torch.randn_like(x)
+
+    return pytree.tree_map(perturb, args)
+
+
+def _is_lower_triangular(mask: Any) -> bool:
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    allowed = mask if mask.dtype == torch.bool else mask == 0  # additive masks use 0 / -inf
+    causal = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+    return bool((allowed == causal).all())
