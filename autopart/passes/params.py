@@ -6,7 +6,7 @@ operator consuming the view is the one that reads it.
 
 from __future__ import annotations
 
-from torch import fx
+from torch import fx, nn
 
 from autopart.passes.meta import PARAMS
 from autopart.passes.ops import VIEW_OPS, op_name
@@ -41,3 +41,15 @@ def parameter_readers(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
         for fqn in PARAMS.get(node):
             readers.setdefault(fqn, []).append(node)
     return readers
+
+
+def parameter_attributes(gm: fx.GraphModule) -> list[tuple[fx.Node, nn.Parameter]]:
+    """Every get_attr node of `gm`'s graph that reads a parameter, with the parameter."""
+    found = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value: object = gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, nn.Parameter):
+            found.append((node, value))
+    return found

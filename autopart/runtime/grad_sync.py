@@ -108,6 +108,23 @@ class GradientSync:
 
 
 def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
+    buckets = []
+    for group in group_into_buckets(params, bucket_bytes):
+        offsets, total = [], 0
+        for p in group:
+            offsets.append(total)
+            total += p.numel()
+        buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
+        buckets.append(_Bucket(group, buffer, offsets))
+    return buckets
+
+
+def group_into_buckets(
+    params: list[nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> list[list[nn.Parameter]]:
+    """Consecutive runs of `params` that need a gradient, of one dtype and device, up to
+    `bucket_bytes` each (the first only `FIRST_BUCKET_BYTES`, so communication starts
+    early in backward)."""
     groups: list[list[nn.Parameter]] = []
     limit = FIRST_BUCKET_BYTES
     size = 0
@@ -126,15 +143,7 @@ def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket
             size = 0
         groups[-1].append(p)
         size += p.numel() * p.element_size()
-    buckets = []
-    for group in groups:
-        offsets, total = [], 0
-        for p in group:
-            offsets.append(total)
-            total += p.numel()
-        buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
-        buckets.append(_Bucket(group, buffer, offsets))
-    return buckets
+    return groups
 
 
 def params_in_backward_order(stages: list[fx.GraphModule]) -> list[nn.Parameter]:

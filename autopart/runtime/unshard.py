@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from autopart.mesh import Axis
 from autopart.passes.tensor_parallel import unshard
+from autopart.runtime.zero3 import whole_parameters
 
 if TYPE_CHECKING:
     from autopart.runtime.parallel_module import ParallelModule
@@ -22,8 +23,7 @@ if TYPE_CHECKING:
 def gather_full_parameters(pm: ParallelModule) -> dict[str, torch.Tensor]:
     full: dict[str, torch.Tensor] = {}
     for stage in pm.stages:
-        for name, p in stage.named_parameters():
-            full[name] = p.detach().clone()
+        full.update(whole_parameters(stage))
     return _gather_pipeline_stages(pm, _undo_tensor_parallel(pm, full))
 
 

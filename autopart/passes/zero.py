@@ -1,0 +1,228 @@
+"""ZeRO-3 as graph rewrites: parameters sharded over dp, gathered where they are read.
+
+    zero3_shard_pass     buckets of parameters become flat shards, one per rank, held by
+                         the stage's `zero3` module (runtime/zero3.py); every parameter
+                         read becomes a view of its bucket, all-gathered before use
+    zero3_prefetch_pass  each all-gather is issued as the previous bucket's is taken, so
+                         it travels while that bucket computes; each wait stays just
+                         before the first use (about two buckets gathered at a time)
+
+Buckets follow first use in forward: one per repeated block (a transformer layer),
+the parameters between blocks in runs, split at BUCKET_BYTES, one dtype, device and
+requires_grad each. A bucket read again after two others have been gathered is gathered
+again (a tied embedding read by the head), rather than staying whole in between.
+
+A pipeline stage's parameters that other stages read too (tied weights) stay whole:
+the pipeline keeps their replicas in step through the owner (runtime/shared_params.py),
+and the runtime shards their optimizer state and gradients as ZeRO-2 does.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+from torch import fx, nn
+
+from autopart.mesh import Axis
+from autopart.passes.meta import BLOCK, COLLECTIVE, MODULE_PATH, PARAMS, SHAPE, CollectiveInfo
+from autopart.passes.params import parameter_attributes
+from autopart.passes.runner import PassContext, run_passes
+from autopart.passes.stage_modules import PIPELINE_KEY, pipeline_info
+from autopart.runtime.zero3 import ZERO3, ShardedParameters, all_gather_start, all_gather_wait
+
+BUCKET_BYTES = 128 * 1024**2
+REGATHER_AFTER = 2  # other buckets gathered since a bucket's last gather
+
+
+def zero3_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    return run_passes(gm, ctx, (zero3_shard_pass, zero3_prefetch_pass))
+
+
+def zero3_shard_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    groups = ctx.options["groups"]
+    if hasattr(gm, ZERO3):
+        raise ValueError(f"the stage already has an attribute {ZERO3!r}")
+    reads = _parameter_reads(gm)
+    buckets = _buckets(gm, reads)
+    names = _canonical_names(gm)
+    module = ShardedParameters(
+        [[names[id(p)] for p in bucket] for bucket in buckets],
+        buckets,
+        groups.group_name(Axis.DP),
+        groups.rank(Axis.DP),
+        groups.size(Axis.DP),
+    )
+    _remove_parameters(gm, {id(p) for bucket in buckets for p in bucket})
+    gm.add_submodule(ZERO3, module)
+    module.install(gm)
+    where = {id(p): (b, i) for b, bucket in enumerate(buckets) for i, p in enumerate(bucket)}
+    _Reads(gm, module, groups.group_name(Axis.DP)).rewrite(reads, where)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def zero3_prefetch_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    waits = sorted(
+        gm.graph.find_nodes(op="call_function", target=all_gather_wait), key=position.get
+    )
+    for previous, wait in zip(waits, waits[1:]):
+        start = wait.args[2]
+        if position[start] > position[previous]:
+            previous.append(start)  # issued as soon as the previous bucket is taken
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+# ---------------------------------------------------------------------------------------
+# Which parameters, in which buckets
+
+
+def _parameter_reads(gm: fx.GraphModule) -> dict[int, tuple[nn.Parameter, list[fx.Node]]]:
+    """id(parameter) -> (parameter, its get_attr nodes), for the parameters to shard."""
+    shared = _shared_with_other_stages(gm)
+    reads: dict[int, tuple[nn.Parameter, list[fx.Node]]] = {}
+    for node, p in parameter_attributes(gm):
+        if id(p) not in shared:
+            reads.setdefault(id(p), (p, []))[1].append(node)
+    for _, p in gm.named_parameters():  # read nowhere: sharded all the same
+        if id(p) not in shared:
+            reads.setdefault(id(p), (p, []))
+    return reads
+
+
+def _shared_with_other_stages(gm: fx.GraphModule) -> set[int]:
+    if PIPELINE_KEY not in gm.meta:
+        return set()
+    fqns = {s.fqn for s in pipeline_info(gm).shared}
+    return {id(p) for name, p in gm.named_parameters() if name in fqns}
+
+
+def _buckets(
+    gm: fx.GraphModule, reads: dict[int, tuple[nn.Parameter, list[fx.Node]]]
+) -> list[list[nn.Parameter]]:
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    first_use: dict[int, fx.Node | None] = {}
+    for key, (_, nodes) in reads.items():
+        users = [user for node in nodes for user in node.users]
+        first_use[key] = min(users, key=position.get) if users else None
+    order = sorted(
+        reads, key=lambda k: position[first_use[k]] if first_use[k] else len(position)
+    )
+    buckets: list[list[nn.Parameter]] = []
+    last_key, size = None, 0
+    for k in order:
+        p = reads[k][0]
+        key = (_block(first_use[k]), p.dtype, p.device, p.requires_grad)
+        nbytes = p.numel() * p.element_size()
+        if key != last_key or size + nbytes > BUCKET_BYTES:
+            buckets.append([])
+            last_key, size = key, 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+def _block(node: fx.Node | None) -> str | None:
+    info = BLOCK.get(node) if node is not None and BLOCK.has(node) else None
+    return info.instance if info is not None else None
+
+
+def _canonical_names(gm: fx.GraphModule) -> dict[int, str]:
+    """id(parameter) -> its first FQN (a tied parameter's other names are aliases)."""
+    names: dict[int, str] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
+
+
+def _remove_parameters(gm: fx.GraphModule, ids: set[int]) -> None:
+    """Drop every attribute holding one of these parameters: the shards replace them."""
+    for name, p in list(gm.named_parameters(remove_duplicate=False)):
+        if id(p) in ids:
+            module_path, _, leaf = name.rpartition(".")
+            module = gm.get_submodule(module_path) if module_path else gm
+            module._parameters.pop(leaf, None)
+
+
+# ---------------------------------------------------------------------------------------
+# Reads through gathers
+
+
+@dataclass
+class _Gather:
+    """One all-gather of a bucket and the views taken from it."""
+
+    serial: int
+    wait: fx.Node
+    views: dict[int, fx.Node] = field(default_factory=dict)  # index in bucket -> getitem
+
+
+class _Reads:
+    def __init__(self, gm: fx.GraphModule, module: ShardedParameters, group: str) -> None:
+        self.gm, self.graph, self.module, self.group = gm, gm.graph, module, group
+        first = next(n for n in self.graph.nodes if n.op != "placeholder")
+        with self.graph.inserting_before(first):
+            self.holder = self.graph.get_attr(ZERO3)
+        PARAMS.set(self.holder, ())
+        SHAPE.set(self.holder, None)
+        self.latest: dict[int, _Gather] = {}
+        self.serial = 0
+
+    def rewrite(
+        self,
+        reads: dict[int, tuple[nn.Parameter, list[fx.Node]]],
+        where: dict[int, tuple[int, int]],
+    ) -> None:
+        """Point every reader of a parameter at a view of its bucket's latest gather."""
+        place = {node: where[key] for key, (_, nodes) in reads.items() for node in nodes}
+        for user in list(self.graph.nodes):
+            for attr in dict.fromkeys(a for a in user.all_input_nodes if a in place):
+                bucket, index = place[attr]
+                user.replace_input_with(attr, self._view(bucket, index, attr, user))
+        for attr in place:
+            self.graph.erase_node(attr)
+
+    def _view(self, bucket: int, index: int, attr: fx.Node, user: fx.Node) -> fx.Node:
+        gather = self.latest.get(bucket)
+        if gather is None or self.serial - gather.serial >= REGATHER_AFTER:
+            gather = self.latest[bucket] = self._gather(bucket, user)
+        if index not in gather.views:
+            with self.graph.inserting_before(user):
+                view = self.graph.call_function(operator.getitem, (gather.wait, index))
+            view.meta.update(attr.meta)
+            PARAMS.set(view, ())
+            gather.views[index] = view
+        return gather.views[index]
+
+    def _gather(self, bucket: int, user: fx.Node) -> _Gather:
+        self.serial += 1
+        layout = self.module.layouts[bucket]
+        shard = self.module.shards[bucket]
+        itemsize = shard.element_size()
+        with self.graph.inserting_before(user):
+            start = self.graph.create_node(
+                "call_function", all_gather_start, (self.holder, bucket),
+                name=f"zero3_all_gather_{bucket}",
+            )
+            wait = self.graph.create_node(
+                "call_function", all_gather_wait, (self.holder, bucket, start),
+                name=f"zero3_wait_{bucket}",
+            )
+        group, axis = self.group, Axis.DP.value
+        info = CollectiveInfo("all_gather", axis, group, layout.shard_numel * itemsize)
+        self._annotate(start, user, info)
+        info = CollectiveInfo("reduce_scatter (backward)", axis, group, layout.padded * itemsize)
+        self._annotate(wait, user, info)
+        return _Gather(self.serial, wait)
+
+    def _annotate(self, node: fx.Node, user: fx.Node, info: CollectiveInfo) -> None:
+        MODULE_PATH.set(node, MODULE_PATH.get(user) if MODULE_PATH.has(user) else "")
+        BLOCK.set(node, BLOCK.get(user) if BLOCK.has(user) else None)
+        PARAMS.set(node, ())
+        SHAPE.set(node, None)  # not tensors: a pending gather, a tuple of views
+        COLLECTIVE.set(node, info)
+

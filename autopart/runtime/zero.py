@@ -1,0 +1,96 @@
+"""ZeRO stages 1-3 as a `DataParallelState` (runtime/data_parallel.py).
+
+Whatever the stage, the optimizer the user asked for steps flat shards of the
+parameters, one per bucket (flat_buckets.py), each this rank's 1/N of the bucket; they
+are the only parameters it sees, and their `.grad` is the rank's slice of the gradients
+averaged over the data-parallel group. Where those shards come from is a `ShardedPart`:
+
+    ReplicaShards       parameters held whole on every rank (zero_replicas.py): stage 1
+                        shards the optimizer state, stage 2 the gradients too
+    ShardedParameters   ZeRO-3's shards, made by zero3_pass and held by each stage
+                        module (zero3.py)
+
+Under ZeRO-3, parameters the pass leaves whole (a pipeline's tied weights) are trained
+as under ZeRO-2. The sharding is elementwise, so optimizers that look at a whole tensor
+at once (LAMB, Adafactor, Shampoo) are not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
+
+import torch.distributed as dist
+from torch import fx, nn
+
+from autopart.passes.params import parameter_attributes
+from autopart.runtime.grad_sync import params_in_backward_order
+from autopart.runtime.zero3 import sharded_parameters
+from autopart.runtime.zero_replicas import ReplicaShards
+
+if TYPE_CHECKING:
+    from autopart.runtime.data_parallel import OptimizerFactory
+
+
+class ShardedPart(Protocol):
+    """Flat shards for the optimizer, and their gradients through a step."""
+
+    @property
+    def shards(self) -> Iterable[nn.Parameter]: ...
+
+    def begin(self) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def after_step(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ZeroState:
+    """ZeRO stage 1, 2 or 3: one optimizer over the shards of every part."""
+
+    def __init__(self, parts: list[ShardedPart], optimizer: OptimizerFactory) -> None:
+        self.parts = parts
+        self.optimizer = optimizer([s for part in parts for s in part.shards])
+
+    def begin(self) -> None:
+        for part in self.parts:
+            part.begin()
+
+    def finish(self) -> None:
+        for part in self.parts:
+            part.finish()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        for part in self.parts:
+            part.after_step()
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.close()
+
+
+def zero_state(
+    zero: int,
+    stages: list[fx.GraphModule],
+    group: dist.ProcessGroup,
+    optimizer: OptimizerFactory,
+    accumulation: int,
+) -> ZeroState:
+    """ZeRO stage `zero` (1-3) for this rank's `stages` over the data-parallel `group`."""
+    whole = _trained_in_backward_order(stages)
+    parts: list[ShardedPart] = []
+    if zero == 3:
+        parts = [z for gm in reversed(stages) if (z := sharded_parameters(gm)) is not None]
+    if whole:
+        parts.append(ReplicaShards(whole, group, accumulation, stage=min(zero, 2)))
+    return ZeroState(parts, optimizer)
+
+
+def _trained_in_backward_order(stages: list[fx.GraphModule]) -> list[nn.Parameter]:
+    """The stages' own parameters that the graph reads and that need a gradient: one
+    read nowhere never gets one, and is not stepped, as on one device."""
+    read = {id(p) for gm in stages for _, p in parameter_attributes(gm)}
+    return [p for p in params_in_backward_order(stages) if p.requires_grad and id(p) in read]

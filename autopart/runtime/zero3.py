@@ -1,0 +1,254 @@
+"""ZeRO-3 at run time: parameters sharded over the data-parallel ranks, gathered on use.
+
+`zero3_pass` (passes/zero.py) replaces a stage's parameters by a `ShardedParameters`
+module, the stage's `zero3` submodule: one flat shard (an nn.Parameter) per bucket of
+parameters, the only parameters the optimizer sees. The stage's graph reads a bucket
+through two nodes,
+
+    pending = all_gather_start(zero3, b)           issue the all-gather (asynchronous)
+    params  = all_gather_wait(zero3, b, pending)   wait; the bucket's parameters, as views
+
+and the second is an autograd Function whose backward flattens the parameters'
+gradients and reduce-scatters them, asynchronously, into the shard's `.grad` (the mean
+over the data-parallel ranks).
+
+Memory in backward. Operators save their inputs for backward, gathered parameters
+among them, which would keep every bucket whole from forward until backward. While the
+stage runs forward, saved-tensor hooks replace a saved tensor that lies in a gathered
+bucket by a small token (bucket, offset, size, stride); backward turns the token back
+into a tensor by gathering the bucket again, once, and prefetches the bucket it will
+need next. A bucket gathered for backward is dropped once its gradients are reduced.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from autopart.runtime.flat_buckets import FlatLayout, GradientReducer, all_gather_flat
+
+ZERO3 = "zero3"  # the attribute of a stage module that holds its ShardedParameters
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """An all-gather in flight: `flat` is filled once `work` completes."""
+
+    flat: torch.Tensor
+    work: dist.Work | None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.flat
+
+
+@dataclass(frozen=True, slots=True)
+class _Saved:
+    """A tensor saved for backward that lies in a gathered bucket: where, not what."""
+
+    bucket: int
+    offset: int
+    size: torch.Size
+    stride: tuple[int, ...]
+
+
+class ShardedParameters(nn.Module):
+    """This rank's shards of a stage's parameters, and the gathers that rebuild them."""
+
+    def __init__(
+        self,
+        names: Sequence[Sequence[str]],
+        params: Sequence[Sequence[torch.Tensor]],
+        group_name: str,
+        rank: int,
+        size: int,
+    ) -> None:
+        """`names[b]` and `params[b]`: the FQNs and values of bucket b's parameters."""
+        super().__init__()
+        self.names = [tuple(n) for n in names]
+        self.layouts = [FlatLayout.of(ps, size) for ps in params]
+        self.shards = nn.ParameterList(
+            nn.Parameter(
+                layout.shard_of([p.detach() for p in ps], rank),
+                requires_grad=ps[0].requires_grad,
+            )
+            for layout, ps in zip(self.layouts, params)
+        )
+        self.group_name = group_name
+        self._reducer: GradientReducer | None = None
+        self._contexts: list[saved_tensors_hooks] = []
+        # storage address -> (bucket, its gathered flat buffer) for every gather alive
+        self._gathered: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
+        self._for_backward: dict[int, torch.Tensor] = {}
+        self._prefetched: dict[int, _Pending] = {}
+        self._next_in_backward: dict[int, int] = {}
+        self._last_packed: int | None = None
+        self.peak_gathered_bytes = 0
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return dist.distributed_c10d._resolve_process_group(self.group_name)
+
+    @property
+    def reducer(self) -> GradientReducer:
+        if self._reducer is None:
+            self._reducer = GradientReducer(self.group)
+        return self._reducer
+
+    def install(self, gm: fx.GraphModule) -> None:
+        """Run the stage's forward under the saved-tensor hooks."""
+        gm.register_forward_pre_hook(self._enter_forward)
+        gm.register_forward_hook(self._exit_forward, always_call=True)
+
+    # -- the step (ShardedPart) --------------------------------------------------------
+
+    def begin(self) -> None:
+        self._next_in_backward.clear()
+        self.peak_gathered_bytes = self.gathered_bytes()
+        for shard in self.shards:
+            shard.grad = None
+
+    def finish(self) -> None:
+        """Wait for every gradient reduction; drop what backward gathered."""
+        self.reducer.drain()
+        for pending in self._prefetched.values():
+            pending.wait()
+        self._prefetched.clear()
+        self._for_backward.clear()
+
+    def after_step(self) -> None:
+        """Nothing to do: the next forward gathers the updated shards."""
+
+    def close(self) -> None:
+        """No hooks on the user's parameters: the shards are autopart's own."""
+
+    def gathered_bytes(self) -> int:
+        """Bytes of gathered buckets still alive on this rank."""
+        flats = (ref() for _, ref in self._gathered.values())
+        return sum(f.numel() * f.element_size() for f in flats if f is not None)
+
+    def whole(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, under its FQN (collective over the dp group)."""
+        out = {}
+        for b, (names, layout) in enumerate(zip(self.names, self.layouts)):
+            flat, _ = all_gather_flat(self.shards[b], layout, self.group)
+            out.update((n, v.clone()) for n, v in zip(names, layout.views(flat)))
+        return out
+
+    # -- gathering ---------------------------------------------------------------------
+
+    def start_gather(self, bucket: int) -> _Pending:
+        flat, work = all_gather_flat(self.shards[bucket], self.layouts[bucket], self.group, True)
+        self._gathered = {
+            ptr: entry for ptr, entry in self._gathered.items() if entry[1]() is not None
+        }
+        self._gathered[flat.untyped_storage().data_ptr()] = (bucket, weakref.ref(flat))
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+        return _Pending(flat, work)
+
+    def reduce_gradients(self, bucket: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Backward of a gather: reduce-scatter the bucket's gradients into its shard."""
+        shard = self.shards[bucket]
+        flat = self.layouts[bucket].flatten(grads, like=shard)
+        self._for_backward.pop(bucket, None)
+        self.reducer.launch(flat, shard)
+
+    def _gathered_for_backward(self, bucket: int) -> torch.Tensor:
+        flat = self._for_backward.get(bucket)
+        if flat is None:
+            pending = self._prefetched.pop(bucket, None) or self.start_gather(bucket)
+            flat = self._for_backward[bucket] = pending.wait()
+            following = self._next_in_backward.get(bucket)
+            if following is not None and following not in (*self._for_backward, *self._prefetched):
+                self._prefetched[following] = self.start_gather(following)
+        return flat
+
+    # -- saved-tensor hooks ------------------------------------------------------------
+
+    def _enter_forward(self, module: nn.Module, args: Any) -> None:
+        context = saved_tensors_hooks(self._pack, self._unpack)
+        context.__enter__()
+        self._last_packed = None  # one forward's order of buckets; not across microbatches
+        self._contexts.append(context)
+
+    def _exit_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._contexts.pop().__exit__(None, None, None)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | _Saved:
+        if t.layout != torch.strided or t.numel() == 0:
+            return t
+        try:
+            entry = self._gathered.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # a tensor without storage
+            return t
+        flat = entry[1]() if entry else None
+        if flat is None or t.dtype != flat.dtype:
+            return t
+        bucket = entry[0]
+        if self._last_packed is not None and self._last_packed != bucket:
+            # Backward runs forward's buckets in reverse: after `bucket`, the previous one.
+            self._next_in_backward.setdefault(bucket, self._last_packed)
+        self._last_packed = bucket
+        return _Saved(bucket, t.storage_offset(), t.size(), t.stride())
+
+    def _unpack(self, saved: torch.Tensor | _Saved) -> torch.Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        flat = self._gathered_for_backward(saved.bucket)
+        return flat.as_strided(saved.size, saved.stride, saved.offset)
+
+
+class _GatherBucket(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, shard: torch.Tensor, params: ShardedParameters, bucket: int, pending: _Pending
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.params, ctx.bucket = params, bucket
+        return params.layouts[bucket].views(pending.wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        # The shard's gradient arrives asynchronously (GradientReducer), not through autograd.
+        ctx.params.reduce_gradients(ctx.bucket, grads)
+        return None, None, None, None
+
+
+def all_gather_start(params: ShardedParameters, bucket: int) -> _Pending:
+    """Issue the all-gather of a bucket's shards; `all_gather_wait` takes the result."""
+    return params.start_gather(bucket)
+
+
+def all_gather_wait(
+    params: ShardedParameters, bucket: int, pending: _Pending
+) -> tuple[torch.Tensor, ...]:
+    """The bucket's parameters, whole; in backward, their gradients reduce-scattered."""
+    return _GatherBucket.apply(params.shards[bucket], params, bucket, pending)
+
+
+def sharded_parameters(gm: nn.Module) -> ShardedParameters | None:
+    """A stage's ZeRO-3 shards, if zero3_pass has run on it."""
+    module = getattr(gm, ZERO3, None)
+    return module if isinstance(module, ShardedParameters) else None
+
+
+def whole_parameters(gm: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of a stage, under its FQN: ZeRO-3's gathered whole (collective
+    over the dp group), the others as they are. Copies, detached."""
+    zero3 = sharded_parameters(gm)
+    own = {name: p.detach().clone() for name, p in gm.named_parameters()}
+    if zero3 is None:
+        return own
+    prefix = f"{ZERO3}."
+    return {
+        **{name: p for name, p in own.items() if not name.startswith(prefix)},
+        **zero3.whole(),
+    }

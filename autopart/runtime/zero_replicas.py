@@ -1,0 +1,150 @@
+"""ZeRO-1 and ZeRO-2 for parameters every data-parallel rank holds whole.
+
+The parameters stay the model's own. They are grouped into buckets in the order backward
+produces their gradients, as for plain data parallelism, and each bucket is flat-sharded
+(flat_buckets.py): the optimizer steps only this rank's slice of each bucket, a copy
+held as an nn.Parameter of its own, whose `.grad` is the rank's slice of the averaged
+gradients. After the step the updated slices are all-gathered and copied back into the
+parameters, so every rank again holds the same whole model.
+
+Stage 1 keeps the gradients whole: they accumulate over all of a step's microbatches
+into one flat buffer per bucket (each `param.grad` is a view into it), and a bucket is
+reduce-scattered, while backward goes on, when its last gradient has arrived.
+
+Stage 2 does not keep them whole: whenever the gradients of one backward pass have all
+arrived in a bucket, they are flattened, reduce-scattered and freed (`param.grad = None`),
+and the results summed into the shard's gradient. With several microbatches that is one
+reduce-scatter per microbatch: the price of holding only 1/N of the gradients.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopart.runtime.flat_buckets import FlatLayout, GradientReducer, all_gather_flat
+from autopart.runtime.grad_sync import DEFAULT_BUCKET_BYTES, group_into_buckets
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    layout: FlatLayout
+    shard: nn.Parameter
+    grads: torch.Tensor | None  # stage 1: the bucket's whole gradients, flat
+    arrivals: dict[int, int] = field(default_factory=dict)  # id(param) -> backward passes
+    complete: int = 0  # stage 1: parameters whose every backward pass has arrived
+    launched: bool = False
+
+
+class ReplicaShards:
+    """Sharded optimizer state (stage 1), and gradients (stage 2), for `params` given in
+    the order backward produces their gradients."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        group: dist.ProcessGroup,
+        accumulation: int,
+        stage: int,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ReplicaShards is ZeRO stage 1 or 2, not {stage}")
+        self.group = group
+        self.accumulation = accumulation
+        self.stage = stage
+        self.reducer = GradientReducer(group)
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.buckets = [
+            self._bucket(run, rank, size) for run in group_into_buckets(params, bucket_bytes)
+        ]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for b in self.buckets
+            for p in b.params
+        ]
+
+    def _bucket(self, params: list[nn.Parameter], rank: int, size: int) -> _Bucket:
+        layout = FlatLayout.of(params, size)
+        shard = nn.Parameter(layout.shard_of([p.detach() for p in params], rank))
+        grads = params[0].new_zeros(layout.padded) if self.stage == 1 else None
+        return _Bucket(params, layout, shard, grads)
+
+    @property
+    def shards(self) -> list[nn.Parameter]:
+        return [b.shard for b in self.buckets]
+
+    def begin(self) -> None:
+        for b in self.buckets:
+            b.arrivals.clear()
+            b.complete = 0
+            b.launched = False
+            b.shard.grad = None
+            if b.grads is None:
+                for p in b.params:
+                    p.grad = None
+            else:
+                b.grads.zero_()
+                for p, view in zip(b.params, b.layout.views(b.grads)):
+                    p.grad = view
+
+    def finish(self) -> None:
+        """Reduce what backward did not reach, and wait for every reduction."""
+        for b in self.buckets:
+            if b.grads is not None and not b.launched:
+                self._launch(b)
+            elif b.grads is None and any(p.grad is not None for p in b.params):
+                self._flush(b)
+        self.reducer.drain()
+
+    def after_step(self) -> None:
+        """Every rank's updated shards, back into the whole parameters (two buckets in
+        flight at a time)."""
+        in_flight: deque[tuple[_Bucket, torch.Tensor, dist.Work]] = deque()
+        for b in self.buckets:
+            in_flight.append((b, *all_gather_flat(b.shard, b.layout, self.group, True)))
+            if len(in_flight) > 1:
+                _copy_back(*in_flight.popleft())
+        while in_flight:
+            _copy_back(*in_flight.popleft())
+
+    def close(self) -> None:
+        """Remove the hooks from the parameters (they belong to the user's model)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        b = self._bucket_of[id(p)]
+        arrived = b.arrivals[id(p)] = b.arrivals.get(id(p), 0) + 1
+        if b.grads is None:  # stage 2: reduce each backward pass's gradients
+            if len(b.arrivals) == len(b.params):
+                self._flush(b)
+            return
+        if arrived == self.accumulation:
+            b.complete += 1
+            if b.complete == len(b.params) and not b.launched:
+                self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        b.launched = True
+        self.reducer.launch(b.grads, b.shard)
+
+    def _flush(self, b: _Bucket) -> None:
+        flat = b.layout.flatten([p.grad for p in b.params], like=b.shard)
+        for p in b.params:
+            p.grad = None
+        b.arrivals.clear()
+        self.reducer.launch(flat, b.shard)
+
+
+def _copy_back(b: _Bucket, flat: torch.Tensor, work: dist.Work) -> None:
+    work.wait()
+    with torch.no_grad():
+        torch._foreach_copy_(b.params, list(b.layout.views(flat)))
