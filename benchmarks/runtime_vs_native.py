@@ -25,7 +25,7 @@ def main() -> int:
     status = 0
     for script in PAIRS:
         run = subprocess.run(
-            [sys.executable, str(here / script), *sys.argv[1:]],
+            [sys.executable, str(here / script)],
             capture_output=True, text=True, check=False,
         )
         lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
