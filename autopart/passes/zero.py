@@ -9,8 +9,9 @@
 
 Buckets follow first use in forward: one per repeated block (a transformer layer),
 the parameters between blocks in runs, split at BUCKET_BYTES, one dtype, device and
-requires_grad each. A bucket read again after two others have been gathered is gathered
-again (a tied embedding read by the head), rather than staying whole in between.
+requires_grad each; parameters the graph never reads go last, in buckets of their own.
+A bucket read again after two others have been gathered is gathered again (a tied
+embedding read by the head), rather than staying whole in between.
 
 A pipeline stage's parameters that other stages read too (tied weights) stay whole:
 the pipeline keeps their replicas in step through the owner (runtime/shared_params.py),
@@ -116,7 +117,9 @@ def _buckets(
     last_key, size = None, 0
     for k in order:
         p = reads[k][0]
-        key = (_block(first_use[k]), p.dtype, p.device, p.requires_grad)
+        # Unread parameters get no gradient: alone in a bucket, the optimizer skips them.
+        read = first_use[k] is not None
+        key = (_block(first_use[k]), read, p.dtype, p.device, p.requires_grad)
         nbytes = p.numel() * p.element_size()
         if key != last_key or size + nbytes > BUCKET_BYTES:
             buckets.append([])

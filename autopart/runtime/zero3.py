@@ -155,11 +155,14 @@ class ShardedParameters(nn.Module):
         return _Pending(flat, work)
 
     def reduce_gradients(self, bucket: int, grads: Sequence[torch.Tensor | None]) -> None:
-        """Backward of a gather: reduce-scatter the bucket's gradients into its shard."""
-        shard = self.shards[bucket]
-        flat = self.layouts[bucket].flatten(grads, like=shard)
+        """Backward of a gather: reduce-scatter the bucket's gradients into its shard.
+        No gradient at all (the same on every rank: it depends on the graph, not the
+        data) leaves the shard's gradient as it is, as on one device."""
         self._for_backward.pop(bucket, None)
-        self.reducer.launch(flat, shard)
+        if all(g is None for g in grads):
+            return
+        shard = self.shards[bucket]
+        self.reducer.launch(self.layouts[bucket].flatten(grads, like=shard), shard)
 
     def _gathered_for_backward(self, bucket: int) -> torch.Tensor:
         flat = self._for_backward.get(bucket)
