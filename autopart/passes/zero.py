@@ -42,6 +42,8 @@ def zero3_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def zero3_shard_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     groups = ctx.options["groups"]
+    if groups.size(Axis.DP) == 1:
+        return gm  # nothing to shard over one rank (runtime/data_parallel.py's LocalState)
     if hasattr(gm, ZERO3):
         raise ValueError(f"the stage already has an attribute {ZERO3!r}")
     reads = _parameter_reads(gm)

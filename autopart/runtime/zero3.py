@@ -91,7 +91,7 @@ class ShardedParameters(nn.Module):
         self._prefetched: dict[int, _Pending] = {}
         self._next_in_backward: dict[int, int] = {}
         self._last_packed: int | None = None
-        self.peak_gathered_bytes = 0
+        self.peak_gathered_bytes = 0  # the most alive at once since the step began
 
     @property
     def group(self) -> dist.ProcessGroup:

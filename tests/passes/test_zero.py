@@ -112,3 +112,10 @@ def test_flat_layout_pads_to_the_group_and_round_trips():
     assert all(torch.equal(v, t) for v, t in zip(layout.views(flat), tensors))
     assert torch.equal(layout.shard_of(tensors, 3), torch.tensor([9.0, 10.0, 0.0]))
     assert torch.equal(layout.flatten([None, tensors[1]], like=flat)[:6], torch.zeros(6))
+
+
+def test_a_data_parallel_axis_of_one_keeps_its_parameters(groups):
+    alone = MeshGroups(init_device_mesh("cpu", (DP, 1, 1), mesh_dim_names=("pp", "dp", "tp")))
+    model, gm = _rewritten("llama", alone)
+    assert sharded_parameters(gm) is None
+    assert sorted(n for n, _ in gm.named_parameters()) == sorted(dict(model.named_parameters()))
