@@ -10,12 +10,11 @@ both alike. Prints one JSON line: each median step time and autopart / DDP.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from timing import median_step_times
+from timing import compare, report
 from torch.nn.parallel import DistributedDataParallel
 
 import autopart
@@ -52,23 +51,21 @@ def _bench(steps: int, rounds: int, batch: int, seq: int) -> dict:
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     local = slice(rank * batch // world, (rank + 1) * batch // world)
 
-    def ddp_step():
+    def ddp_step() -> float:
         ddp_opt.zero_grad()
         loss = loss_fn(ddp(ids[local]), target[local])
         loss.backward()
         ddp_opt.step()
+        mean = loss.detach() / world  # the global loss, as autopart's step returns it
+        dist.all_reduce(mean)
+        return mean.item()
 
-    def autopart_step():
-        pm.train_step(ids, target)
+    def autopart_step() -> float:
+        return pm.train_step(ids, target).item()
 
-    for step in (autopart_step, ddp_step):  # warm up both
-        step()
-        step()
-    medians = median_step_times(
-        {"autopart": autopart_step, "ddp": ddp_step}, steps, rounds
-    )
+    result = compare(autopart_step, ddp_step, steps, rounds)
     pm.close()
-    return medians
+    return result
 
 
 def main() -> None:
@@ -79,15 +76,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
-    medians = run_world(_bench, args.world, args.steps, args.rounds, args.batch, args.seq)
-    # A step is as slow as its slowest rank.
-    autopart_s = max(m["autopart"] for m in medians)
-    ddp_s = max(m["ddp"] for m in medians)
-    print(json.dumps({
-        "benchmark": "dp_vs_ddp", "world": args.world, "batch": args.batch, "seq": args.seq,
-        "autopart_median_s": round(autopart_s, 5), "ddp_median_s": round(ddp_s, 5),
-        "ratio": round(autopart_s / ddp_s, 3), "target_ratio": 1.05,
-    }))
+    per_rank = run_world(_bench, args.world, args.steps, args.rounds, args.batch, args.seq)
+    print(report("dp_vs_ddp", per_rank, 1.05, world=args.world, batch=args.batch, seq=args.seq))
 
 
 if __name__ == "__main__":

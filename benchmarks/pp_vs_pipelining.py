@@ -14,12 +14,11 @@ time and autopart / native.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from timing import median_step_times
+from timing import compare, report
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
@@ -120,13 +119,10 @@ def _bench(schedule: str, steps: int, rounds: int, batch: int, seq: int, micro: 
     def autopart_step() -> float:
         return pm.train_step(ids, target).item()
 
-    # Warm up both; from the same weights, on the same batch, both train alike.
-    first_losses = {"autopart": autopart_step(), "native": native_step()}
-    autopart_step()
-    native_step()
-    medians = median_step_times({"autopart": autopart_step, "native": native_step}, steps, rounds)
+    result = compare(autopart_step, native_step, steps, rounds)
     pm.close()
-    return medians | {"first": first_losses}
+    return result
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -138,22 +134,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=4)
     args = parser.parse_args()
-    medians = run_world(
+    per_rank = run_world(
         _bench, args.world, args.schedule, args.steps, args.rounds, args.batch, args.seq,
         args.microbatches,
     )
-    # A step is as slow as its slowest rank.
-    autopart_s = max(m["autopart"] for m in medians)
-    native_s = max(m["native"] for m in medians)
-    first = medians[-1]["first"]  # the last stage's rank holds both losses
-    print(json.dumps({
-        "benchmark": "pp_vs_pipelining", "world": args.world, "schedule": args.schedule,
-        "batch": args.batch, "seq": args.seq, "microbatches": args.microbatches,
-        "autopart_median_s": round(autopart_s, 5), "native_median_s": round(native_s, 5),
-        "ratio": round(autopart_s / native_s, 3), "target_ratio": 1.05,
-        "first_loss_autopart": round(first["autopart"], 6),
-        "first_loss_native": round(first["native"], 6),
-    }))
+    # The last stage's rank holds both losses.
+    print(report("pp_vs_pipelining", per_rank, 1.05, loss_rank=-1, world=args.world,
+                 schedule=args.schedule, batch=args.batch, seq=args.seq,
+                 microbatches=args.microbatches))
 
 
 if __name__ == "__main__":

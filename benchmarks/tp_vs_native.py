@@ -11,12 +11,11 @@ time and autopart / native.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from timing import median_step_times
+from timing import compare, report
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -72,22 +71,19 @@ def _bench(steps: int, rounds: int, batch: int, seq: int) -> dict:
     native = native_tp(build_model(), world)
     native_opt = torch.optim.SGD(native.parameters(), lr=1e-3)
 
-    def native_step():
+    def native_step() -> float:
         native_opt.zero_grad()
-        loss_fn(native(ids), target).backward()
+        loss = loss_fn(native(ids), target)
+        loss.backward()
         native_opt.step()
+        return loss.item()
 
-    def autopart_step():
-        pm.train_step(ids, target)
+    def autopart_step() -> float:
+        return pm.train_step(ids, target).item()
 
-    for step in (autopart_step, native_step):  # warm up both
-        step()
-        step()
-    medians = median_step_times(
-        {"autopart": autopart_step, "native": native_step}, steps, rounds
-    )
+    result = compare(autopart_step, native_step, steps, rounds)
     pm.close()
-    return medians
+    return result
 
 
 def main() -> None:
@@ -98,15 +94,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     args = parser.parse_args()
-    medians = run_world(_bench, args.world, args.steps, args.rounds, args.batch, args.seq)
-    autopart_s = max(m["autopart"] for m in medians)
-    native_s = max(m["native"] for m in medians)
-    print(json.dumps({
-        "benchmark": "tp_vs_parallelize_module", "world": args.world, "batch": args.batch,
-        "seq": args.seq, "autopart_median_s": round(autopart_s, 5),
-        "native_median_s": round(native_s, 5), "ratio": round(autopart_s / native_s, 3),
-        "target_ratio": 1.0,
-    }))
+    per_rank = run_world(_bench, args.world, args.steps, args.rounds, args.batch, args.seq)
+    print(report("tp_vs_parallelize_module", per_rank, 1.0, world=args.world,
+                 batch=args.batch, seq=args.seq))
 
 
 if __name__ == "__main__":

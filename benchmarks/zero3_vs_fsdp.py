@@ -13,12 +13,11 @@ step time and autopart / FSDP2.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
 from dp_vs_ddp import build_model, loss_fn
-from timing import median_step_times
+from timing import compare, report
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -62,13 +61,9 @@ def _bench(steps: int, rounds: int, batch: int, seq: int) -> dict:
     def autopart_step() -> float:
         return pm.train_step(ids, target).item()
 
-    # Both start from the same weights: their first losses agree (and this warms up).
-    first = {"autopart": autopart_step(), "native": fsdp_step()}
-    autopart_step()
-    fsdp_step()
-    medians = median_step_times({"autopart": autopart_step, "fsdp2": fsdp_step}, steps, rounds)
+    result = compare(autopart_step, fsdp_step, steps, rounds)
     pm.close()
-    return medians | {"first": first}
+    return result
 
 
 def main() -> None:
@@ -79,18 +74,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
-    medians = run_world(_bench, args.world, args.steps, args.rounds, args.batch, args.seq)
-    # A step is as slow as its slowest rank.
-    autopart_s = max(m["autopart"] for m in medians)
-    native_s = max(m["fsdp2"] for m in medians)
-    first = medians[0]["first"]
-    print(json.dumps({
-        "benchmark": "zero3_vs_fsdp2", "world": args.world, "batch": args.batch,
-        "seq": args.seq, "autopart_median_s": round(autopart_s, 5),
-        "native_median_s": round(native_s, 5), "ratio": round(autopart_s / native_s, 3),
-        "target_ratio": 1.05, "first_loss_autopart": round(first["autopart"], 6),
-        "first_loss_native": round(first["native"], 6),
-    }))
+    per_rank = run_world(_bench, args.world, args.steps, args.rounds, args.batch, args.seq)
+    print(report("zero3_vs_fsdp2", per_rank, 1.05, world=args.world, batch=args.batch,
+                 seq=args.seq))
 
 
 if __name__ == "__main__":
