@@ -33,7 +33,7 @@ INTERLEAVED = dict(pp=4, schedule="interleaved-1f1b", virtual_stages=2, microbat
 WORLD_4 = [
     ("gpt2 PP4 interleaved", "gpt2", 8, INTERLEAVED),
     ("llama PP4 interleaved", "llama", 8, INTERLEAVED),
-    ("gpt2 DP2×PP2 1F1B", "gpt2", 4, dict(dp=2, pp=2, schedule="1f1b", microbatches=2)),
+    ("gpt2 TP2×PP2 1F1B", "gpt2", 4, dict(tp=2, pp=2, schedule="1f1b", microbatches=2)),
     ("llama TP2×PP2 1F1B", "llama", 4, dict(tp=2, pp=2, schedule="1f1b", microbatches=2)),
 ]
 
