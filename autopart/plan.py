@@ -134,6 +134,8 @@ class Plan:
             out.append(f"precision must be one of {PRECISIONS}, not {self.precision!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             out.append(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        if self.recompute and self.zero == 3:
+            out.append("recomputation together with ZeRO-3 is not supported: choose one")
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence parallelism needs tp > 1")
         if self.pp > 1 and self.schedule is None:

@@ -5,6 +5,7 @@
     tensor parallelism (tp > 1)   shard parameters, insert tp collectives (whole graph)
     pipeline split (pp > 1)       cut the graph into stages, keep this rank's
     materialize                   real memory for this rank's pieces of a meta model
+    recompute                     the plan's blocks run under activation checkpointing
     ZeRO-3 (zero = 3)             shard each stage's parameters over dp; gather on use
 
 Each step is a pass with the usual contract; the plan and this rank's coordinates reach
@@ -20,7 +21,11 @@ from torch import fx
 
 from autopart.capture import Captured
 from autopart.passes.causal_attention import causal_attention_pass
+from autopart.passes.pipeline_split import split_stages
+from autopart.passes.recompute import recompute_pass
 from autopart.passes.runner import PassContext
+from autopart.passes.tensor_parallel import tensor_parallel_pass
+from autopart.passes.zero import zero3_pass
 from autopart.plan import Plan
 from autopart.runtime.groups import MeshGroups
 from autopart.runtime.weights import Weights, materialize
@@ -44,12 +49,8 @@ def rank_program(
     gm = drop_capture_assertions(captured.gm, ctx)
     gm = causal_attention_pass(gm, ctx)
     if plan.tp > 1:
-        from autopart.passes.tensor_parallel import tensor_parallel_pass
-
         gm = tensor_parallel_pass(gm, ctx)
     if plan.pp > 1:
-        from autopart.passes.pipeline_split import split_stages
-
         stages, stage_ids = split_stages(gm, ctx)
     else:
         stages, stage_ids = [gm], [0]
@@ -57,9 +58,9 @@ def rank_program(
     stages = [retarget_devices(stage, groups.device) for stage in stages]
     if groups.device.type != "cpu":
         stages = [stage.to(groups.device) for stage in stages]
+    if plan.recompute:
+        stages = [recompute_pass(stage, ctx) for stage in stages]
     if plan.zero == 3:
-        from autopart.passes.zero import zero3_pass
-
         stages = [zero3_pass(stage, ctx) for stage in stages]
     return RankProgram(stages, stage_ids, ctx.options.get("tp_layout", {}))
 
