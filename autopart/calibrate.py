@@ -1,23 +1,38 @@
 """Measure this machine into a device profile: `autopart calibrate --out profile.json`.
 
-    launch        one tiny operator, many back to back: `kernel_launch_s`.
+    floor         a small standard block (a transformer encoder layer of width 16)
+                  captured as autopart runs models and trained forward and backward at a
+                  size where its arithmetic is negligible: seconds per operator, counted
+                  as the compute model counts them, become `kernel_launch_s`. On a CPU
+                  that is each operator's dispatch (the generated code's call, the
+                  dispatcher, autograd's recording and the engine's backward node): a
+                  multiplication of two scalars, 3 µs; a graph operator, which may run
+                  several (a linear layer: a transpose and a matmul, in backward two
+                  matmuls and a sum), about 9 µs on a 2-core x86 host.
     matmul        n×n @ n×n for each size and dtype, median time t(n). The compute
-                  model's curve, efficiency n/(n + n½) of a peak P plus the launch, says
-                  t(n) − launch = 2n³/P + 2n²·n½/P: linear in 1/P and n½/P, fitted by
-                  least squares on relative error over the sizes that take at least 4
-                  launches. A fit that extrapolates P beyond 1.25× the best measured
-                  rate (the curve has not saturated, or is noisy) keeps P at the best
-                  rate and fits n½ alone. P becomes `peak_flops[dtype]` and
-                  `matmul_efficiency` is 1.0 (a measured peak is achievable).
+                  model's curve, efficiency n/(n + n½) of a peak P plus a call's
+                  overhead c (a 1×1 matmul), says t(n) − c = 2n³/P + 2n²·n½/P: linear in
+                  1/P and n½/P, fitted by least squares on relative error over the sizes
+                  that take at least 4 calls. A fit that extrapolates P beyond 1.25× the
+                  best rate of those sizes (the curve has not saturated, or is noisy)
+                  keeps P at that rate and fits n½ alone. P becomes `peak_flops[dtype]`
+                  and `matmul_efficiency` is 1.0 (a measured peak is achievable).
     memory        a large copy: 2 × its bytes (read and written) over the median time.
     collectives   all_reduce, all_gather, reduce_scatter, broadcast and all_to_all (each
                   where the backend supports it) of 1 KiB to 64 MiB buffers, timed on
-                  every rank and taking the slowest. t(M) = A + B·M is fitted by least
+                  every rank and taking the slowest; all-gather and reduce-scatter in
+                  their single-tensor forms, which runtimes use (on Gloo the list forms
+                  take up to 3× longer). t(M) = A + B·M is fitted by least
                   squares on relative error and stored per ring step and per byte sent:
                   alpha = A / ring_steps(op, world), beta = B / ring_volume(op, world),
                   which `cost_models.comm.CommModel` reads. The all-reduce's figures
                   also become the link latency and bandwidth (intra-node on one node,
                   inter-node across several).
+
+Every timing is the median of samples of back-to-back calls lasting `SAMPLE_S` each, so
+that on a CPU shared by more ranks than cores a sample sees the rank's share of a core;
+the sizes of one fit (matmuls, messages) are sampled in turn, round after round, so that
+a change of the machine's load does not bend the fitted curve.
 
 Run it in one process (world 1: no collectives) or under `torchrun` (Gloo on CPUs,
 NCCL on GPUs; every rank runs it, rank 0 writes the profile and draws the progress bar
@@ -32,15 +47,20 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from autopart.capture import BATCH, capture
 from autopart.cost_models.comm import ring_steps, ring_volume
+from autopart.cost_models.compute import backward_factor
+from autopart.cost_models.work import node_work
 from autopart.mesh import PRESETS, DeviceSpec, Mesh
+from autopart.passes import analyze
 
 DEFAULT_SIZES = (128, 256, 512, 1024, 2048)
 QUICK_SIZES = (64, 128, 256)
@@ -48,10 +68,18 @@ MESSAGE_SIZES = tuple(1024 * 4**i for i in range(9))  # 1 KiB ... 64 MiB
 QUICK_MESSAGES = (1024, 64 * 1024, 1024**2)
 COPY_BYTES = 256 * 1024**2
 MAX_EXTRAPOLATION = 1.25  # a fitted peak may exceed the best measured rate by this much
-SAMPLE_S = 0.01  # the length of one timing sample of a batched measurement
+# The length of one timing sample. On a CPU shared by more runnable processes than it has
+# cores (a world of 4 ranks on 2 cores, or other jobs), the scheduler time-slices them
+# every few milliseconds: a sample must span several slices to see the rank's share of
+# a core, not a burst at full speed (128² matmuls in a world of 4 on 2 cores measured
+# 60 µs in 2 ms samples, 170 µs in 10 ms and 187 µs in 50 ms ones).
+SAMPLE_S = 0.05
+MAX_CALLS_PER_SAMPLE = 100_000
+FLOOR_WIDTH = 16  # the model width of the operator-floor measurement
 QUICK_COPY_BYTES = 16 * 1024**2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+K = TypeVar("K")
 
 
 class Progress:
@@ -79,24 +107,28 @@ def calibrate(
     copy_bytes: int = COPY_BYTES,
     repeats: int = 5,
     name: str | None = None,
+    ops: Sequence[str] = COLLECTIVE_OPS,
 ) -> DeviceSpec:
-    """Measure the local device (and the running world's collectives) and write the
-    profile to `output_path` (rank 0). Returns the profile on every rank."""
+    """Measure the local device (and the running world's collectives `ops`) and write
+    the profile to `output_path` (rank 0). Returns the profile on every rank."""
     _join_launched_world()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
         torch.device("cpu")
     )
     dtypes = tuple(dtypes or (("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32",)))
-    ops = COLLECTIVE_OPS if world > 1 else ()
+    ops = ops if world > 1 else ()
     progress = Progress(len(dtypes) * len(sizes) + 2 + len(ops) * len(messages), rank == 0)
 
-    launch = _launch_time(device)
-    progress.step("kernel launch")
+    launch = _operator_floor(device, repeats)
+    progress.step("operator floor")
     peaks, half_dims = {}, {}
     for dtype in dtypes:
-        measured = {n: _matmul_time(n, DTYPES[dtype], device, repeats, progress) for n in sizes}
-        peaks[dtype], half_dims[dtype] = fit_matmul_curve(measured, launch)
+        measured = _matmul_times(sizes, DTYPES[dtype], device, repeats)
+        call = measured.pop(1)
+        peaks[dtype], half_dims[dtype] = fit_matmul_curve(measured, call)
+        for n in sizes:
+            progress.step(f"matmul {dtype} {n}")
     bandwidth = _copy_bandwidth(copy_bytes, device, repeats)
     progress.step("memory bandwidth")
     collectives = {}
@@ -115,9 +147,12 @@ def calibrate(
 
 def fit_matmul_curve(seconds_by_dim: dict[int, float], launch: float) -> tuple[float, float]:
     """(P, n½) with t(n) = launch + 2n³/(P · n/(n + n½)) = launch + (2n³ + 2n²·n½)/P,
-    over the sizes that take at least 4 launches (see the module docstring)."""
-    best = max(2 * n**3 / t for n, t in seconds_by_dim.items())
-    rows = [(2 * n**3, 2 * n**2, t - launch) for n, t in seconds_by_dim.items() if t >= 4 * launch]
+    over the sizes that take at least 4 launches (see the module docstring). The best
+    rate is taken over those sizes too: on a CPU a matmul small enough for the L1 cache
+    (64² operands) can outrun every larger one, a rate the sizes that matter never see."""
+    fitted = {n: t for n, t in seconds_by_dim.items() if t >= 4 * launch} or seconds_by_dim
+    best = max(2 * n**3 / t for n, t in fitted.items())
+    rows = [(2 * n**3, 2 * n**2, t - launch) for n, t in fitted.items() if t >= 4 * launch]
     if not rows:
         return best, 0.0
     a, b = _relative_fit(rows) if len(rows) > 1 else (0.0, 0.0)
@@ -148,16 +183,26 @@ def _relative_fit(rows: Sequence[tuple[float, float, float]]) -> tuple[float, fl
 # -- measurements --------------------------------------------------------------------
 
 
-def _median_time(
-    fn: Callable[[], object], device: torch.device, repeats: int, batched: bool = False
-) -> float:
-    """The median seconds of one call. `batched` runs enough calls back to back per
-    sample (about 10 ms) that the synchronization at its ends does not count."""
-    inner = 1
-    first = _timed(fn, device, 1)  # also the warm-up: allocation, kernel selection
-    if batched:
-        inner = max(1, min(100, int(SAMPLE_S / max(first, 1e-9))))
-    return statistics.median(_timed(fn, device, inner) for _ in range(repeats))
+def _median_times(
+    fns: Mapping[K, Callable[[], object]], device: torch.device, repeats: int
+) -> dict[K, float]:
+    """The median seconds of one call of each of `fns`. A sample runs enough calls back
+    to back (about `SAMPLE_S`) that the synchronization at its ends does not count and
+    the scheduler's time slices average out; the samples go round all of `fns` in turn,
+    so that a change of the machine's load hits each alike."""
+    counts = {}
+    for key, fn in fns.items():
+        _timed(fn, device, 1)  # the warm-up: allocation, kernel selection
+        counts[key] = _calls_per_sample(_timed(fn, device, 10))
+    samples: dict[K, list[float]] = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            samples[key].append(_timed(fn, device, counts[key]))
+    return {key: statistics.median(times) for key, times in samples.items()}
+
+
+def _calls_per_sample(seconds_per_call: float) -> int:
+    return max(1, min(MAX_CALLS_PER_SAMPLE, int(SAMPLE_S / max(seconds_per_call, 1e-9))))
 
 
 def _timed(fn: Callable[[], object], device: torch.device, calls: int) -> float:
@@ -174,27 +219,44 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _matmul_time(
-    n: int, dtype: torch.dtype, device: torch.device, repeats: int, progress: Progress
-) -> float:
+def _matmul_times(
+    sizes: Sequence[int], dtype: torch.dtype, device: torch.device, repeats: int
+) -> dict[int, float]:
+    """n×n @ n×n for each size, and 1×1 @ 1×1 under the key 1: a call's own cost."""
+    return _median_times({n: _matmul_call(n, dtype, device) for n in (1, *sizes)}, device, repeats)
+
+
+def _matmul_call(n: int, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    seconds = _median_time(lambda: a @ b, device, repeats, batched=True)
-    progress.step(f"matmul {str(dtype).removeprefix('torch.')} {n}")
-    return seconds
+    return lambda: a @ b
 
 
 def _copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_time(lambda: dst.copy_(src), device, repeats, batched=True)
+    return 2 * nbytes / _median_times({0: lambda: dst.copy_(src)}, device, repeats)[0]
 
 
-def _launch_time(device: torch.device, count: int = 200) -> float:
-    """Per operator: `count` tiny additions back to back, synchronized once."""
-    x = torch.zeros(1, device=device)
-    x.add_(1)
-    return _timed(lambda: x.add_(1), device, count)
+def _operator_floor(device: torch.device, repeats: int) -> float:
+    """Seconds per operator of a training step, as the compute model counts them: a
+    standard block (`torch.nn.TransformerEncoderLayer` of width 16, not a model being
+    planned) captured as autopart captures models, run forward and backward at a size
+    where its arithmetic is negligible, over its dispatched operators in forward plus
+    their launches in backward (`compute.backward_factor`: 2 per contraction, 1 else)."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(
+        d_model=FLOOR_WIDTH, nhead=2, dim_feedforward=2 * FLOOR_WIDTH, dropout=0.0,
+        batch_first=True, device=device,
+    )
+    x = torch.randn(2, 8, FLOOR_WIDTH, device=device)
+    captured = capture(layer, (x,))
+    analyze(captured.gm, captured.context())
+    gm = captured.gm
+    works = [node_work(n, gm, {**captured.dim_sizes, BATCH: 2}, {}) for n in gm.graph.nodes]
+    launches = sum(1 + backward_factor(w) for w in works if w.dispatched)
+    seconds = _median_times({0: lambda: gm(x).sum().backward()}, device, repeats)[0]
+    return seconds / launches
 
 
 def _collective_fit(
@@ -207,40 +269,62 @@ def _collective_fit(
 ) -> dict[str, float] | None:
     """{"alpha": s per ring step, "beta": s per byte sent}, or None where the backend
     does not support `op`."""
-    times = []
-    for i, nbytes in enumerate(messages):
-        try:
-            times.append(_collective_time(op, nbytes, device, world, repeats))
-        except (RuntimeError, NotImplementedError, ValueError):  # the backend lacks `op`
-            for _ in messages[i:]:
-                progress.step(f"{op} (unsupported)")
-            return None
+    runs = {nbytes: _collective_call(op, nbytes, device, world) for nbytes in messages}
+    try:
+        for run in runs.values():
+            run()  # the warm-up: connections, buffers
+    except (RuntimeError, NotImplementedError, ValueError):  # the backend lacks `op`
+        for _ in messages:
+            progress.step(f"{op} (unsupported)")
+        return None
+    times = _collective_times(runs, device, repeats)
+    for nbytes in messages:
         progress.step(f"{op} {nbytes // 1024} KiB")
-    intercept, slope = _relative_fit([(1.0, float(m), t) for m, t in zip(messages, times)])
+    intercept, slope = _relative_fit([(1.0, float(m), times[m]) for m in messages])
     return {
         "alpha": max(intercept, 0.0) / ring_steps(op, world),
         "beta": max(slope, 1e-15) / ring_volume(op, world),
     }
 
 
-def _collective_time(
-    op: str, nbytes: int, device: torch.device, world: int, repeats: int
-) -> float:
-    """The slowest rank's median time for `op` of an `nbytes` buffer."""
+def _collective_call(
+    op: str, nbytes: int, device: torch.device, world: int
+) -> Callable[[], object]:
+    """One `op` of an `nbytes` buffer; all-gather and reduce-scatter in the single-tensor
+    forms runtimes use."""
     numel = max(world, nbytes // 4 // world * world)
     full = torch.ones(numel, device=device)
     part = torch.ones(numel // world, device=device)
-    run = {
+    return {
         "all_reduce": lambda: dist.all_reduce(full),
-        "all_gather": lambda: dist.all_gather(list(full.chunk(world)), part),
-        "reduce_scatter": lambda: dist.reduce_scatter(part, list(full.chunk(world))),
+        "all_gather": lambda: dist.all_gather_single(full, part),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
         "broadcast": lambda: dist.broadcast(full, src=0),
         "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full),
     }[op]
+
+
+def _collective_times(
+    runs: Mapping[int, Callable[[], object]], device: torch.device, repeats: int
+) -> dict[int, float]:
+    """The slowest rank's median time of each run, sampled as `_median_times` does, in
+    call counts every rank agrees on."""
+    counts = {
+        key: _calls_per_sample(_slowest_rank(_timed(run, device, 10), device))
+        for key, run in runs.items()
+    }
+    samples: dict[int, list[float]] = {key: [] for key in runs}
     dist.barrier()
-    seconds = torch.tensor([_median_time(run, device, repeats)], device=device)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return float(seconds)
+    for _ in range(repeats):
+        for key, run in runs.items():
+            samples[key].append(_timed(run, device, counts[key]))
+    return {key: _slowest_rank(statistics.median(t), device) for key, t in samples.items()}
+
+
+def _slowest_rank(seconds: float, device: torch.device) -> float:
+    value = torch.tensor([seconds], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
 
 
 # -- the profile ---------------------------------------------------------------------
@@ -304,7 +388,8 @@ def _report(spec: DeviceSpec, half_dims: dict[str, float], path: str | os.PathLi
     )
     sys.stderr.write(
         f"{spec.name}: {peaks}; memory {spec.memory_bandwidth / 1e9:.1f} GB/s; "
-        f"launch {spec.kernel_launch_s * 1e6:.1f} µs; collectives {sorted(spec.collectives)}\n"
+        f"operator floor {spec.kernel_launch_s * 1e6:.1f} µs; "
+        f"collectives {sorted(spec.collectives)}\n"
         f"wrote {path}\n"
     )
 

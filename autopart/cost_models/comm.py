@@ -35,6 +35,17 @@ bandwidth), and every step pays the inter-node latency. Algorithms whose steps a
 across nodes at once (recursive doubling, the tree, all-to-all, the inter-node phase of the
 hierarchical all-reduce) give each device its own share, inter_node_bandwidth.
 
+Overlap with compute. On GPUs a collective runs on the network and copy engines (and a
+few SMs under NCCL) while kernels keep computing, so asynchronous collectives can hide
+behind compute. Gloo runs collectives on CPU threads of the same processes: with a
+rank per core, as autopart's CPU worlds run, every core is computing, and a collective
+in flight takes cycles from compute (its copies, reductions and loopback TCP) and waits
+on peers that are themselves computing. `CommModel.overlaps_compute` is therefore False
+on a running Gloo mesh, and the plan's communication is priced as serial with compute.
+(Measured on a 2-core host, world 2: ZeRO-3's 12 per-bucket collectives of tiny GPT-2
+added their whole time, about 10 ms, to the step, not the 2 ms that would show if they
+hid behind forward and backward.)
+
 Measured costs. A device profile from `autopart calibrate` carries, per collective,
 `alpha` (seconds per ring step) and `beta` (seconds per byte a rank sends) fitted on the
 local backend. When present they replace the topology for that collective, with the
@@ -109,6 +120,11 @@ class CommModel:
         d = mesh.device
         self.intra = Link(d.intra_node_bandwidth, d.intra_node_latency)
         self.inter = Link(d.inter_node_bandwidth, d.inter_node_latency)
+
+    @property
+    def overlaps_compute(self) -> bool:
+        """Whether asynchronous collectives can hide behind compute (not on Gloo)."""
+        return self.mesh.backend != "gloo"
 
     def placement(self, size: int, stride: int = 1) -> AxisPlacement:
         per_node = self.mesh.per_node

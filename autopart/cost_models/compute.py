@@ -2,7 +2,16 @@
 
     time = max(FLOPs / (peak(dtype) · efficiency), bytes / memory bandwidth) + launch
 
-`launch` is `DeviceSpec.kernel_launch_s`, paid by every operator that does work.
+`launch` is `DeviceSpec.kernel_launch_s`, paid by every operator the dispatcher runs,
+views and other metadata-only operators included (not by Python-level nodes such as a
+tuple's item: `work.HOST_ONLY`). On a CPU an operator's dispatch (the Python call, the
+dispatcher, autograd's recording, allocating the output) is serial work on the same
+core as its arithmetic, and for the small operators of a training step the larger part
+of their time: on a 2-core x86 host a view costs 2-5 µs forward and as much again in
+backward, a graph operator of a transformer about 9 µs on average (what `autopart
+calibrate` measures as the floor). On a GPU a view launches no kernel and its host
+dispatch overlaps the kernels already queued, so there the floor overstates views by a
+few µs each, nothing beside large kernels.
 
 Peak. Contractions (matmuls, attention, convolutions) run at the peak of the compute
 dtype: fp32 for "fp32", bf16 / fp16 for "bf16-mixed" / "fp16-mixed" (tensor cores).
@@ -34,8 +43,18 @@ operators run in fp32 as captured.
 Backward and recomputation. A contraction's backward computes two products of the same
 size as its forward (the input gradient and the weight gradient): 2× the forward's
 FLOPs, bytes and kernels. Every other operator's backward is taken as 1× its forward (an
-elementwise gradient reads and writes about what the forward did). Recomputing an
-operator in backward costs one more forward.
+elementwise gradient reads and writes about what the forward did; a view's gradient is
+one more view or reshape). Recomputing an operator in backward costs one more forward.
+
+Optimizer. Adam's update is memory-bound: it reads and writes the rank's parameters,
+gradients and optimizer state about once each, 2 × their bytes. It also dispatches
+`ADAM_OPERATORS_PER_TENSOR` operators per parameter tensor, as torch's single-tensor
+implementation does (its default on CPU: the step counter, weight decay, the two moment
+updates, the bias-corrected denominator in three operators, the update and the step's
+`.item()`). On CUDA torch defaults to the multi-tensor ("foreach") implementation,
+which launches about as many kernels per group of tensors; there the per-tensor term
+overstates a step by 10 launches per tensor (12 ms for Llama-3-8B's 291 tensors on an
+H100, against a memory-bound update of about 80 ms).
 """
 
 from __future__ import annotations
@@ -52,6 +71,7 @@ from autopart.mesh import DeviceSpec
 DEFAULT_HALF_DIM = 64.0
 BACKWARD_CONTRACTION = 2.0  # backward / forward for matmuls, attention, convolutions
 BACKWARD_OTHER = 1.0  # backward / forward for everything else
+ADAM_OPERATORS_PER_TENSOR = 10  # torch.optim.adam._single_tensor_adam, AdamW included
 COMPUTE_DTYPES = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 
 
@@ -101,7 +121,7 @@ class ComputeModel:
     def forward_time(self, work: NodeWork) -> float:
         """The roofline time of one operator's forward, with its launch floor, plus the
         cast of its operands under mixed precision."""
-        if not work.flops and not work.bytes:
+        if not work.dispatched:
             return 0.0
         if work.is_contraction:
             eff = self.efficiency(*work.shape) if work.shape else self.device.matmul_efficiency
@@ -140,10 +160,12 @@ class ComputeModel:
         chosen = gm.graph.nodes if nodes is None else nodes
         return self.cost((node_work(n, gm, dims, param_bytes) for n in chosen), recompute)
 
-    def optimizer_step_time(self, state_bytes: float) -> float:
-        """Adam's update is memory-bound: it reads and writes the rank's parameters,
-        gradients and optimizer state about once each, 2 × their bytes."""
-        return 2 * state_bytes / self.device.memory_bandwidth
+    def optimizer_step_time(self, state_bytes: float, tensors: float = 0.0) -> float:
+        """Adam over `tensors` parameter tensors holding `state_bytes` of parameters,
+        gradients and state: 2 × the bytes over the memory bandwidth, plus
+        `ADAM_OPERATORS_PER_TENSOR` launch floors per tensor (module docstring)."""
+        launches = tensors * ADAM_OPERATORS_PER_TENSOR * self.device.kernel_launch_s
+        return 2 * state_bytes / self.device.memory_bandwidth + launches
 
 
 def backward_factor(work: NodeWork) -> float:

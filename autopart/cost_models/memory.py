@@ -26,6 +26,13 @@ recomputed block's saved bytes are live once more:
 
     activations = in_flight · (kept + Σ recomputed block inputs) + max recomputed block
 
+Output gradients. Backward starts with every activation of the last microbatch still
+saved and the loss's gradient flowing into the model's output. A loss over the output
+(a softmax cross-entropy, for a language model over the vocabulary) holds two gradients
+the size of the output at once there, its own and the log-softmax's: 2 × the output's
+bytes, on the rank that runs the last pipeline stage. At a large vocabulary this is the
+logits spike (8 × 2048 tokens over a 128K vocabulary in fp32: 2 × 8.4 GB).
+
 Buffers. Gradients live in the flat communication buckets (`runtime.grad_sync`), so
 plain data parallelism needs nothing more. ZeRO-1/2 stage one bucket for the
 reduce-scatter (at most all the gradients); ZeRO-3 also holds the gathered parameters
@@ -44,7 +51,11 @@ from dataclasses import dataclass
 FP32_WEIGHTS = (4, 4, 8)
 HALF_WEIGHTS = (2, 2, 12)
 STATE_BYTES = {"fp32": FP32_WEIGHTS, "bf16-mixed": FP32_WEIGHTS, "fp16-mixed": FP32_WEIGHTS}
-PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers", "allocator")
+PARTS = (
+    "parameters", "gradients", "optimizer", "activations", "output_gradients", "buffers",
+    "allocator",
+)
+OUTPUT_GRADIENTS = 2  # output-sized gradients the loss's backward holds at once
 DEFAULT_BUCKET_BYTES = 25 * 1024**2  # runtime.grad_sync's bucket size
 DEFAULT_ALLOCATOR_FRACTION = 0.10
 
@@ -121,12 +132,15 @@ class MemoryModel:
         activations: float = 0.0,
         gathered_params: float = 0.0,
         pipeline_bytes: float = 0.0,
+        output_bytes: float = 0.0,
     ) -> dict[str, int]:
         """Bytes by part for a rank holding `params` parameters (its tensor-parallel
         share), `activations` bytes of activations, ZeRO-3 blocks of up to
-        `gathered_params` parameters and pipeline transfers of `pipeline_bytes`."""
+        `gathered_params` parameters, pipeline transfers of `pipeline_bytes` and, where
+        it computes the loss, a model output of `output_bytes` per microbatch."""
         parts = model_state_bytes(params, dp, zero, STATE_BYTES[self.precision])
         parts["activations"] = activations
+        parts["output_gradients"] = OUTPUT_GRADIENTS * output_bytes
         parts["buffers"] = self.buffer_bytes(params, dp, zero, gathered_params, pipeline_bytes)
         parts["allocator"] = self.allocator_fraction * sum(parts.values())
         return {name: round(parts[name]) for name in PARTS}

@@ -15,14 +15,23 @@ blocks) and chunks to pipeline ranks; then per rank:
       same total volume;
     pipeline transfers: one activation sent forward and one gradient sent backward per
       chunk, over the pp axis (stride dp·tp);
-    ZeRO-3: every microbatch gathers the rank's parameters in forward and again in
-      backward, and reduce-scatters its gradients; the gathers hide behind forward and
-      backward compute, the first block's gather and the last bucket do not;
+    ZeRO-3: every microbatch gathers the rank's parameters bucket by bucket (a block, or
+      a run of segments between blocks) in forward and again in backward, and
+      reduce-scatters each bucket's gradients; the gathers hide behind forward and
+      backward compute, each pass's first gather and the last bucket's reduce-scatter
+      do not;
   gradient synchronization over dp (stride tp), once per step after the last
     microbatch: bucketed all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1/2), hidden behind
     the last microbatch's backward but for its last bucket (`pipeline.exposed_sync`);
     ZeRO-1/2 then all-gather the updated parameters, fully exposed;
-  the optimizer step (memory-bound, `ComputeModel.optimizer_step_time`).
+  the optimizer step (`ComputeModel.optimizer_step_time`);
+  on a running Gloo mesh nothing hides behind compute (`CommModel.overlaps_compute`);
+  the step's loss, averaged over the data-parallel replicas and delivered to every rank
+    as `ParallelModule.train_step` returns it: one all-reduce of a scalar over the whole
+    world, exposed.
+
+The tensor-parallel layout is the plan's (`Choices.tp_placements`): the operators the
+rewrite shards run on 1/tp of the work, the rest in full on every tp rank (`summary.py`).
 
 The pipeline formula (`pipeline.pipeline_step`) turns per-microbatch times into the
 step; the largest rank's memory is the plan's peak. Model FLOP/s count forward and
@@ -35,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import fx
+from torch.distributed.tensor import Placement
 
 from autopart.cost_models.comm import (
     ALL_GATHER,
@@ -53,12 +63,13 @@ from autopart.cost_models.memory import (
 )
 from autopart.cost_models.pipeline import SCHEDULES, bucket_sizes, exposed_sync, pipeline_step
 from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
-from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork
-from autopart.mesh import Mesh
+from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork, TpLayout
+from autopart.mesh import Axis, Mesh
 from autopart.plan import Plan, Predicted
 
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
 TP_ALL_REDUCES_BACKWARD = 2
+LOSS_BYTES = 4  # the fp32 scalar loss all-reduced at the end of every step
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +87,9 @@ class Choices:
     precision: str = "fp32"
     recompute: tuple[str, ...] = ()  # module paths of recomputed blocks (or containers)
     stage_cuts: tuple[str, ...] = ()
+    # (FQN, tp placement) of every parameter; None: the Megatron layout (summary.py).
+    tp_placements: tuple[tuple[str, Placement], ...] | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.pp > 1 and self.schedule is None:
@@ -83,10 +97,17 @@ class Choices:
 
     @classmethod
     def of(cls, plan: Plan) -> Choices:
+        placements = tuple((fqn, plan.placement(fqn, Axis.TP)) for fqn in sorted(plan.placements))
         return cls(
             plan.global_batch, plan.dp, plan.tp, plan.pp, plan.zero, plan.microbatches,
             plan.schedule, plan.virtual_stages, plan.precision, plan.recompute, plan.stage_cuts,
+            placements if plan.tp > 1 and placements else None, plan.sequence_parallel,
         )
+
+    def tp_layout(self, gm: fx.GraphModule) -> TpLayout | None:
+        if self.tp == 1 or self.tp_placements is None:
+            return None
+        return TpLayout.of(gm, dict(self.tp_placements), self.tp, self.sequence_parallel)
 
     @property
     def microbatch_size(self) -> int:
@@ -143,9 +164,13 @@ def predict(
 ) -> Predicted:
     """The plan's step time (compute, exposed communication, bubble), the largest rank's
     memory by part, and model FLOP/s per device. `graph` is an analyzed graph (or its
-    summary, to price many plans of one graph); `dims` gives the sizes of named dims
-    other than the batch (`{"seq": 2048}` when the sequence is dynamic)."""
-    summary = graph if isinstance(graph, GraphSummary) else GraphSummary(graph)
+    summary, to price many plans of one graph: it keeps the tensor-parallel layout it
+    was made with); `dims` gives the sizes of named dims other than the batch
+    (`{"seq": 2048}` when the sequence is dynamic)."""
+    summary = (
+        graph if isinstance(graph, GraphSummary)
+        else GraphSummary(graph, choices.tp_layout(graph))
+    )
     mesh.check_factorization(choices.dp, choices.tp, choices.pp)
     models = models or CostModels.of(mesh, choices.precision)
     full = summary.evaluate({**(dims or {}), BATCH: choices.microbatch_size})
@@ -165,7 +190,7 @@ def predict(
         choices.microbatches, choices.schedule, choices.virtual_stages,
     )
     optimizer = max(r.optimizer for r in ranks)
-    sync = max(r.sync for r in ranks)
+    sync = max(r.sync for r in ranks) + models.comm.time(ALL_REDUCE, LOSS_BYTES, mesh.world_size)
     step_time = step.total + optimizer + sync
     peak = max(ranks, key=lambda r: total(r.memory)).memory
     model_flops = 3 * sum(s.flops for s in full) * choices.microbatches * choices.dp
@@ -204,6 +229,7 @@ def _rank_cost(
     models: CostModels,
 ) -> RankCost:
     own = [segments[i] for i in mine]
+    last = segments[-1] if len(segments) - 1 in mine else None
     compute = sum((times[i] for i in mine), PhaseCost())
     params = sum(s.param_numel(choices.tp) for s in own)
     boundary = max((s.output_bytes for s in own if s.is_block), default=0.0)
@@ -212,7 +238,7 @@ def _rank_cost(
     comm = (
         _tp_comm(own, choices, models.comm)
         + _p2p_comm(boundary, choices, models.comm)
-        + _zero3_comm(params, gathered, compute, choices, models)
+        + _zero3_comm(own, compute, choices, models)
     )
     in_flight = in_flight_microbatches(
         choices.schedule, choices.microbatches, choices.pp, rank, choices.virtual_stages
@@ -222,14 +248,22 @@ def _rank_cost(
         activations=_activations(own, choices).bytes(in_flight),
         gathered_params=gathered,
         pipeline_bytes=boundary if choices.pp > 1 else 0.0,
+        output_bytes=_output_bytes(last, choices.tp) if last else 0.0,
     )
     return RankCost(
         compute=compute,
         comm=comm,
         sync=_dp_sync(params, compute, choices, models),
-        optimizer=_optimizer_time(params, choices, models.compute),
+        optimizer=_optimizer_time(own, choices, models),
         memory=memory,
     )
+
+
+def _output_bytes(last: SegmentWork, tp: int) -> float:
+    """The model's output per microbatch on one rank: 1/tp of it where the last
+    operator is split (a vocabulary-parallel LM head)."""
+    split = bool(last.nodes) and last.nodes[-1].tp_sharded
+    return last.output_bytes / (tp if split else 1)
 
 
 def _tp_comm(own: list[SegmentWork], choices: Choices, comm: CommModel) -> float:
@@ -256,21 +290,34 @@ def _p2p_comm(boundary: float, choices: Choices, comm: CommModel) -> float:
 
 
 def _zero3_comm(
-    params: float, gathered: float, compute: PhaseCost, choices: Choices, models: CostModels
+    own: list[SegmentWork], compute: PhaseCost, choices: Choices, models: CostModels
 ) -> float:
-    """Per microbatch under ZeRO-3: the gathers and reduce-scatter beyond what forward
-    and backward hide, plus the first block's gather and the last bucket."""
+    """Per microbatch under ZeRO-3, as the runtime runs it (`runtime/zero3.py`): each
+    parameter bucket is all-gathered in forward, all-gathered again in backward and its
+    gradients reduce-scattered. A gather is issued one bucket ahead and reduce-scatters
+    travel while backward goes on, so each pass's first gather and the last
+    reduce-scatter show and the others hide behind the pass's compute while it lasts."""
     if choices.zero != 3 or choices.dp == 1:
         return 0.0
     param_bytes, grad_bytes = STATE_BYTES[choices.precision][:2]
-    comm, stride = models.comm, choices.tp
-    gather = comm.time(ALL_GATHER, params * param_bytes, choices.dp, stride)
-    first = comm.time(ALL_GATHER, gathered * param_bytes, choices.dp, stride)
-    scatter, last = _bucketed(REDUCE_SCATTER, params * grad_bytes, choices, models)
-    backward = compute.backward + compute.recompute
-    return first + max(0.0, gather - compute.forward) + exposed_sync(
-        gather + scatter, backward, last
+    comm, dp, stride = models.comm, choices.dp, choices.tp
+    buckets = _parameter_buckets(own, choices.tp)
+    if not buckets:
+        return 0.0
+    gathers = [comm.time(ALL_GATHER, b * param_bytes, dp, stride) for b in buckets]
+    scatters = [comm.time(REDUCE_SCATTER, b * grad_bytes, dp, stride) for b in buckets]
+    forward = gathers[0] + max(0.0, sum(gathers[1:]) - _hiding(compute.forward, models))
+    hidden = sum(gathers[:-1]) + sum(scatters[1:])  # backward runs the buckets in reverse
+    backward = gathers[-1] + scatters[0] + max(
+        0.0, hidden - _hiding(compute.backward + compute.recompute, models)
     )
+    return forward + backward
+
+
+def _hiding(compute: float, models: CostModels) -> float:
+    """The compute that asynchronous collectives can hide behind: none on Gloo
+    (`CommModel.overlaps_compute`)."""
+    return compute if models.comm.overlaps_compute else 0.0
 
 
 def _dp_sync(params: float, compute: PhaseCost, choices: Choices, models: CostModels) -> float:
@@ -281,7 +328,7 @@ def _dp_sync(params: float, compute: PhaseCost, choices: Choices, models: CostMo
     param_bytes, grad_bytes = STATE_BYTES[choices.precision][:2]
     op = ALL_REDUCE if choices.zero == 0 else REDUCE_SCATTER
     sync, last = _bucketed(op, params * grad_bytes, choices, models)
-    exposed = exposed_sync(sync, compute.backward + compute.recompute, last)
+    exposed = exposed_sync(sync, _hiding(compute.backward + compute.recompute, models), last)
     if choices.zero == 0:
         return exposed
     return exposed + models.comm.time(ALL_GATHER, params * param_bytes, choices.dp, choices.tp)
@@ -297,11 +344,38 @@ def _bucketed(
     return sum(seconds[b] for b in sizes), seconds[sizes[-1]] if sizes else 0.0
 
 
-def _optimizer_time(params: float, choices: Choices, compute: ComputeModel) -> float:
+def _optimizer_time(own: list[SegmentWork], choices: Choices, models: CostModels) -> float:
     """Adam touches this rank's parameters, gradients and state: all of them, or 1/dp
-    of them under ZeRO."""
-    shard = params / (choices.dp if choices.zero >= 1 else 1)
-    return compute.optimizer_step_time(shard * sum(STATE_BYTES[choices.precision]))
+    of them under ZeRO, whose optimizer steps one flat shard per bucket instead of the
+    parameter tensors (`runtime/flat_buckets.py`): ZeRO-1/2 bucket the gradients as
+    data parallelism does, ZeRO-3 the parameters of each block and of each run of
+    segments between blocks (`passes/zero.py`)."""
+    params = sum(s.param_numel(choices.tp) for s in own)
+    state_bytes = params * sum(STATE_BYTES[choices.precision])
+    if choices.zero == 0 or choices.dp == 1:
+        tensors = sum(s.param_tensors for s in own)
+        return models.compute.optimizer_step_time(state_bytes, tensors)
+    if choices.zero == 3:
+        shards = len(_parameter_buckets(own, choices.tp))
+    else:
+        grad_bytes = params * STATE_BYTES[choices.precision][1]
+        shards = len(bucket_sizes(grad_bytes, models.memory.bucket_bytes))
+    return models.compute.optimizer_step_time(state_bytes / choices.dp, shards)
+
+
+def _parameter_buckets(own: list[SegmentWork], tp: int) -> list[float]:
+    """ZeRO-3's buckets (`passes/zero.py`), as parameter counts: one per block holding
+    parameters and one per run of other segments holding them."""
+    buckets: list[float] = []
+    in_run = False
+    for seg in own:
+        params = seg.param_numel(tp)
+        if params and (seg.is_block or not in_run):
+            buckets.append(params)
+        elif params:
+            buckets[-1] += params
+        in_run = (in_run or params > 0) and not seg.is_block
+    return buckets
 
 
 def _activations(own: list[SegmentWork], choices: Choices) -> Activations:

@@ -7,12 +7,20 @@ identical (same operators, shapes and relative parameters: see `passes.blocks`),
 their work is evaluated once, on the first instance, and shared: a 32-layer model costs
 one layer's worth of sympy substitutions, not 32.
 
-Tensor-parallel layout (Megatron-LM without sequence parallelism): inside a block, an
-operator is sharded over tp if it lies in a sublayer (a direct child of the block, such
-as the attention or the MLP) that holds a contraction; the norms and the residual adds
-between sublayers run replicated. Outside blocks the contractions (a vocabulary-parallel
-LM head) are sharded and the rest replicated. A parameter is sharded if a contraction or
-an embedding reads it.
+Tensor-parallel layout. With a plan's placements (`TpLayout`), an operator runs on 1/tp
+of the work if any of its operands or outputs is sharded or partial as
+`passes.tp_propagate` lays the graph out for the rewrite: the column- and row-parallel
+products and everything between them, not the norms, the residual stream or a bias and
+dropout after a row-parallel reduction, and not an LM head or embedding the plan leaves
+replicated; a parameter is sharded if its placement says so. What an operator saves for
+backward is split too, unless all its activation operands are replicated: a
+column-parallel product saves its whole input on every tp rank (the "10·s·b·h" of
+Korthikanti et al., 2022, that tensor parallelism alone does not divide). Without placements (a
+search pricing tp degrees before choosing any) the Megatron-LM layout is assumed: inside
+a block, an operator is sharded if it lies in a sublayer (a direct child of the block,
+such as the attention or the MLP) that holds a contraction; outside blocks the
+contractions (a vocabulary-parallel LM head) are sharded and the rest replicated; a
+parameter is sharded if a contraction or an embedding reads it.
 """
 
 from __future__ import annotations
@@ -22,11 +30,14 @@ from dataclasses import dataclass, replace
 
 import sympy
 from torch import fx
+from torch.distributed.tensor import Placement
 
 from autopart.cost_models.precision import bytes_scale
 from autopart.cost_models.work import OTHER, NodeWork, evaluate, node_work, op_kind
 from autopart.passes.meta import BLOCK, MODULE_PATH, PARAMS, SHAPE, TensorInfo
 from autopart.passes.ops import op_name
+from autopart.passes.tp_propagate import propagate
+from autopart.passes.tp_rules import R
 
 BATCH = "batch"
 _NO_WORK = ("placeholder", "get_attr", "output")
@@ -40,8 +51,10 @@ class Segment:
     block_id: str | None
     nodes: tuple[fx.Node, ...]
     sharded: tuple[bool, ...]  # per node: split over the tensor-parallel axis
+    saves_replicated: tuple[bool, ...]  # per node: split, but saving a replicated operand
     param_numel: int  # parameters first read here (tied weights counted once)
     sharded_param_numel: int  # of which split over the tensor-parallel axis
+    param_tensors: int  # how many parameter tensors those are
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +81,10 @@ class SegmentWork:
     def flops(self) -> float:
         return sum(w.flops for w in self.nodes)
 
+    @property
+    def param_tensors(self) -> int:
+        return self.segment.param_tensors
+
     def param_numel(self, tp: int = 1) -> float:
         """Parameters held by one rank of a `tp`-way tensor-parallel group."""
         s = self.segment
@@ -79,14 +96,62 @@ class SegmentWork:
         return replace(self, nodes=tuple(w.sharded(tp) for w in self.nodes))
 
 
-class GraphSummary:
-    """Segments of an analyzed graph, evaluated (and cached) per set of dim sizes."""
+@dataclass(frozen=True, slots=True)
+class TpLayout:
+    """A plan's tensor-parallel layout: the operators that run on 1/tp of the work and
+    the FQNs of the parameters sharded over tp."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    split: frozenset[fx.Node]
+    saves_replicated: frozenset[fx.Node]  # split, with only replicated activation operands
+    sharded_params: frozenset[str]
+
+    @classmethod
+    def of(
+        cls,
+        gm: fx.GraphModule,
+        placements: Mapping[str, Placement],
+        tp: int,
+        sequence_parallel: bool = False,
+    ) -> TpLayout:
+        """The layout the rewrite gives `gm` for parameters placed as `placements`
+        (FQN -> tp placement) over `tp` ranks."""
+        canonical: dict[int, str] = {}
+        names = {
+            name: canonical.setdefault(id(p), name)
+            for name, p in gm.named_parameters(remove_duplicate=False)
+        }
+        result = propagate(gm, names, placements, tp, sequence_parallel)
+        def distributed(node: fx.Node) -> bool:
+            return _distributed(result.places.get(node, R))
+
+        split = frozenset(
+            node for node in result.decisions
+            if distributed(node) or any(map(distributed, node.all_input_nodes))
+        )
+        saves_replicated = frozenset(
+            node for node in split
+            if not any(distributed(n) for n in node.all_input_nodes if n.op != "get_attr")
+        )
+        sharded = frozenset(f for f, p in placements.items() if _distributed(p))
+        return cls(split, saves_replicated, sharded)
+
+
+def _distributed(place: object) -> bool:
+    """Sharded or partial (a multi-output operator: any of its outputs)."""
+    if isinstance(place, tuple):
+        return any(_distributed(p) for p in place)
+    return place is not None and place != R
+
+
+class GraphSummary:
+    """Segments of an analyzed graph, evaluated (and cached) per set of dim sizes, under
+    a plan's tensor-parallel layout (None: the Megatron layout)."""
+
+    def __init__(self, gm: fx.GraphModule, layout: TpLayout | None = None) -> None:
         self.gm = gm
         params = dict(gm.named_parameters())
         self.param_bytes = {k: p.numel() * p.element_size() for k, p in params.items()}
-        self.segments = _segments(gm, {k: p.numel() for k, p in params.items()})
+        self.segments = _segments(gm, {k: p.numel() for k, p in params.items()}, layout)
         self.captured_batch = _static_batch(gm)
         self._cache: dict[tuple, tuple[SegmentWork, ...]] = {}
 
@@ -108,8 +173,9 @@ class GraphSummary:
         for seg in self.segments:
             if seg.block_id is None or seg.block_id not in by_block:
                 works = tuple(
-                    node_work(n, self.gm, dims, self.param_bytes, s).scaled(scale)
-                    for n, s in zip(seg.nodes, seg.sharded)
+                    replace(node_work(n, self.gm, dims, self.param_bytes, s), tp_saves_replicated=r)
+                    .scaled(scale)
+                    for n, s, r in zip(seg.nodes, seg.sharded, seg.saves_replicated)
                 )
                 evaluated = (works, _output_bytes(seg.nodes, dims) * scale)
                 if seg.block_id is not None:
@@ -120,7 +186,9 @@ class GraphSummary:
         return tuple(out)
 
 
-def _segments(gm: fx.GraphModule, numel: Mapping[str, int]) -> tuple[Segment, ...]:
+def _segments(
+    gm: fx.GraphModule, numel: Mapping[str, int], layout: TpLayout | None
+) -> tuple[Segment, ...]:
     runs: list[tuple[str, str | None, list[fx.Node]]] = []
     instance_run: dict[str, int] = {}
     for node in gm.graph.nodes:
@@ -140,9 +208,11 @@ def _segments(gm: fx.GraphModule, numel: Mapping[str, int]) -> tuple[Segment, ..
     owners = _first_readers(runs, numel)
     return tuple(
         Segment(
-            key, block_id, tuple(nodes), _sharded_flags(gm, key, block_id, nodes),
+            key, block_id, tuple(nodes), _sharded_flags(gm, key, block_id, nodes, layout),
+            tuple(layout is not None and n in layout.saves_replicated for n in nodes),
             sum(numel[p] for p in owners[i]),
-            sum(numel[p] for p in owners[i] if _is_sharded_param(gm, nodes, p)),
+            sum(numel[p] for p in owners[i] if _is_sharded_param(gm, nodes, p, layout)),
+            len(owners[i]),
         )
         for i, (key, block_id, nodes) in enumerate(runs)
     )
@@ -167,8 +237,14 @@ def _first_readers(
 
 
 def _sharded_flags(
-    gm: fx.GraphModule, key: str, block_id: str | None, nodes: list[fx.Node]
+    gm: fx.GraphModule,
+    key: str,
+    block_id: str | None,
+    nodes: list[fx.Node],
+    layout: TpLayout | None,
 ) -> tuple[bool, ...]:
+    if layout is not None:
+        return tuple(n in layout.split for n in nodes)
     contraction = [op_kind(op_name(n, gm)) != OTHER for n in nodes]
     if block_id is None:
         return tuple(contraction)
@@ -186,7 +262,11 @@ def _sublayer(instance: str, path: str) -> str | None:
     return rest.split(".", 1)[0] or None
 
 
-def _is_sharded_param(gm: fx.GraphModule, nodes: list[fx.Node], fqn: str) -> bool:
+def _is_sharded_param(
+    gm: fx.GraphModule, nodes: list[fx.Node], fqn: str, layout: TpLayout | None
+) -> bool:
+    if layout is not None:
+        return fqn in layout.sharded_params
     for node in nodes:
         if fqn in PARAMS.get(node):
             name = op_name(node, gm)

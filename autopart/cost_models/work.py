@@ -5,8 +5,9 @@ The analysis passes leave sympy expressions of the named dims (`batch`, `seq`) i
 numbers, so `node_work` substitutes the sizes once per operator and keeps what the
 compute and memory models read: the FLOPs, the bytes moved (activations read, written,
 and parameters read, which scale differently with the batch, the precision and tensor
-parallelism), the bytes saved for backward and, for contractions, the matmul shape
-(m, n, k) that decides how close to peak the kernel runs.
+parallelism), the bytes saved for backward, for contractions the matmul shape (m, n, k)
+that decides how close to peak the kernel runs, and whether the operator goes through
+the dispatcher at all (views do; reading a tuple item or a size is Python alone).
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ MATMUL = "matmul"
 ATTENTION = "attention"
 OTHER = "other"
 CONVOLUTIONS = frozenset({"convolution", "conv_transpose"})
+# Call nodes that run in Python without dispatching a tensor operator: a tuple's item, a
+# size, a shape assertion on symbolic sizes.
+HOST_ONLY = frozenset(
+    {"getitem", "size", "sym_size", "dim", "numel", "_assert_scalar",
+     "sym_constrain_range_for_size"}
+)
+_CALLS = ("call_function", "call_method", "call_module")
 
 
 class MissingDim(KeyError):
@@ -42,6 +50,10 @@ class NodeWork:
     saved_bytes: float = 0.0  # saved for backward
     shape: tuple[float, float, float] | None = None  # (m, n, k) of a contraction
     tp_sharded: bool = False  # split over the tensor-parallel axis (Megatron layout)
+    # Split, but what it saves for backward is a replicated operand (the input of a
+    # column-parallel product), whole on every tp rank.
+    tp_saves_replicated: bool = False
+    dispatched: bool = True  # runs an operator through the dispatcher (views included)
 
     @property
     def bytes(self) -> float:
@@ -53,7 +65,8 @@ class NodeWork:
 
     def sharded(self, tp: int) -> NodeWork:
         """This rank's share under `tp`-way tensor parallelism: a sharded operator does
-        1/tp of the FLOPs, moves 1/tp of the bytes and saves 1/tp of its activations.
+        1/tp of the FLOPs, moves 1/tp of the bytes and saves 1/tp of its activations
+        (all of them where it saves a replicated operand).
         A sharded linear layer splits its wider weight dim (column-parallel splits n,
         row-parallel splits k, and in both the split dim is the wide one: 4h or the
         FFN width); attention splits heads, which leaves each head's shape alone."""
@@ -69,7 +82,7 @@ class NodeWork:
             read_bytes=self.read_bytes / tp,
             written_bytes=self.written_bytes / tp,
             param_bytes=self.param_bytes / tp,
-            saved_bytes=self.saved_bytes / tp,
+            saved_bytes=self.saved_bytes / (1 if self.tp_saves_replicated else tp),
             shape=shape,
         )
 
@@ -132,6 +145,7 @@ def node_work(
         saved_bytes=evaluate(SAVED_BYTES.get(node), dims),
         shape=shape,
         tp_sharded=tp_sharded,
+        dispatched=node.op in _CALLS and name not in HOST_ONLY,
     )
 
 

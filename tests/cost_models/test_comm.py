@@ -84,3 +84,10 @@ def test_measured_collectives_replace_the_topology():
     expected = 2 * 3 * alpha + 2 * 3 / 4 * nbytes * beta
     assert comm.time("all_reduce", nbytes, 4) == pytest.approx(expected)
     assert comm.algorithms("all_gather", nbytes, 4).keys() != {"measured"}
+
+
+def test_gloo_collectives_do_not_hide_behind_compute():
+    cpu = PRESETS["cpu"]
+    assert not CommModel(Mesh(cpu, 1, 2, backend="gloo")).overlaps_compute
+    assert CommModel(Mesh(cpu, 1, 2, backend="nccl")).overlaps_compute
+    assert CommModel(Mesh.cluster("h100-80g", 1, 8)).overlaps_compute

@@ -7,12 +7,18 @@ from dataclasses import replace
 
 import pytest
 
-from autopart.cost_models.compute import ComputeModel, PhaseCost, training_flops
+from autopart.cost_models.compute import (
+    ADAM_OPERATORS_PER_TENSOR,
+    ComputeModel,
+    PhaseCost,
+    training_flops,
+)
 from autopart.cost_models.precision import bytes_scale, cast_bytes
 from autopart.cost_models.summary import GraphSummary
-from autopart.cost_models.work import MATMUL, OTHER, NodeWork, evaluate
+from autopart.cost_models.work import MATMUL, OTHER, NodeWork, evaluate, node_work
 from autopart.mesh import PRESETS
 from autopart.passes import MODULE_PATH, total_flops
+from autopart.passes.ops import op_name
 from tests.cost_models.conftest import GPT
 
 H100 = PRESETS["h100-80g"]
@@ -76,12 +82,30 @@ def test_mixed_precision_halves_contraction_bytes_and_casts_their_operands():
     assert cast_bytes(other, "bf16-mixed") == cast_bytes(matmul, "fp32") == 0.0
 
 
-def test_tiny_operators_pay_the_launch_floor():
-    slow_launch = replace(H100, kernel_launch_s=1e-3)
-    tiny = ComputeModel(slow_launch).forward_time(_matmul(2, 2, 2))
-    assert tiny == pytest.approx(1e-3, rel=1e-3)
+def test_tiny_operators_and_views_pay_the_launch_floor_python_items_do_not():
+    slow_launch = ComputeModel(replace(H100, kernel_launch_s=1e-3))
+    assert slow_launch.forward_time(_matmul(2, 2, 2)) == pytest.approx(1e-3, rel=1e-3)
     view = NodeWork(OTHER, 0.0)
-    assert ComputeModel(slow_launch).forward_time(view) == 0.0
+    assert slow_launch.forward_time(view) == 1e-3
+    assert slow_launch.time(view).backward == 1e-3  # its gradient is one more view
+    assert slow_launch.forward_time(replace(view, dispatched=False)) == 0.0
+
+
+def test_views_and_tuple_items_are_told_apart_in_a_graph(gpt_graph):
+    works = [node_work(n, gpt_graph, {"batch": 2}, {}) for n in gpt_graph.graph.nodes]
+    names = [op_name(n, gpt_graph) for n in gpt_graph.graph.nodes]
+    dispatched = {name for name, w in zip(names, works) if w.dispatched}
+    assert {"view", "transpose", "addmm"} <= dispatched
+    assert not dispatched & {"getitem", "sym_size", ""}  # placeholders, attributes, output
+
+
+def test_adam_is_memory_bound_plus_a_launch_floor_per_operator_per_tensor():
+    model = ComputeModel(H100)
+    state = 16 * 8.03e9  # Llama-3-8B: fp32 parameters, gradients, two moments
+    memory_bound = 2 * state / H100.memory_bandwidth
+    assert model.optimizer_step_time(state) == pytest.approx(memory_bound)
+    launches = 291 * ADAM_OPERATORS_PER_TENSOR * H100.kernel_launch_s
+    assert model.optimizer_step_time(state, tensors=291) == pytest.approx(memory_bound + launches)
 
 
 def test_backward_is_twice_a_matmul_once_an_elementwise_and_recompute_adds_a_forward():

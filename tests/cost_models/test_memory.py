@@ -44,7 +44,8 @@ def test_allocator_allowance_is_a_fraction_of_the_rest():
     rest = total(parts) - parts["allocator"]
     assert parts["allocator"] == pytest.approx(0.1 * rest, rel=1e-9)
     assert set(parts) == {
-        "parameters", "gradients", "optimizer", "activations", "buffers", "allocator"
+        "parameters", "gradients", "optimizer", "activations", "output_gradients", "buffers",
+        "allocator",
     }
 
 
@@ -83,3 +84,11 @@ def test_recomputation_keeps_block_inputs_and_one_block():
 def test_a_bucket_holds_at_most_all_the_gradients():
     model = MemoryModel("fp32", allocator_fraction=0.0)
     assert model.breakdown(1000, dp=4, zero=2)["buffers"] == 4 * 1000
+
+
+def test_the_loss_rank_holds_two_output_sized_gradients():
+    model = MemoryModel("fp32", allocator_fraction=0.0)
+    with_loss = model.breakdown(1e6, activations=5e6, output_bytes=512 * 1024)
+    without = model.breakdown(1e6, activations=5e6)
+    assert with_loss["output_gradients"] == 2 * 512 * 1024
+    assert total(with_loss) - total(without) == 2 * 512 * 1024

@@ -11,7 +11,7 @@ from autopart.cost_models.summary import Segment, SegmentWork
 
 def _segments(keys):
     blocks = {k: "layers#0" if k.startswith("layers.") else None for k in keys}
-    return [SegmentWork(Segment(k, blocks[k], (), (), 0, 0), (), 0) for k in keys]
+    return [SegmentWork(Segment(k, blocks[k], (), (), (), 0, 0, 0), (), 0) for k in keys]
 
 
 KEYS = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "head"]
