@@ -45,7 +45,7 @@ def _bench(steps: int, rounds: int, batch: int, seq: int) -> dict:
 
     pm = autopart.parallelize(
         build_model(), autopart.Mesh.local(), (ids,), loss_fn=loss_fn,
-        optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
+        optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), dp=world, zero=0,
     )
     ddp = DistributedDataParallel(build_model())
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)

@@ -69,8 +69,9 @@ def test_unpinned_pipeline_choices():
     interleaved = _plan(pp=2, virtual_stages=2, microbatches=4)
     assert interleaved.schedule == "interleaved-1f1b"
     assert len(interleaved.stage_cuts) == 3
-    unpinned = _plan(pp=2)
-    assert (unpinned.schedule, unpinned.microbatches) == ("1f1b", 2)
+    unpinned = _plan(pp=2)  # the solver's choice: a schedule that runs, over whole rounds
+    assert unpinned.schedule in ("1f1b", "interleaved-1f1b")
+    assert unpinned.microbatches % 2 == 0
 
 
 def test_pipeline_pins_the_schedules_cannot_run_are_refused():

@@ -1,0 +1,230 @@
+"""Searching the plans the pins leave open, with OR-Tools CP-SAT.
+
+Candidates, every combination the pins allow:
+  dp × tp × pp = the mesh, with tp within a node (tensor parallelism stays on the fast
+    links) and only at degrees where the model has a tensor-parallel layout, pp no more
+    than the repeated blocks;
+  ZeRO stage 0-3 (0 when dp = 1);
+  microbatches: 1 without a pipeline; pp, 2pp and 4pp (dividing the replica's batch)
+    with one; schedule 1F1B, and interleaved 1F1B over 2 virtual stages where the blocks
+    allow;
+  recomputation of none or every repeated block (not with ZeRO-3).
+Each is priced once by `cost_models.predict` on one `GraphSummary` of the graph.
+
+Formulation. A boolean x_c per candidate c, with predicted step time t_c (µs), peak
+memory m_c (bytes) and a simplicity rank s_c (how many mechanisms it switches on):
+
+    add_one_plan:      Σ_c x_c = 1
+    add_memory:        Σ_c m_c x_c ≤ M          (M: the device's memory)
+    objective 1:       minimize Σ_c t_c x_c      → T*
+    add_near_fastest:  Σ_c t_c x_c ≤ (1 + slack) T*
+    objective 2:       minimize Σ_c s_c x_c
+
+The second solve keeps the simplest of the plans within `slack` (5%) of the fastest, so
+plain data parallelism stays when nothing is measurably faster: correct first, then
+fast. The solver runs on one worker with a fixed seed, so it is deterministic, and logs
+the problem size and solve time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ortools.sat.python import cp_model
+from torch import fx
+
+from autopart.cost_models import Choices, GraphSummary, predict
+from autopart.mesh import Mesh
+from autopart.plan import Predicted
+from autopart.plan_format import format_bytes
+from autopart.solver.tensor_parallel import choose_tp_placements
+
+if TYPE_CHECKING:
+    from autopart.solver.pins import Pins
+
+log = logging.getLogger("autopart.solver")
+
+SLACK = 0.05
+SEED = 0
+
+
+class NoPlanFits(ValueError):
+    """Every plan the pins allow exceeds the device's memory."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    choices: Choices
+    predicted: Predicted
+
+    @property
+    def simplicity(self) -> int:
+        c = self.choices
+        return (
+            c.zero + 3 * int(math.log2(c.tp)) + 3 * int(math.log2(c.pp))
+            + 2 * bool(c.recompute) + (c.virtual_stages > 1) + int(math.log2(c.microbatches))
+        )
+
+
+def search(
+    gm: fx.GraphModule,
+    param_names: Mapping[str, str],
+    mesh: Mesh,
+    pins: Pins,
+    global_batch: int,
+    dims: Mapping[str, int],
+) -> list[Candidate]:
+    """The chosen candidate first, then the other plans that fit, fastest first."""
+    summary = GraphSummary(gm)
+    blocks = tuple(s.key for s in summary.evaluate({**dims, "batch": 1}) if s.is_block)
+    candidates = [
+        Candidate(c, predict(summary, mesh, c, dims))
+        for c in _choices(gm, param_names, mesh, pins, global_batch, blocks)
+    ]
+    if not candidates:
+        raise NoPlanFits("the pins leave no plan that divides the batch and the mesh")
+    chosen = _solve(candidates, mesh.device.memory_bytes)
+    fitting = [c for c in candidates if c.predicted.peak_memory_bytes <= mesh.device.memory_bytes]
+    others = sorted((c for c in fitting if c is not chosen), key=lambda c: c.predicted.step_time_s)
+    return [chosen, *others]
+
+
+def _solve(candidates: list[Candidate], memory: int) -> Candidate:
+    start = time.perf_counter()
+    model = cp_model.CpModel()
+    x = [model.NewBoolVar(f"x{i}") for i in range(len(candidates))]
+    times = [max(1, round(c.predicted.step_time_s * 1e6)) for c in candidates]
+    add_one_plan(model, x)
+    add_memory(model, x, [c.predicted.peak_memory_bytes for c in candidates], memory)
+    model.Minimize(sum(t * v for t, v in zip(times, x)))
+    fastest = _run(model, x, candidates, memory)
+    add_near_fastest(model, x, times, times[candidates.index(fastest)])
+    model.Minimize(sum(c.simplicity * v for c, v in zip(candidates, x)))
+    chosen = _run(model, x, candidates, memory)
+    log.info(
+        "solver: %d candidate plans, %.3fs; chose %s", len(candidates),
+        time.perf_counter() - start, chosen.choices,
+    )
+    return chosen
+
+
+def add_one_plan(model: cp_model.CpModel, x: list) -> None:
+    model.AddExactlyOne(x)
+
+
+def add_memory(model: cp_model.CpModel, x: list, peaks: list[int], memory: int) -> None:
+    # Candidates that cannot fit are fixed off; the sum form keeps the model general.
+    model.Add(sum(min(p, memory + 1) * v for p, v in zip(peaks, x)) <= memory)
+
+
+def add_near_fastest(model: cp_model.CpModel, x: list, times: list[int], best: int) -> None:
+    model.Add(sum(t * v for t, v in zip(times, x)) <= int(best * (1 + SLACK)))
+
+
+def _run(model: cp_model.CpModel, x: list, candidates: list[Candidate], memory: int):
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = SEED
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise NoPlanFits(_no_fit_message(candidates, memory))
+    return next(c for c, v in zip(candidates, x) if solver.Value(v))
+
+
+def _no_fit_message(candidates: list[Candidate], memory: int) -> str:
+    smallest = min(candidates, key=lambda c: c.predicted.peak_memory_bytes)
+    need = smallest.predicted.peak_memory_bytes
+    c = smallest.choices
+    return (
+        f"no plan fits the device's {format_bytes(memory)}: the smallest the pins allow "
+        f"(dp={c.dp} tp={c.tp} pp={c.pp} zero={c.zero} microbatches={c.microbatches}"
+        f"{' with recomputation' if c.recompute else ''}) needs {format_bytes(need)} per "
+        f"rank, {format_bytes(need - memory)} too much. Unpin axes, use more devices, "
+        "or a smaller batch"
+    )
+
+
+def _choices(
+    gm: fx.GraphModule,
+    param_names: Mapping[str, str],
+    mesh: Mesh,
+    pins: Pins,
+    batch: int,
+    blocks: tuple[str, ...],
+) -> Iterator[Choices]:
+    has_layout = {1: True}
+    for dp, tp, pp in _factorizations(mesh, pins, len(blocks)):
+        if batch % dp:
+            continue
+        if tp not in has_layout:
+            has_layout[tp] = bool(choose_tp_placements(gm, param_names, tp))
+        if not has_layout[tp]:
+            continue
+        for schedule, virtual, m in _pipelines(pp, batch // dp, pins, len(blocks)):
+            for zero in _zero_stages(dp, pins):
+                for recompute in _recompute_sets(blocks, zero, pins):
+                    yield Choices(batch, dp, tp, pp, zero, m, schedule, virtual,
+                                  pins.precision, recompute)
+
+
+def _factorizations(mesh: Mesh, pins: Pins, blocks: int) -> Iterator[tuple[int, int, int]]:
+    world = mesh.world_size
+    for tp in _divisors(world):
+        if (pins.tp or tp) != tp or (pins.tp is None and tp > mesh.per_node):
+            continue
+        if pins.sequence_parallel and tp == 1:
+            continue
+        for pp in _divisors(world // tp):
+            if (pins.pp or pp) != pp or (pins.pp is None and pp > max(1, blocks)):
+                continue
+            dp = world // (tp * pp)
+            if (pins.dp or dp) == dp:
+                yield dp, tp, pp
+
+
+def _pipelines(pp: int, replica_batch: int, pins: Pins, blocks: int):
+    """(schedule, virtual stages, microbatches) to try. Pinned values pass through as
+    they are: `solver.pipeline` explains what a schedule cannot run."""
+    if pp == 1:
+        yield pins.schedule, 1, pins.microbatches or 1
+        return
+    if pins.schedule:
+        schedules = [pins.schedule]
+    elif (pins.virtual_stages or 1) > 1:
+        schedules = ["interleaved-1f1b"]
+    else:
+        schedules = ["1f1b", "interleaved-1f1b"]
+    for schedule in schedules:
+        virtual = pins.virtual_stages or (2 if schedule == "interleaved-1f1b" else 1)
+        if virtual > 1 and pp * virtual > blocks and not pins.virtual_stages:
+            continue
+        if pins.microbatches:
+            yield schedule, virtual, pins.microbatches
+            continue
+        for m in (pp, 2 * pp, 4 * pp):
+            if replica_batch % m == 0:
+                yield schedule, virtual, m
+
+
+def _zero_stages(dp: int, pins: Pins) -> list[int]:
+    if pins.zero is not None:
+        return [pins.zero]
+    if dp == 1:
+        return [0]
+    return [0, 1, 2] if pins.recompute else [0, 1, 2, 3]  # recomputation excludes ZeRO-3
+
+
+def _recompute_sets(blocks: tuple[str, ...], zero: int, pins: Pins) -> list[tuple[str, ...]]:
+    if pins.recompute is not None:
+        return [tuple(pins.recompute)]
+    return [()] if zero == 3 or not blocks else [(), blocks]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+

@@ -1,0 +1,66 @@
+"""The solver's choices in known cases: ample memory keeps data parallelism; a model
+that cannot fit so is sharded until it fits; pins that cannot fit are refused with by
+how much and what would fit; the same question gets the same answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopart
+from autopart.capture import capture
+from autopart.mesh import Mesh
+from autopart.passes import analyze
+from autopart.solver import Pins, make_plan
+
+GiB = 1024**3
+
+
+def _gpt2_small():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):  # GPT-2 small's width, four of its layers
+        return GPT2LMHeadModel(GPT2Config(n_layer=4, use_cache=False))
+
+
+def _llama_8b_dims(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=4096, use_cache=False,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def _tokens(batch: int, seq: int) -> torch.Tensor:
+    return torch.zeros(batch, seq, dtype=torch.long, device="meta")
+
+
+def test_ample_memory_keeps_data_parallelism():
+    mesh = Mesh.cluster("h100-80g", nodes=1, per_node=8)
+    captured = capture(_gpt2_small(), (_tokens(64, 1024),))
+    analyze(captured.gm, captured.context())
+    plan = make_plan(captured, mesh, Pins(precision="bf16-mixed"))
+    assert (plan.dp, plan.tp, plan.pp) == (8, 1, 1)
+    assert not plan.recompute
+    assert plan.predicted.peak_memory_bytes < 80 * GiB
+    assert plan.alternatives and all(
+        a.step_time_s >= plan.predicted.step_time_s * 0.95 for a in plan.alternatives
+    )
+    assert make_plan(captured, mesh, Pins(precision="bf16-mixed")) == plan  # deterministic
+
+
+def test_a_model_too_large_for_data_parallelism_is_sharded_until_it_fits():
+    mesh = Mesh.cluster("a100-80g", nodes=1, per_node=8)
+    model, ids = _llama_8b_dims(16), _tokens(8, 2048)
+    with pytest.raises(autopart.PlanError) as refused:
+        autopart.plan(model, mesh, ids, dp=8, zero=0, recompute=())
+    message = str(refused.value)
+    assert "no plan fits the device's 80.00 GiB" in message and "too much" in message
+    assert "What fits:" in message
+    plan = autopart.plan(model, mesh, ids)
+    assert plan.zero >= 1 or plan.tp > 1 or plan.pp > 1
+    assert plan.predicted.peak_memory_bytes <= 80 * GiB
