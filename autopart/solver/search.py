@@ -2,8 +2,8 @@
 
 Candidates, every combination the pins allow:
   dp × tp × pp = the mesh, with tp within a node (tensor parallelism stays on the fast
-    links) and only at degrees where the model has a tensor-parallel layout, pp no more
-    than the repeated blocks;
+    links) and, unless pinned, only at degrees where the model has a tensor-parallel
+    layout; pp no more than the repeated blocks;
   ZeRO stage 0-3 (0 when dp = 1);
   microbatches: 1 without a pipeline; pp, 2pp and 4pp (dividing the replica's batch)
     with one; schedule 1F1B, and interleaved 1F1B over 2 virtual stages where the blocks
@@ -163,7 +163,7 @@ def _choices(
             continue
         if tp not in has_layout:
             has_layout[tp] = bool(choose_tp_placements(gm, param_names, tp))
-        if not has_layout[tp]:
+        if not has_layout[tp] and pins.tp is None:  # a pinned tp may replicate all
             continue
         for schedule, virtual, m in _pipelines(pp, batch // dp, pins, len(blocks)):
             for zero in _zero_stages(dp, pins):
