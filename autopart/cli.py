@@ -88,11 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("plan")
     r.set_defaults(run=cmd_report)
 
-    c = sub.add_parser("calibrate", help="measure this machine into a device profile")
-    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c = sub.add_parser(
+        "calibrate", help="measure this machine into a device profile (--out FILE [--quick])",
+        add_help=False,  # `autopart calibrate --help` is calibrate's own
+    )
     c.set_defaults(run=cmd_calibrate)
 
-    args = parser.parse_args(argv)
+    # calibrate parses its own options (`calibrate.main`); the other commands take none
+    # beyond theirs.
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "calibrate":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     return args.run(args)
 
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from autopart.calibrate import QUICK_MESSAGES, calibrate, fit_matmul_curve, main
+from autopart.calibrate import QUICK_MESSAGES, calibrate, fit_matmul_curve
+from autopart.cli import main
 from autopart.cost_models.comm import CommModel
+from autopart.cost_models.work import FUNCTIONS
 from autopart.mesh import Mesh, device_spec
 from autopart.testing import run_world
 
 
 def test_quick_calibration_in_one_process_writes_a_loadable_profile(tmp_path, capsys):
     path = tmp_path / "profile.json"
-    assert main(["--out", str(path), "--quick", "--name", "this-cpu"]) == 0
+    assert main(["calibrate", "--out", str(path), "--quick", "--name", "this-cpu"]) == 0
     spec = device_spec(path)
     assert spec.name == "this-cpu"
     assert spec.peak_flops["fp32"] > 1e8
@@ -21,6 +23,8 @@ def test_quick_calibration_in_one_process_writes_a_loadable_profile(tmp_path, ca
     assert 0 < spec.kernel_launch_s < 1e-2
     assert spec.matmul_efficiency == 1.0
     assert spec.collectives == {}  # a world of one has no collectives to measure
+    assert set(spec.function_rates) <= set(FUNCTIONS.values())
+    assert spec.function_rates["tanh"] > 1e6  # evaluations/s, measured apart from the call
     assert Mesh.cluster(path, nodes=1, per_node=2).device == spec
     assert "#" in capsys.readouterr().err  # the progress bar
 
