@@ -18,6 +18,11 @@
                   keeps P at that rate and fits n½ alone. P becomes `peak_flops[dtype]`
                   and `matmul_efficiency` is 1.0 (a measured peak is achievable).
     memory        a large copy: 2 × its bytes (read and written) over the median time.
+    functions     on a CPU, each transcendental the compute model prices by its
+                  evaluations (`cost_models.work.FUNCTIONS`: exp, tanh, gelu, ...) on
+                  fp32 tensors of 16 Ki and 128 Ki elements, which stay in cache as the
+                  activations of the operators they model do: the difference in
+                  elements over the difference in time is `function_rates[fn]`.
     collectives   all_reduce, all_gather, reduce_scatter, broadcast and all_to_all (each
                   where the backend supports it) of 1 KiB to 64 MiB buffers, timed on
                   every rank and taking the slowest; all-gather and reduce-scatter in
@@ -49,6 +54,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -58,7 +64,7 @@ import torch.distributed as dist
 from autopart.capture import BATCH, capture
 from autopart.cost_models.comm import ring_steps, ring_volume
 from autopart.cost_models.compute import backward_factor
-from autopart.cost_models.work import node_work
+from autopart.cost_models.work import FUNCTIONS, node_work
 from autopart.mesh import PRESETS, DeviceSpec, Mesh
 from autopart.passes import analyze
 
@@ -118,7 +124,7 @@ def calibrate(
     )
     dtypes = tuple(dtypes or (("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32",)))
     ops = ops if world > 1 else ()
-    progress = Progress(len(dtypes) * len(sizes) + 2 + len(ops) * len(messages), rank == 0)
+    progress = Progress(len(dtypes) * len(sizes) + 3 + len(ops) * len(messages), rank == 0)
 
     launch = _operator_floor(device, repeats)
     progress.step("operator floor")
@@ -131,6 +137,8 @@ def calibrate(
             progress.step(f"matmul {dtype} {n}")
     bandwidth = _copy_bandwidth(copy_bytes, device, repeats)
     progress.step("memory bandwidth")
+    rates = _function_rates(device, repeats) if device.type == "cpu" else {}
+    progress.step("transcendental functions")
     collectives = {}
     for op in ops:
         fitted = _collective_fit(op, messages, device, world, repeats, progress)
@@ -138,7 +146,7 @@ def calibrate(
             collectives[op] = fitted
 
     spec = _profile(device, world, name, peaks, bandwidth, launch, collectives)
-    spec = replace(spec, matmul_half_dim=half_dims[dtypes[0]])
+    spec = replace(spec, matmul_half_dim=half_dims[dtypes[0]], function_rates=rates)
     if rank == 0:
         Path(output_path).write_text(json.dumps(spec.to_json(), indent=2) + "\n")
         _report(spec, half_dims, output_path)
@@ -236,6 +244,32 @@ def _copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / _median_times({0: lambda: dst.copy_(src)}, device, repeats)[0]
+
+
+FUNCTION_SIZES = (16 * 1024, 128 * 1024)  # elements: both in a core's cache
+_FUNCTION_CALLS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "exp": torch.exp, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "erf": torch.erf,
+    "log": torch.log, "sin": torch.sin, "cos": torch.cos,
+}
+
+
+def _function_rates(device: torch.device, repeats: int) -> dict[str, float]:
+    """Evaluations per second of each function in `work.FUNCTIONS`: the slope between
+    two sizes, so that the call's own cost (priced as the operator floor) cancels."""
+    small, large = FUNCTION_SIZES
+    calls = {
+        (fn, numel): partial(_FUNCTION_CALLS[fn], torch.rand(numel, device=device) + 0.5)
+        for fn in sorted(set(FUNCTIONS.values()))
+        for numel in FUNCTION_SIZES
+    }  # inputs in (0.5, 1.5): in every function's domain
+    times = _median_times(calls, device, repeats)
+    rates = {}
+    for fn in sorted(set(FUNCTIONS.values())):
+        extra = times[(fn, large)] - times[(fn, small)]
+        if extra > 0:  # else too fast to tell apart from noise: memory-bound
+            rates[fn] = (large - small) / extra
+    return rates
 
 
 def _operator_floor(device: torch.device, repeats: int) -> float:
@@ -382,6 +416,7 @@ def _memory_bytes(device: torch.device) -> int:
 
 
 def _report(spec: DeviceSpec, half_dims: dict[str, float], path: str | os.PathLike) -> None:
+    rates = ", ".join(f"{fn} {rate / 1e9:.2f}" for fn, rate in spec.function_rates.items())
     peaks = ", ".join(
         f"{k} {v / 1e9:.1f} GFLOP/s (half at n≈{half_dims[k]:.0f})"
         for k, v in spec.peak_flops.items()
@@ -389,7 +424,7 @@ def _report(spec: DeviceSpec, half_dims: dict[str, float], path: str | os.PathLi
     sys.stderr.write(
         f"{spec.name}: {peaks}; memory {spec.memory_bandwidth / 1e9:.1f} GB/s; "
         f"operator floor {spec.kernel_launch_s * 1e6:.1f} µs; "
-        f"collectives {sorted(spec.collectives)}\n"
+        f"functions (G/s) {rates or 'none'}; collectives {sorted(spec.collectives)}\n"
         f"wrote {path}\n"
     )
 

@@ -66,6 +66,9 @@ class DeviceSpec:
     matmul_half_dim: float = 64.0
     # Measured collective costs from `autopart calibrate`: {op: {"alpha": s, "beta": s/byte}}.
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Measured evaluations/s of transcendental functions ("exp", "tanh", ...) from
+    # `autopart calibrate`; absent, they are priced by memory traffic alone.
+    function_rates: dict[str, float] = field(default_factory=dict)
 
     def flops_for(self, dtype: torch.dtype | str) -> float:
         key = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype, "fp32")

@@ -40,11 +40,20 @@ Precision (`precision`). The graph is captured in fp32. Under "bf16-mixed" /
 of their fp32 operands (one more kernel, 1.5× the operands' captured bytes); other
 operators run in fp32 as captured.
 
+Transcendentals. A pointwise function such as tanh or exp (and attention's exp of every
+score) can cost more in arithmetic than in memory traffic where the device evaluates it
+in software: on a CPU, tens of cycles an element. A profile from `autopart calibrate`
+carries each function's measured rate (`DeviceSpec.function_rates`, evaluations per
+second), and the operator's arithmetic time gains evaluations / rate. The data-sheet
+presets carry none: a GPU's special-function units keep these operators memory-bound.
+
 Backward and recomputation. A contraction's backward computes two products of the same
 size as its forward (the input gradient and the weight gradient): 2× the forward's
 FLOPs, bytes and kernels. Every other operator's backward is taken as 1× its forward (an
 elementwise gradient reads and writes about what the forward did; a view's gradient is
-one more view or reshape). Recomputing an operator in backward costs one more forward.
+one more view or reshape), without the function's evaluations unless the gradient
+evaluates it again (`work.FUNCTION_IN_BACKWARD`; attention recomputes its probabilities).
+Recomputing an operator in backward costs one more forward.
 
 Optimizer. Adam's update is memory-bound: it reads and writes the rank's parameters,
 gradients and optimizer state about once each, 2 × their bytes. It also dispatches
@@ -118,9 +127,10 @@ class ComputeModel:
         d = min(m, n, k)
         return self.device.matmul_efficiency * d / (d + self.half_dim)
 
-    def forward_time(self, work: NodeWork) -> float:
+    def forward_time(self, work: NodeWork, functions: bool = True) -> float:
         """The roofline time of one operator's forward, with its launch floor, plus the
-        cast of its operands under mixed precision."""
+        cast of its operands under mixed precision. `functions`: with the evaluations of
+        its transcendental function (`function_time`)."""
         if not work.dispatched:
             return 0.0
         if work.is_contraction:
@@ -128,15 +138,27 @@ class ComputeModel:
             math = work.flops / (self.contraction_peak * eff)
         else:
             math = work.flops / self.vector_peak
+        if functions:
+            math += self.function_time(work)
         bandwidth, launch = self.device.memory_bandwidth, self.device.kernel_launch_s
         memory = work.bytes * bytes_scale(work, self.precision) / bandwidth
         cast = cast_bytes(work, self.precision)
         return max(math, memory) + launch + (cast / bandwidth + launch if cast else 0.0)
 
+    def function_time(self, work: NodeWork) -> float:
+        """Evaluations of a transcendental over the device's measured rate for it
+        (`DeviceSpec.function_rates`; none measured: the roofline alone)."""
+        rate = self.device.function_rates.get(work.function) if work.function else None
+        return work.evaluations / rate if rate else 0.0
+
     def time(self, work: NodeWork, recompute: bool = False) -> PhaseCost:
-        """Forward, backward (2× for contractions, 1× otherwise) and recomputation."""
+        """Forward, backward (2× for contractions, 1× otherwise, the function's
+        evaluations once more where the gradient evaluates it) and recomputation."""
         forward = self.forward_time(work)
-        return PhaseCost(forward, forward * backward_factor(work), forward if recompute else 0.0)
+        backward = self.forward_time(work, functions=False) * backward_factor(work)
+        if work.evaluates_in_backward:
+            backward += self.function_time(work)
+        return PhaseCost(forward, backward, forward if recompute else 0.0)
 
     # -- many operators ---------------------------------------------------------------
 

@@ -6,8 +6,9 @@ numbers, so `node_work` substitutes the sizes once per operator and keeps what t
 compute and memory models read: the FLOPs, the bytes moved (activations read, written,
 and parameters read, which scale differently with the batch, the precision and tensor
 parallelism), the bytes saved for backward, for contractions the matmul shape (m, n, k)
-that decides how close to peak the kernel runs, and whether the operator goes through
-the dispatcher at all (views do; reading a tuple item or a size is Python alone).
+that decides how close to peak the kernel runs, the evaluations of a transcendental
+function (`FUNCTIONS`), and whether the operator goes through the dispatcher at all
+(views do; reading a tuple item or a size is Python alone).
 """
 
 from __future__ import annotations
@@ -32,6 +33,19 @@ HOST_ONLY = frozenset(
      "sym_constrain_range_for_size"}
 )
 _CALLS = ("call_function", "call_method", "call_module")
+# Pointwise functions whose arithmetic can cost more than their memory traffic: on a CPU
+# a vectorized tanh takes tens of cycles an element (0.4 G elements/s on one x86 core,
+# against 10 G for a negation). Operator -> the function it evaluates once per output
+# element; the softmaxes evaluate exp. Attention evaluates exp once per score.
+FUNCTIONS = {
+    "exp": "exp", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu", "gelu": "gelu",
+    "erf": "erf", "log": "log", "sin": "sin", "cos": "cos",
+    "_softmax": "exp", "softmax": "exp", "_log_softmax": "exp", "log_softmax": "exp",
+}
+# Operators whose backward evaluates their function again; the others' gradients are
+# arithmetic on the saved output (tanh' = 1 − y², softmax's Jacobian product, ...).
+# Flash attention recomputes the probabilities from the scores in backward.
+FUNCTION_IN_BACKWARD = frozenset({"silu", "gelu", "erf", "sin", "cos"})
 
 
 class MissingDim(KeyError):
@@ -54,6 +68,9 @@ class NodeWork:
     # column-parallel product), whole on every tp rank.
     tp_saves_replicated: bool = False
     dispatched: bool = True  # runs an operator through the dispatcher (views included)
+    function: str | None = None  # the transcendental it evaluates (FUNCTIONS)
+    evaluations: float = 0.0  # how many times, in forward
+    evaluates_in_backward: bool = False  # and as many again in backward
 
     @property
     def bytes(self) -> float:
@@ -84,6 +101,7 @@ class NodeWork:
             param_bytes=self.param_bytes / tp,
             saved_bytes=self.saved_bytes / (1 if self.tp_saves_replicated else tp),
             shape=shape,
+            evaluations=self.evaluations / tp,
         )
 
     def scaled(self, factor: float) -> NodeWork:
@@ -101,6 +119,7 @@ class NodeWork:
             written_bytes=self.written_bytes * factor,
             saved_bytes=self.saved_bytes * factor,
             shape=shape,
+            evaluations=self.evaluations * factor,
         )
 
 
@@ -136,6 +155,7 @@ def node_work(
     read = evaluate(traffic.read, dims)
     params = min(float(sum(param_bytes.get(fqn, 0) for fqn in PARAMS.get(node))), read)
     shape = _contraction_shape(node, name, kind, flops, dims)
+    function, evaluations = _function_evaluations(node, name, kind, shape, dims)
     return NodeWork(
         kind=kind,
         flops=flops,
@@ -146,6 +166,9 @@ def node_work(
         shape=shape,
         tp_sharded=tp_sharded,
         dispatched=node.op in _CALLS and name not in HOST_ONLY,
+        function=function,
+        evaluations=evaluations,
+        evaluates_in_backward=kind == ATTENTION or name in FUNCTION_IN_BACKWARD,
     )
 
 
@@ -177,3 +200,23 @@ def _contraction_shape(
     n = evaluate(out.shape[1] if name in CONVOLUTIONS else out.shape[-1], dims)
     m = numel / n
     return (m, n, flops / (2 * numel))
+
+
+def _function_evaluations(
+    node: fx.Node,
+    name: str,
+    kind: str,
+    shape: tuple[float, float, float] | None,
+    dims: Mapping[str, int],
+) -> tuple[str | None, float]:
+    """(function, evaluations in forward): exp once per attention score (B·H·L·S, the
+    output's B·H·L·E elements times S/E), or `FUNCTIONS[name]` once per output element."""
+    out = SHAPE.get(node)
+    if not isinstance(out, TensorInfo):
+        return None, 0.0
+    if kind == ATTENTION and shape is not None:
+        length, keys, head = shape
+        return "exp", evaluate(out.numel, dims) * keys / head
+    if name in FUNCTIONS:
+        return FUNCTIONS[name], evaluate(out.numel, dims)
+    return None, 0.0

@@ -119,6 +119,37 @@ def test_backward_is_twice_a_matmul_once_an_elementwise_and_recompute_adds_a_for
     assert flops.total == pytest.approx(4 * matmul.flops + 3 * other.flops)
 
 
+def test_transcendentals_cost_their_measured_rate_and_again_in_backward_where_recomputed():
+    cpu = replace(PRESETS["cpu"], kernel_launch_s=0.0, function_rates={"tanh": 1e8, "silu": 1e8})
+    model = ComputeModel(cpu)
+    tanh = NodeWork(OTHER, 1e6, read_bytes=4e6, written_bytes=4e6, function="tanh",
+                    evaluations=1e6)
+    memory = 8e6 / cpu.memory_bandwidth
+    arithmetic = 1e6 / cpu.flops_for("fp32") + 1e6 / 1e8
+    assert arithmetic > memory  # 10 ms of tanh against 0.4 ms of traffic
+    assert model.time(tanh).forward == pytest.approx(arithmetic)
+    assert model.time(tanh).backward == pytest.approx(memory)  # 1 − y², from the output
+    silu = replace(tanh, function="silu", evaluates_in_backward=True)
+    assert model.time(silu).backward == pytest.approx(memory + 1e6 / 1e8)
+    unmeasured = ComputeModel(PRESETS["cpu"])  # a data-sheet preset: traffic alone
+    assert unmeasured.function_time(tanh) == 0.0
+
+
+def test_attention_evaluates_exp_once_per_score_gelu_tanh_once_per_element(gpt_graph):
+    dims = {"batch": GPT["batch"]}
+    works = {op_name(n, gpt_graph): node_work(n, gpt_graph, dims, {})
+             for n in gpt_graph.graph.nodes if MODULE_PATH.get(n).startswith("transformer.h.0.")}
+    attention = next(w for name, w in works.items() if "attention" in name)
+    heads = 16
+    assert (attention.function, attention.evaluations) == (
+        "exp", GPT["batch"] * heads * GPT["seq"] ** 2
+    )
+    assert attention.evaluates_in_backward
+    tanh = works["tanh"]  # GPT-2's gelu_new: the MLP's 4h activations
+    assert (tanh.function, tanh.evaluations) == ("tanh", GPT["batch"] * GPT["seq"] * 4 * 1024)
+    assert not tanh.evaluates_in_backward
+
+
 def test_nodes_cost_prices_a_subset(gpt_graph):
     model = ComputeModel(H100, "bf16-mixed")
     nodes = gpt_graph.graph.nodes
