@@ -18,6 +18,8 @@
                   keeps P at that rate and fits n½ alone. P becomes `peak_flops[dtype]`
                   and `matmul_efficiency` is 1.0 (a measured peak is achievable).
     memory        a large copy: 2 × its bytes (read and written) over the median time.
+    optimizer     AdamW's step over `OPTIMIZER_TENSORS` parameters of 16 elements, whose
+                  traffic is nil: seconds per tensor, `optimizer_tensor_s`.
     functions     on a CPU, each transcendental the compute model prices by its
                   evaluations (`cost_models.work.FUNCTIONS`: exp, tanh, gelu, ...) on
                   fp32 tensors of 16 Ki and 128 Ki elements, which stay in cache as the
@@ -124,7 +126,7 @@ def calibrate(
     )
     dtypes = tuple(dtypes or (("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32",)))
     ops = ops if world > 1 else ()
-    progress = Progress(len(dtypes) * len(sizes) + 3 + len(ops) * len(messages), rank == 0)
+    progress = Progress(len(dtypes) * len(sizes) + 4 + len(ops) * len(messages), rank == 0)
 
     launch = _operator_floor(device, repeats)
     progress.step("operator floor")
@@ -139,6 +141,8 @@ def calibrate(
     progress.step("memory bandwidth")
     rates = _function_rates(device, repeats) if device.type == "cpu" else {}
     progress.step("transcendental functions")
+    optimizer = _optimizer_per_tensor(device, repeats)
+    progress.step("optimizer")
     collectives = {}
     for op in ops:
         fitted = _collective_fit(op, messages, device, world, repeats, progress)
@@ -146,7 +150,10 @@ def calibrate(
             collectives[op] = fitted
 
     spec = _profile(device, world, name, peaks, bandwidth, launch, collectives)
-    spec = replace(spec, matmul_half_dim=half_dims[dtypes[0]], function_rates=rates)
+    spec = replace(
+        spec, matmul_half_dim=half_dims[dtypes[0]], function_rates=rates,
+        optimizer_tensor_s=optimizer,
+    )
     if rank == 0:
         Path(output_path).write_text(json.dumps(spec.to_json(), indent=2) + "\n")
         _report(spec, half_dims, output_path)
@@ -270,6 +277,19 @@ def _function_rates(device: torch.device, repeats: int) -> dict[str, float]:
         if extra > 0:  # else too fast to tell apart from noise: memory-bound
             rates[fn] = (large - small) / extra
     return rates
+
+
+OPTIMIZER_TENSORS = 64
+
+
+def _optimizer_per_tensor(device: torch.device, repeats: int) -> float:
+    """Seconds per parameter tensor of AdamW's step (torch's default implementation for
+    the device) on tensors too small for their traffic to count."""
+    params = [torch.nn.Parameter(torch.ones(16, device=device)) for _ in range(OPTIMIZER_TENSORS)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    return _median_times({0: optimizer.step}, device, repeats)[0] / OPTIMIZER_TENSORS
 
 
 def _operator_floor(device: torch.device, repeats: int) -> float:
@@ -424,6 +444,7 @@ def _report(spec: DeviceSpec, half_dims: dict[str, float], path: str | os.PathLi
     sys.stderr.write(
         f"{spec.name}: {peaks}; memory {spec.memory_bandwidth / 1e9:.1f} GB/s; "
         f"operator floor {spec.kernel_launch_s * 1e6:.1f} µs; "
+        f"Adam {spec.optimizer_tensor_s * 1e6:.1f} µs a tensor; "
         f"functions (G/s) {rates or 'none'}; collectives {sorted(spec.collectives)}\n"
         f"wrote {path}\n"
     )

@@ -69,6 +69,9 @@ class DeviceSpec:
     # Measured evaluations/s of transcendental functions ("exp", "tanh", ...) from
     # `autopart calibrate`; absent, they are priced by memory traffic alone.
     function_rates: dict[str, float] = field(default_factory=dict)
+    # Measured seconds of an Adam step per parameter tensor beyond its memory traffic;
+    # None: `cost_models.compute.ADAM_OPERATORS_PER_TENSOR` operator floors.
+    optimizer_tensor_s: float | None = None
 
     def flops_for(self, dtype: torch.dtype | str) -> float:
         key = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype, "fp32")

@@ -60,7 +60,10 @@ gradients and optimizer state about once each, 2 × their bytes. It also dispatc
 `ADAM_OPERATORS_PER_TENSOR` operators per parameter tensor, as torch's single-tensor
 implementation does (its default on CPU: the step counter, weight decay, the two moment
 updates, the bias-corrected denominator in three operators, the update and the step's
-`.item()`). On CUDA torch defaults to the multi-tensor ("foreach") implementation,
+`.item()`), each priced at the operator floor; a calibrated profile measures the
+per-tensor cost itself (`DeviceSpec.optimizer_tensor_s`: these operators run without
+autograd on small state and cost a third of a graph operator's floor on a CPU). On CUDA
+torch defaults to the multi-tensor ("foreach") implementation,
 which launches about as many kernels per group of tensors; there the per-tensor term
 overstates a step by 10 launches per tensor (12 ms for Llama-3-8B's 291 tensors on an
 H100, against a memory-bound update of about 80 ms).
@@ -184,10 +187,13 @@ class ComputeModel:
 
     def optimizer_step_time(self, state_bytes: float, tensors: float = 0.0) -> float:
         """Adam over `tensors` parameter tensors holding `state_bytes` of parameters,
-        gradients and state: 2 × the bytes over the memory bandwidth, plus
-        `ADAM_OPERATORS_PER_TENSOR` launch floors per tensor (module docstring)."""
-        launches = tensors * ADAM_OPERATORS_PER_TENSOR * self.device.kernel_launch_s
-        return 2 * state_bytes / self.device.memory_bandwidth + launches
+        gradients and state: 2 × the bytes over the memory bandwidth, plus the
+        per-tensor cost: measured, or `ADAM_OPERATORS_PER_TENSOR` launch floors (module
+        docstring)."""
+        per_tensor = self.device.optimizer_tensor_s
+        if per_tensor is None:
+            per_tensor = ADAM_OPERATORS_PER_TENSOR * self.device.kernel_launch_s
+        return 2 * state_bytes / self.device.memory_bandwidth + tensors * per_tensor
 
 
 def backward_factor(work: NodeWork) -> float:

@@ -106,6 +106,10 @@ def test_adam_is_memory_bound_plus_a_launch_floor_per_operator_per_tensor():
     assert model.optimizer_step_time(state) == pytest.approx(memory_bound)
     launches = 291 * ADAM_OPERATORS_PER_TENSOR * H100.kernel_launch_s
     assert model.optimizer_step_time(state, tensors=291) == pytest.approx(memory_bound + launches)
+    measured = ComputeModel(replace(H100, optimizer_tensor_s=2e-5))
+    assert measured.optimizer_step_time(state, tensors=291) == pytest.approx(
+        memory_bound + 291 * 2e-5
+    )
 
 
 def test_backward_is_twice_a_matmul_once_an_elementwise_and_recompute_adds_a_forward():
