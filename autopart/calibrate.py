@@ -20,6 +20,13 @@
     memory        a large copy: 2 × its bytes (read and written) over the median time.
     optimizer     AdamW's step over `OPTIMIZER_TENSORS` parameters of 16 elements, whose
                   traffic is nil: seconds per tensor, `optimizer_tensor_s`.
+    scale         last, a small transformer layer (width 128, 512 tokens) run forward and
+                  backward, against the compute model's price for it with all of the
+                  above: `compute_scale`, measured / modeled, by which the compute model
+                  multiplies every operator. It carries what the per-operator roofline
+                  does not see (operands evicted from cache by the operator before, a
+                  CPU's attention kernel at small head dims), fitted on a standard layer,
+                  not on a model being planned.
     functions     on a CPU, each transcendental the compute model prices by its
                   evaluations (`cost_models.work.FUNCTIONS`: exp, tanh, gelu, ...) on
                   fp32 tensors of 16 Ki and 128 Ki elements, which stay in cache as the
@@ -65,7 +72,7 @@ import torch.distributed as dist
 
 from autopart.capture import BATCH, capture
 from autopart.cost_models.comm import ring_steps, ring_volume
-from autopart.cost_models.compute import backward_factor
+from autopart.cost_models.compute import ComputeModel, backward_factor
 from autopart.cost_models.work import FUNCTIONS, node_work
 from autopart.mesh import PRESETS, DeviceSpec, Mesh
 from autopart.passes import analyze
@@ -84,6 +91,7 @@ MAX_EXTRAPOLATION = 1.25  # a fitted peak may exceed the best measured rate by t
 SAMPLE_S = 0.05
 MAX_CALLS_PER_SAMPLE = 100_000
 FLOOR_WIDTH = 16  # the model width of the operator-floor measurement
+REFERENCE_WIDTH = 128  # the model width of the compute-scale measurement
 QUICK_COPY_BYTES = 16 * 1024**2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -126,7 +134,7 @@ def calibrate(
     )
     dtypes = tuple(dtypes or (("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32",)))
     ops = ops if world > 1 else ()
-    progress = Progress(len(dtypes) * len(sizes) + 4 + len(ops) * len(messages), rank == 0)
+    progress = Progress(len(dtypes) * len(sizes) + 5 + len(ops) * len(messages), rank == 0)
 
     launch = _operator_floor(device, repeats)
     progress.step("operator floor")
@@ -154,6 +162,8 @@ def calibrate(
         spec, matmul_half_dim=half_dims[dtypes[0]], function_rates=rates,
         optimizer_tensor_s=optimizer,
     )
+    spec = replace(spec, compute_scale=_compute_scale(spec, device, repeats))
+    progress.step("compute scale")
     if rank == 0:
         Path(output_path).write_text(json.dumps(spec.to_json(), indent=2) + "\n")
         _report(spec, half_dims, output_path)
@@ -298,19 +308,37 @@ def _operator_floor(device: torch.device, repeats: int) -> float:
     planned) captured as autopart captures models, run forward and backward at a size
     where its arithmetic is negligible, over its dispatched operators in forward plus
     their launches in backward (`compute.backward_factor`: 2 per contraction, 1 else)."""
+    gm, x, dims = _reference_layer(FLOOR_WIDTH, 2, 8, device)
+    works = [node_work(n, gm, dims, {}) for n in gm.graph.nodes]
+    launches = sum(1 + backward_factor(w) for w in works if w.dispatched)
+    return _median_times({0: lambda: gm(x).sum().backward()}, device, repeats)[0] / launches
+
+
+def _compute_scale(spec: DeviceSpec, device: torch.device, repeats: int) -> float:
+    """Measured over modeled seconds of the forward and backward of a small transformer
+    layer (`torch.nn.TransformerEncoderLayer`, width `REFERENCE_WIDTH`, 512 tokens),
+    priced by the compute model with every other figure of this profile: what the
+    per-operator roofline misses when operators run one after another in a graph."""
+    gm, x, dims = _reference_layer(REFERENCE_WIDTH, 4, 128, device)
+    modeled = ComputeModel(spec, half_dim=spec.matmul_half_dim).nodes_cost(gm, dims).total
+    measured = _median_times({0: lambda: gm(x).sum().backward()}, device, repeats)[0]
+    return measured / modeled
+
+
+def _reference_layer(
+    width: int, batch: int, seq: int, device: torch.device
+) -> tuple[torch.fx.GraphModule, torch.Tensor, dict[str, int]]:
+    """A standard block, not a model being planned, captured and analyzed as autopart
+    does models: the graph, an input and the sizes of its dims."""
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(
-        d_model=FLOOR_WIDTH, nhead=2, dim_feedforward=2 * FLOOR_WIDTH, dropout=0.0,
+        d_model=width, nhead=max(2, width // 32), dim_feedforward=4 * width, dropout=0.0,
         batch_first=True, device=device,
     )
-    x = torch.randn(2, 8, FLOOR_WIDTH, device=device)
+    x = torch.randn(batch, seq, width, device=device)
     captured = capture(layer, (x,))
     analyze(captured.gm, captured.context())
-    gm = captured.gm
-    works = [node_work(n, gm, {**captured.dim_sizes, BATCH: 2}, {}) for n in gm.graph.nodes]
-    launches = sum(1 + backward_factor(w) for w in works if w.dispatched)
-    seconds = _median_times({0: lambda: gm(x).sum().backward()}, device, repeats)[0]
-    return seconds / launches
+    return captured.gm, x, {**captured.dim_sizes, BATCH: batch}
 
 
 def _collective_fit(
@@ -445,6 +473,7 @@ def _report(spec: DeviceSpec, half_dims: dict[str, float], path: str | os.PathLi
         f"{spec.name}: {peaks}; memory {spec.memory_bandwidth / 1e9:.1f} GB/s; "
         f"operator floor {spec.kernel_launch_s * 1e6:.1f} µs; "
         f"Adam {spec.optimizer_tensor_s * 1e6:.1f} µs a tensor; "
+        f"compute scale {spec.compute_scale:.2f}; "
         f"functions (G/s) {rates or 'none'}; collectives {sorted(spec.collectives)}\n"
         f"wrote {path}\n"
     )

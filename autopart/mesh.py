@@ -72,6 +72,9 @@ class DeviceSpec:
     # Measured seconds of an Adam step per parameter tensor beyond its memory traffic;
     # None: `cost_models.compute.ADAM_OPERATORS_PER_TENSOR` operator floors.
     optimizer_tensor_s: float | None = None
+    # Measured / modeled compute time of a reference transformer layer (`autopart
+    # calibrate`); the compute model multiplies its operator times by it.
+    compute_scale: float = 1.0
 
     def flops_for(self, dtype: torch.dtype | str) -> float:
         key = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype, "fp32")

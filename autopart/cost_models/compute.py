@@ -55,6 +55,11 @@ one more view or reshape), without the function's evaluations unless the gradien
 evaluates it again (`work.FUNCTION_IN_BACKWARD`; attention recomputes its probabilities).
 Recomputing an operator in backward costs one more forward.
 
+Scale. A calibrated profile carries `DeviceSpec.compute_scale`: the measured over the
+modeled time of a reference transformer layer's forward and backward (`autopart
+calibrate`), what running operators one after another costs beyond each one's roofline.
+Every operator's time is multiplied by it (1.0 for the data-sheet presets).
+
 Optimizer. Adam's update is memory-bound: it reads and writes the rank's parameters,
 gradients and optimizer state about once each, 2 × their bytes. It also dispatches
 `ADAM_OPERATORS_PER_TENSOR` operators per parameter tensor, as torch's single-tensor
@@ -122,6 +127,7 @@ class ComputeModel:
         self.half_dim = half_dim
         self.contraction_peak = device.flops_for(COMPUTE_DTYPES[precision])
         self.vector_peak = device.flops_for("fp32")
+        self.scale = device.compute_scale
 
     # -- one operator -----------------------------------------------------------------
 
@@ -161,7 +167,7 @@ class ComputeModel:
         backward = self.forward_time(work, functions=False) * backward_factor(work)
         if work.evaluates_in_backward:
             backward += self.function_time(work)
-        return PhaseCost(forward, backward, forward if recompute else 0.0)
+        return PhaseCost(forward, backward, forward if recompute else 0.0) * self.scale
 
     # -- many operators ---------------------------------------------------------------
 

@@ -26,6 +26,7 @@ def test_quick_calibration_in_one_process_writes_a_loadable_profile(tmp_path, ca
     assert set(spec.function_rates) <= set(FUNCTIONS.values())
     assert spec.function_rates["tanh"] > 1e6  # evaluations/s, measured apart from the call
     assert 0 < spec.optimizer_tensor_s < 1e-2
+    assert 0.2 < spec.compute_scale < 5  # measured / modeled on a reference layer
     assert Mesh.cluster(path, nodes=1, per_node=2).device == spec
     assert "#" in capsys.readouterr().err  # the progress bar
 

@@ -154,6 +154,14 @@ def test_attention_evaluates_exp_once_per_score_gelu_tanh_once_per_element(gpt_g
     assert not tanh.evaluates_in_backward
 
 
+def test_a_calibrated_compute_scale_multiplies_every_phase():
+    work = _matmul(4096, 4096, 4096)
+    plain, scaled = ComputeModel(H100), ComputeModel(replace(H100, compute_scale=1.5))
+    assert scaled.time(work, recompute=True).total == pytest.approx(
+        1.5 * plain.time(work, recompute=True).total
+    )
+
+
 def test_nodes_cost_prices_a_subset(gpt_graph):
     model = ComputeModel(H100, "bf16-mixed")
     nodes = gpt_graph.graph.nodes
