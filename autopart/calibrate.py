@@ -33,7 +33,8 @@
                   activations of the operators they model do: the difference in
                   elements over the difference in time is `function_rates[fn]`.
     collectives   all_reduce, all_gather, reduce_scatter, broadcast and all_to_all (each
-                  where the backend supports it) of 1 KiB to 64 MiB buffers, timed on
+                  where the backend supports it) of 1 KiB to 64 MiB buffers, each
+                  issued after a burst of compute as training issues it, timed on
                   every rank and taking the slowest; all-gather and reduce-scatter in
                   their single-tensor forms, which runtimes use (on Gloo the list forms
                   take up to 3× longer). t(M) = A + B·M is fitted by least
@@ -43,10 +44,11 @@
                   also become the link latency and bandwidth (intra-node on one node,
                   inter-node across several).
 
-Every timing is the median of samples of back-to-back calls lasting `SAMPLE_S` each, so
-that on a CPU shared by more ranks than cores a sample sees the rank's share of a core;
-the sizes of one fit (matmuls, messages) are sampled in turn, round after round, so that
-a change of the machine's load does not bend the fitted curve.
+Every timing but the collectives' is the median of samples of back-to-back calls lasting
+`SAMPLE_S` each, so that on a CPU shared by more ranks than cores a sample sees the
+rank's share of a core (a collective is one call a sample, after compute); the sizes of
+one fit (matmuls, messages) are sampled in turn, round after round, so that a change of
+the machine's load does not bend the fitted curve.
 
 Run it in one process (world 1: no collectives) or under `torchrun` (Gloo on CPUs,
 NCCL on GPUs; every rank runs it, rank 0 writes the profile and draws the progress bar
@@ -92,6 +94,8 @@ SAMPLE_S = 0.05
 MAX_CALLS_PER_SAMPLE = 100_000
 FLOOR_WIDTH = 16  # the model width of the operator-floor measurement
 REFERENCE_WIDTH = 128  # the model width of the compute-scale measurement
+COLLECTIVE_SAMPLES = 9  # per message size, each one call after a compute burst
+BURST_MATMULS = 6  # 256² matmuls before each timed collective
 QUICK_COPY_BYTES = 16 * 1024**2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -389,18 +393,31 @@ def _collective_call(
 def _collective_times(
     runs: Mapping[int, Callable[[], object]], device: torch.device, repeats: int
 ) -> dict[int, float]:
-    """The slowest rank's median time of each run, sampled as `_median_times` does, in
-    call counts every rank agrees on."""
-    counts = {
-        key: _calls_per_sample(_slowest_rank(_timed(run, device, 10), device))
-        for key, run in runs.items()
-    }
+    """The slowest rank's median seconds of each run, issued as training issues a
+    collective: right after a burst of compute on every rank (`_compute_burst`), timed
+    from the end of the burst to the end of the collective. That counts what the
+    runtime waits for beyond a back-to-back call: the peers finishing their compute and
+    the backend waking to the call (on Gloo over loopback, a 256 KiB all-reduce measured
+    0.6 ms back to back and 4 ms after 3 ms of matmuls, on a 2-core host). The samples
+    go round all the runs in turn, at least `COLLECTIVE_SAMPLES` of each."""
+    burst = _compute_burst(device)
     samples: dict[int, list[float]] = {key: [] for key in runs}
     dist.barrier()
-    for _ in range(repeats):
+    for _ in range(max(repeats, COLLECTIVE_SAMPLES)):
         for key, run in runs.items():
-            samples[key].append(_timed(run, device, counts[key]))
+            burst()
+            _sync(device)
+            start = time.perf_counter()
+            run()
+            _sync(device)
+            samples[key].append(time.perf_counter() - start)
     return {key: _slowest_rank(statistics.median(t), device) for key, t in samples.items()}
+
+
+def _compute_burst(device: torch.device) -> Callable[[], object]:
+    """About 2 ms of matmuls on one CPU core (far less on a GPU)."""
+    a = torch.randn(256, 256, device=device)
+    return lambda: [a @ a for _ in range(BURST_MATMULS)]
 
 
 def _slowest_rank(seconds: float, device: torch.device) -> float:
