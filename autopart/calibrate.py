@@ -18,20 +18,13 @@
                   keeps P at that rate and fits n½ alone. P becomes `peak_flops[dtype]`
                   and `matmul_efficiency` is 1.0 (a measured peak is achievable).
     memory        a large copy: 2 × its bytes (read and written) over the median time.
-    optimizer     AdamW's step over `OPTIMIZER_TENSORS` parameters of 16 elements, whose
-                  traffic is nil: seconds per tensor, `optimizer_tensor_s`.
-    scale         last, a small transformer layer (width 128, 512 tokens) run forward and
-                  backward, against the compute model's price for it with all of the
-                  above: `compute_scale`, measured / modeled, by which the compute model
-                  multiplies every operator. It carries what the per-operator roofline
-                  does not see (operands evicted from cache by the operator before, a
-                  CPU's attention kernel at small head dims), fitted on a standard layer,
-                  not on a model being planned.
     functions     on a CPU, each transcendental the compute model prices by its
                   evaluations (`cost_models.work.FUNCTIONS`: exp, tanh, gelu, ...) on
                   fp32 tensors of 16 Ki and 128 Ki elements, which stay in cache as the
                   activations of the operators they model do: the difference in
                   elements over the difference in time is `function_rates[fn]`.
+    optimizer     AdamW's step over `OPTIMIZER_TENSORS` parameters of 16 elements, whose
+                  traffic is nil: seconds per tensor, `optimizer_tensor_s`.
     collectives   all_reduce, all_gather, reduce_scatter, broadcast and all_to_all (each
                   where the backend supports it) of 1 KiB to 64 MiB buffers, each
                   issued after a burst of compute as training issues it, timed on
@@ -43,6 +36,13 @@
                   which `cost_models.comm.CommModel` reads. The all-reduce's figures
                   also become the link latency and bandwidth (intra-node on one node,
                   inter-node across several).
+    scale         last, a small transformer layer (width 128, 512 tokens) run forward and
+                  backward, against the compute model's price for it with all of the
+                  above: `compute_scale`, measured / modeled, by which the compute model
+                  multiplies every operator. It carries what the per-operator roofline
+                  does not see (operands evicted from cache by the operator before, a
+                  CPU's attention kernel at small head dims), fitted on a standard layer,
+                  not on a model being planned.
 
 Every timing but the collectives' is the median of samples of back-to-back calls lasting
 `SAMPLE_S` each, so that on a CPU shared by more ranks than cores a sample sees the
@@ -57,7 +57,6 @@ on stderr). `autopart.mesh.device_spec(path)` and `Mesh.cluster(path, ...)` read
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -496,21 +495,7 @@ def _report(spec: DeviceSpec, half_dims: dict[str, float], path: str | os.PathLi
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`autopart calibrate --out profile.json [--quick] [--name NAME] [--dtypes fp32,bf16]`."""
-    parser = argparse.ArgumentParser(prog="autopart calibrate", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="where to write the device profile JSON")
-    parser.add_argument("--quick", action="store_true", help="few sizes: seconds, not minutes")
-    parser.add_argument("--name", help="the profile's device name")
-    parser.add_argument("--dtypes", help="comma-separated: fp32,bf16,fp16")
-    args = parser.parse_args(argv)
-    options = {}
-    if args.quick:
-        options = {"sizes": QUICK_SIZES, "messages": QUICK_MESSAGES, "copy_bytes": QUICK_COPY_BYTES}
-    dtypes = args.dtypes.split(",") if args.dtypes else None
-    calibrate(args.out, dtypes=dtypes, name=args.name, **options)
-    return 0
+if __name__ == "__main__":  # the same as `autopart calibrate ...`
+    from autopart.cli import main
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["calibrate", *sys.argv[1:]]))

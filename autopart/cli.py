@@ -2,7 +2,7 @@
 
     autopart plan --model pkg.module:factory --mesh h100-80g:8x8 [--tp 8 ...] --out plan.json
     autopart report plan.json
-    autopart calibrate --out profile.json [--quick]
+    autopart calibrate --out profile.json [--quick] [--name NAME] [--dtypes fp32,bf16]
 
 `factory()` returns `(model, example_inputs)`; with `--meta` it is called under the meta
 device, so models far larger than this machine can be planned.
@@ -66,7 +66,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from autopart import calibrate
 
-    return calibrate.main(args.rest)
+    options = {}
+    if args.quick:
+        options = {
+            "sizes": calibrate.QUICK_SIZES, "messages": calibrate.QUICK_MESSAGES,
+            "copy_bytes": calibrate.QUICK_COPY_BYTES,
+        }
+    dtypes = args.dtypes.split(",") if args.dtypes else None
+    calibrate.calibrate(args.out, dtypes=dtypes, name=args.name, **options)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,18 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("plan")
     r.set_defaults(run=cmd_report)
 
-    c = sub.add_parser(
-        "calibrate", help="measure this machine into a device profile (--out FILE [--quick])",
-        add_help=False,  # `autopart calibrate --help` is calibrate's own
-    )
+    c = sub.add_parser("calibrate", help="measure this machine into a device profile")
+    c.add_argument("--out", required=True, help="where to write the device profile JSON")
+    c.add_argument("--quick", action="store_true", help="few sizes: seconds, not minutes")
+    c.add_argument("--name", help="the profile's device name")
+    c.add_argument("--dtypes", help="comma-separated: fp32,bf16,fp16")
     c.set_defaults(run=cmd_calibrate)
 
-    # calibrate parses its own options (`calibrate.main`); the other commands take none
-    # beyond theirs.
-    args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "calibrate":
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.rest = rest
+    args = parser.parse_args(argv)
     return args.run(args)
 
 

@@ -215,7 +215,7 @@ def _function_evaluations(
     if not isinstance(out, TensorInfo):
         return None, 0.0
     if kind == ATTENTION and shape is not None:
-        length, keys, head = shape
+        _, keys, head = shape
         return "exp", evaluate(out.numel, dims) * keys / head
     if name in FUNCTIONS:
         return FUNCTIONS[name], evaluate(out.numel, dims)
