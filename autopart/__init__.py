@@ -12,7 +12,18 @@ from autopart.runtime.parallel_module import ParallelModule
 from autopart.runtime.weights import init_empty_weights, save_checkpoint
 
 __all__ = [
-    "Axis", "BatchError", "CaptureError", "DeviceSpec", "Mesh", "MeshError", "ParallelModule",
-    "Plan", "PlanError", "capture", "init_empty_weights", "parallelize", "plan",
+    "Axis",
+    "BatchError",
+    "CaptureError",
+    "DeviceSpec",
+    "Mesh",
+    "MeshError",
+    "ParallelModule",
+    "Plan",
+    "PlanError",
+    "capture",
+    "init_empty_weights",
+    "parallelize",
+    "plan",
     "save_checkpoint",
 ]

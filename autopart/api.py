@@ -44,7 +44,15 @@ def plan(
     """Choose how to run `model` on `mesh` for the global batch `example_inputs`.
     A pin left as None is the solver's choice."""
     pins = Pins(
-        dp, tp, pp, zero, microbatches, schedule, virtual_stages, recompute, precision,
+        dp,
+        tp,
+        pp,
+        zero,
+        microbatches,
+        schedule,
+        virtual_stages,
+        recompute,
+        precision,
         sequence_parallel,
     )
     return make_plan(_captured(model, example_inputs, example_kwargs), mesh, pins)

@@ -132,8 +132,10 @@ def calibrate(
     the profile to `output_path` (rank 0). Returns the profile on every rank."""
     _join_launched_world()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
-        torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else (torch.device("cpu"))
     )
     dtypes = tuple(dtypes or (("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32",)))
     ops = ops if world > 1 else ()
@@ -162,7 +164,9 @@ def calibrate(
 
     spec = _profile(device, world, name, peaks, bandwidth, launch, collectives)
     spec = replace(
-        spec, matmul_half_dim=half_dims[dtypes[0]], function_rates=rates,
+        spec,
+        matmul_half_dim=half_dims[dtypes[0]],
+        function_rates=rates,
         optimizer_tensor_s=optimizer,
     )
     spec = replace(spec, compute_scale=_compute_scale(spec, device, repeats))
@@ -268,9 +272,15 @@ def _copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
 
 FUNCTION_SIZES = (16 * 1024, 128 * 1024)  # elements: both in a core's cache
 _FUNCTION_CALLS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "exp": torch.exp, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
-    "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "erf": torch.erf,
-    "log": torch.log, "sin": torch.sin, "cos": torch.cos,
+    "exp": torch.exp,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "erf": torch.erf,
+    "log": torch.log,
+    "sin": torch.sin,
+    "cos": torch.cos,
 }
 
 
@@ -335,8 +345,12 @@ def _reference_layer(
     does models: the graph, an input and the sizes of its dims."""
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(
-        d_model=width, nhead=max(2, width // 32), dim_feedforward=4 * width, dropout=0.0,
-        batch_first=True, device=device,
+        d_model=width,
+        nhead=max(2, width // 32),
+        dim_feedforward=4 * width,
+        dropout=0.0,
+        batch_first=True,
+        device=device,
     )
     x = torch.randn(batch, seq, width, device=device)
     captured = capture(layer, (x,))

@@ -149,9 +149,7 @@ def _device_type(model: nn.Module, args: tuple) -> str:
     return "cpu" if device == "meta" else device
 
 
-def _capture_export(
-    model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any
-) -> Captured:
+def _capture_export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> Captured:
     ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     gm = ep.module(check_guards=False)  # input checks as a pre-hook, not a graph node
     dims, symbols = _named_dims(gm, args, dynamic_shapes)

@@ -69,7 +69,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     options = {}
     if args.quick:
         options = {
-            "sizes": calibrate.QUICK_SIZES, "messages": calibrate.QUICK_MESSAGES,
+            "sizes": calibrate.QUICK_SIZES,
+            "messages": calibrate.QUICK_MESSAGES,
             "copy_bytes": calibrate.QUICK_COPY_BYTES,
         }
     dtypes = args.dtypes.split(",") if args.dtypes else None

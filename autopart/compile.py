@@ -38,8 +38,11 @@ class AutopartBackend:
     ) -> Callable[..., Any]:
         captured = from_graph_module(gm, tuple(example_inputs))
         analyze(captured.gm, captured.context())
-        log.info("autopart: graph of %d nodes, %s forward FLOPs", len(gm.graph.nodes),
-                 total_flops(captured.gm))
+        log.info(
+            "autopart: graph of %d nodes, %s forward FLOPs",
+            len(gm.graph.nodes),
+            total_flops(captured.gm),
+        )
         params = [x for x in example_inputs if isinstance(x, nn.Parameter) and x.requires_grad]
         if not (params and dist.is_initialized() and dist.get_world_size() > 1):
             return gm.forward

@@ -33,7 +33,6 @@ class PlanError(ValueError):
     """A plan that is inconsistent, or used with a model or mesh it was not made for."""
 
 
-
 # ---------------------------------------------------------------------------------------
 # The parts of a plan
 

@@ -13,12 +13,13 @@ if TYPE_CHECKING:
     from autopart.plan import Plan
 
 
-
 def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
+
+
 PLACEMENT_AXES = (Axis.DP, Axis.TP)  # the order of a parameter's placements
 
 
@@ -90,9 +91,7 @@ def _collapse_layers(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def explain_plan(plan: Plan) -> str:
-    counts = Counter(
-        tuple(placement_to_str(x) for x in ps) for ps in plan.placements.values()
-    )
+    counts = Counter(tuple(placement_to_str(x) for x in ps) for ps in plan.placements.values())
     layout = ", ".join(
         f"{n} parameters {'/'.join(f'{a}:{x}' for a, x in zip(PLACEMENT_AXES, k))}"
         for k, n in counts.most_common()
@@ -106,8 +105,11 @@ def explain_plan(plan: Plan) -> str:
     if layout:
         lines.append(f"Parameter layout: {layout}.")
     if plan.zero:
-        what = {1: "optimizer state", 2: "optimizer state and gradients",
-                3: "optimizer state, gradients and parameters"}[plan.zero]
+        what = {
+            1: "optimizer state",
+            2: "optimizer state and gradients",
+            3: "optimizer state, gradients and parameters",
+        }[plan.zero]
         lines.append(f"ZeRO-{plan.zero} shards the {what} over the {plan.dp} dp ranks.")
     if plan.predicted is not None:
         p = plan.predicted

@@ -53,7 +53,9 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
 
 def _rank_main(fn, rank, world_size, store, tmp, args) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)

@@ -26,9 +26,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     args = parser.parse_args()
     config = LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=args.seq, use_cache=False,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=args.seq,
+        use_cache=False,
     )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -43,12 +48,20 @@ def main() -> None:
     start = time.perf_counter()
     analyze(captured.gm, captured.context())
     analyze_s = time.perf_counter() - start
-    print(json.dumps({
-        "benchmark": "capture_llama3_8b_meta", "seq": args.seq,
-        "nodes": len(captured.gm.graph.nodes), "torch_export_s": round(export_s, 2),
-        "autopart_capture_s": round(capture_s, 2), "analysis_s": round(analyze_s, 2),
-        "ratio": round(capture_s / export_s, 3), "target_capture_s": 15,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "capture_llama3_8b_meta",
+                "seq": args.seq,
+                "nodes": len(captured.gm.graph.nodes),
+                "torch_export_s": round(export_s, 2),
+                "autopart_capture_s": round(capture_s, 2),
+                "analysis_s": round(analyze_s, 2),
+                "ratio": round(capture_s / export_s, 3),
+                "target_capture_s": 15,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

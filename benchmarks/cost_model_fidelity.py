@@ -129,9 +129,7 @@ def _world(profile_dir: str, options: dict[str, int]) -> list[dict[str, Any]]:
         half = options["steps"] // 2
         times = _step_times(steps, half)  # one half of the steps before calibrating ...
         mesh = _calibrated_mesh(profile_at(epoch))
-        predicted = {
-            key: _predicted(captured[key[0]], mesh, pm.plan) for key, pm in runs.items()
-        }
+        predicted = {key: _predicted(captured[key[0]], mesh, pm.plan) for key, pm in runs.items()}
         after = _step_times(steps, options["steps"] - half)  # ... and one half after
         measured = {key: statistics.median(times[key] + after[key]) for key in steps}
         epochs.append((predicted, measured))
@@ -148,8 +146,14 @@ def _world(profile_dir: str, options: dict[str, int]) -> list[dict[str, Any]]:
 
 def _calibrated_mesh(path: Path) -> autopart.Mesh:
     """This world, described by a profile every rank measures now (rank 0 writes it)."""
-    calibrate(path, sizes=MATMUL_SIZES, messages=MESSAGES, copy_bytes=COPY_BYTES,
-              name=path.stem.rsplit("-", 1)[0], ops=COLLECTIVES)
+    calibrate(
+        path,
+        sizes=MATMUL_SIZES,
+        messages=MESSAGES,
+        copy_bytes=COPY_BYTES,
+        name=path.stem.rsplit("-", 1)[0],
+        ops=COLLECTIVES,
+    )
     dist.barrier()
     return autopart.Mesh.local(device=path)
 
@@ -173,8 +177,11 @@ def _predicted(captured: Captured, mesh: autopart.Mesh, plan: autopart.Plan) -> 
     dims = {k: v for k, v in captured.dim_sizes.items() if k != BATCH}
     p = predict(captured.gm, mesh, Choices.of(plan), dims=dims)
     return {
-        "step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes,
-        "compute_s": p.compute_s, "exposed_comm_s": p.exposed_comm_s, "bubble_s": p.bubble_s,
+        "step_time_s": p.step_time_s,
+        "peak_memory_bytes": p.peak_memory_bytes,
+        "compute_s": p.compute_s,
+        "exposed_comm_s": p.exposed_comm_s,
+        "bubble_s": p.bubble_s,
         "memory": p.memory,
     }
 
@@ -231,8 +238,11 @@ def _largest_growth(prof: profile) -> int:
     time order: the step's peak above what was live when it began. Frees of tensors
     allocated before profiling are not reported, which can only overstate the peak by
     memory released earlier in the step."""
-    events = [e for e in _walk(prof.profiler.kineto_results.experimental_event_tree())
-              if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu"]
+    events = [
+        e
+        for e in _walk(prof.profiler.kineto_results.experimental_event_tree())
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu"
+    ]
     live = peak = 0
     for event in sorted(events, key=lambda e: e.start_time_ns):
         live += event.extra_fields.alloc_size
@@ -309,7 +319,8 @@ def _summary(lines: list[dict[str, Any]], loads: dict[int, tuple[float, float]])
     ran = [line for line in lines if "skipped" not in line]
     within = lambda key, tol: sum(abs(r[key] - 1) <= tol for r in ran) / len(ran)  # noqa: E731
     return {
-        "benchmark": "cost_model_fidelity", "plans": len(ran),
+        "benchmark": "cost_model_fidelity",
+        "plans": len(ran),
         "skipped": [f"{s['model']}/{s['plan']}" for s in lines if "skipped" in s],
         "step_time_rank_correlation": round(
             spearman([r["predicted_step_s"] for r in ran], [r["measured_step_s"] for r in ran]), 3

@@ -26,9 +26,16 @@ def build_model(seed: int = 0):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=2048, max_position_embeddings=64, use_cache=False,
-        bos_token_id=0, eos_token_id=0,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=2048,
+        max_position_embeddings=64,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return LlamaForCausalLM(config)
 
@@ -44,8 +51,13 @@ def _bench(steps: int, rounds: int, batch: int, seq: int) -> dict:
     target = torch.randint(0, 2048, (batch, seq), generator=g)
 
     pm = autopart.parallelize(
-        build_model(), autopart.Mesh.local(), (ids,), loss_fn=loss_fn,
-        optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), dp=world, zero=0,
+        build_model(),
+        autopart.Mesh.local(),
+        (ids,),
+        loss_fn=loss_fn,
+        optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
+        dp=world,
+        zero=0,
     )
     ddp = DistributedDataParallel(build_model())
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)

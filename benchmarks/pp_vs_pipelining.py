@@ -34,9 +34,16 @@ def build_model(seed: int = 0):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=128, use_cache=False,
-        bos_token_id=0, eos_token_id=0,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return LlamaForCausalLM(config)
 
@@ -65,8 +72,11 @@ class HandStage(nn.Module):
         hidden = self.embed_tokens(x) if self.first else x
         positions = torch.arange(hidden.shape[1]).unsqueeze(0)
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None,
-            past_key_values=None, position_ids=positions,
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=positions,
         )
         rotary = self.rotary_emb(hidden, position_ids=positions)
         for layer in self.layers:
@@ -86,9 +96,7 @@ def native_pipeline(model, cuts: tuple[str, ...], schedule: str, microbatches: i
         return F.cross_entropy(logits.flatten(0, 1), target.flatten()) / microbatches
 
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    runner = SCHEDULES[schedule](
-        stage, microbatches, loss_fn=microbatch_loss, scale_grads=False
-    )
+    runner = SCHEDULES[schedule](stage, microbatches, loss_fn=microbatch_loss, scale_grads=False)
     return module, runner
 
 
@@ -99,9 +107,14 @@ def _bench(schedule: str, steps: int, rounds: int, batch: int, seq: int, micro: 
     target = torch.randint(0, VOCAB, (batch, seq), generator=g)
 
     pm = autopart.parallelize(
-        build_model(), autopart.Mesh.local(), (ids,), loss_fn=loss_fn,
+        build_model(),
+        autopart.Mesh.local(),
+        (ids,),
+        loss_fn=loss_fn,
         optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
-        pp=world, schedule=schedule, microbatches=micro,
+        pp=world,
+        schedule=schedule,
+        microbatches=micro,
     )
     module, runner = native_pipeline(build_model(), pm.plan.stage_cuts, schedule, micro)
     native_opt = torch.optim.SGD(module.parameters(), lr=1e-3)
@@ -135,13 +148,29 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     args = parser.parse_args()
     per_rank = run_world(
-        _bench, args.world, args.schedule, args.steps, args.rounds, args.batch, args.seq,
+        _bench,
+        args.world,
+        args.schedule,
+        args.steps,
+        args.rounds,
+        args.batch,
+        args.seq,
         args.microbatches,
     )
     # The last stage's rank holds both losses.
-    print(report("pp_vs_pipelining", per_rank, 1.05, loss_rank=-1, world=args.world,
-                 schedule=args.schedule, batch=args.batch, seq=args.seq,
-                 microbatches=args.microbatches))
+    print(
+        report(
+            "pp_vs_pipelining",
+            per_rank,
+            1.05,
+            loss_rank=-1,
+            world=args.world,
+            schedule=args.schedule,
+            batch=args.batch,
+            seq=args.seq,
+            microbatches=args.microbatches,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ def main() -> int:
     for script in PAIRS:
         run = subprocess.run(
             [sys.executable, str(here / script)],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
         if run.returncode or not lines:

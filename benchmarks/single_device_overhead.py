@@ -26,10 +26,16 @@ def build_model(layers: int, hidden: int, vocab: int, seq: int, seed: int = 0):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 64 * 64,
-        num_hidden_layers=layers, num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 128, vocab_size=vocab, max_position_embeddings=seq,
-        use_cache=False, bos_token_id=0, eos_token_id=0,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 8 / 3) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 128,
+        vocab_size=vocab,
+        max_position_embeddings=seq,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return LlamaForCausalLM(config)
 
@@ -56,7 +62,11 @@ def main() -> None:
     sizes = (args.layers, args.hidden, args.vocab, args.seq)
 
     pm = autopart.parallelize(
-        build_model(*sizes), mesh, (ids,), loss_fn=loss_fn, precision=args.precision,
+        build_model(*sizes),
+        mesh,
+        (ids,),
+        loss_fn=loss_fn,
+        precision=args.precision,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
     )
     eager = build_model(*sizes).to(device)
@@ -78,6 +88,7 @@ def main() -> None:
     def synced(step):
         def run():
             step().item()  # waits for the device
+
         return run
 
     for step in (autopart_step, eager_step):
@@ -87,15 +98,24 @@ def main() -> None:
         {"autopart": synced(autopart_step), "eager": synced(eager_step)}, args.steps, 3
     )
     first = (pm.train_step(ids, target).item(), eager_step().item())
-    print(json.dumps({
-        "benchmark": "single_device_overhead", "device": str(device),
-        "backend": mesh.backend, "precision": args.precision, "layers": args.layers,
-        "hidden": args.hidden, "batch": args.batch, "seq": args.seq,
-        "autopart_median_s": round(medians["autopart"], 5),
-        "eager_median_s": round(medians["eager"], 5),
-        "ratio": round(medians["autopart"] / medians["eager"], 3),
-        "losses_after": [round(x, 4) for x in first],
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "single_device_overhead",
+                "device": str(device),
+                "backend": mesh.backend,
+                "precision": args.precision,
+                "layers": args.layers,
+                "hidden": args.hidden,
+                "batch": args.batch,
+                "seq": args.seq,
+                "autopart_median_s": round(medians["autopart"], 5),
+                "eager_median_s": round(medians["eager"], 5),
+                "ratio": round(medians["autopart"] / medians["eager"], 3),
+                "losses_after": [round(x, 4) for x in first],
+            }
+        )
+    )
     pm.close()
     dist.destroy_process_group()
 

@@ -47,10 +47,15 @@ def report(
     autopart_s = max(r["autopart"] for r in per_rank)
     native_s = max(r["native"] for r in per_rank)
     first = per_rank[loss_rank]["first"]
-    return json.dumps({
-        "benchmark": benchmark, **settings,
-        "autopart_median_s": round(autopart_s, 5), "native_median_s": round(native_s, 5),
-        "ratio": round(autopart_s / native_s, 3), "target_ratio": target,
-        "first_loss_autopart": round(first["autopart"], 6),
-        "first_loss_native": round(first["native"], 6),
-    })
+    return json.dumps(
+        {
+            "benchmark": benchmark,
+            **settings,
+            "autopart_median_s": round(autopart_s, 5),
+            "native_median_s": round(native_s, 5),
+            "ratio": round(autopart_s / native_s, 3),
+            "target_ratio": target,
+            "first_loss_autopart": round(first["autopart"], 6),
+            "first_loss_native": round(first["native"], 6),
+        }
+    )

@@ -34,9 +34,16 @@ def build_model(seed: int = 0):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=8, vocab_size=VOCAB, max_position_embeddings=128, use_cache=False,
-        bos_token_id=0, eos_token_id=0,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return LlamaForCausalLM(config)
 
@@ -50,8 +57,13 @@ def native_tp(model, world: int):
     plan = {}
     for i in range(len(model.model.layers)):
         prefix = f"model.layers.{i}"
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                     "mlp.gate_proj", "mlp.up_proj"):
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        ):
             plan[f"{prefix}.{name}"] = ColwiseParallel()
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             plan[f"{prefix}.{name}"] = RowwiseParallel()
@@ -65,8 +77,12 @@ def _bench(steps: int, rounds: int, batch: int, seq: int) -> dict:
     target = torch.randint(0, VOCAB, (batch, seq), generator=g)
 
     pm = autopart.parallelize(
-        build_model(), autopart.Mesh.local(), (ids,), loss_fn=loss_fn,
-        optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), tp=world,
+        build_model(),
+        autopart.Mesh.local(),
+        (ids,),
+        loss_fn=loss_fn,
+        optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
+        tp=world,
     )
     native = native_tp(build_model(), world)
     native_opt = torch.optim.SGD(native.parameters(), lr=1e-3)
@@ -95,8 +111,16 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     args = parser.parse_args()
     per_rank = run_world(_bench, args.world, args.steps, args.rounds, args.batch, args.seq)
-    print(report("tp_vs_parallelize_module", per_rank, 1.0, world=args.world,
-                 batch=args.batch, seq=args.seq))
+    print(
+        report(
+            "tp_vs_parallelize_module",
+            per_rank,
+            1.0,
+            world=args.world,
+            batch=args.batch,
+            seq=args.seq,
+        )
+    )
 
 
 if __name__ == "__main__":

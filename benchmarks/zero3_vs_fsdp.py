@@ -38,8 +38,13 @@ def _bench(steps: int, rounds: int, batch: int, seq: int) -> dict:
     target = torch.randint(0, VOCAB, (batch, seq), generator=g)
 
     pm = autopart.parallelize(
-        build_model(), autopart.Mesh.local(), (ids,), loss_fn=loss_fn,
-        optimizer=_optimizer, dp=world, zero=3,
+        build_model(),
+        autopart.Mesh.local(),
+        (ids,),
+        loss_fn=loss_fn,
+        optimizer=_optimizer,
+        dp=world,
+        zero=3,
     )
     fsdp = build_model()
     mesh = init_device_mesh("cpu", (world,))
@@ -75,8 +80,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
     per_rank = run_world(_bench, args.world, args.steps, args.rounds, args.batch, args.seq)
-    print(report("zero3_vs_fsdp2", per_rank, 1.05, world=args.world, batch=args.batch,
-                 seq=args.seq))
+    print(
+        report("zero3_vs_fsdp2", per_rank, 1.05, world=args.world, batch=args.batch, seq=args.seq)
+    )
 
 
 if __name__ == "__main__":

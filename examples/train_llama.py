@@ -25,9 +25,16 @@ VOCAB, SEQ = 256, 32
 def build_model(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
-        use_cache=False, bos_token_id=0, eos_token_id=0,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return LlamaForCausalLM(config)
 

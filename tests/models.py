@@ -15,9 +15,17 @@ def tiny_gpt2(seed: int = 0, layers: int = 2) -> nn.Module:
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        n_embd=64, n_layer=layers, n_head=4, vocab_size=VOCAB, n_positions=64,
-        bos_token_id=0, eos_token_id=0, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_embd=64,
+        n_layer=layers,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return GPT2LMHeadModel(config)
 
@@ -27,9 +35,16 @@ def tiny_llama(seed: int = 0, layers: int = 2) -> nn.Module:
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-        max_position_embeddings=64, use_cache=False, bos_token_id=0, eos_token_id=0,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return LlamaForCausalLM(config)
 

@@ -15,7 +15,8 @@ from tests.models import MLP, ConvNet, tiny_gpt2, tiny_llama, token_batch
 def _every_node_has_val(gm) -> bool:
     """Every operator has a `val`, a FakeTensor wherever it yields a tensor."""
     ops = [
-        n for n in gm.graph.nodes
+        n
+        for n in gm.graph.nodes
         if n.op in ("call_function", "call_module") and n.target != "_guards_fn"
     ]
     return all("val" in n.meta for n in ops) and any(
@@ -121,9 +122,14 @@ def test_llama3_8b_config_captures_on_meta():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=8192, use_cache=False,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        use_cache=False,
     )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)

@@ -17,8 +17,17 @@ def gpt2_example():
 
 def test_plan_then_report(tmp_path, capsys):
     path = tmp_path / "plan.json"
-    argv = ["plan", "--model", "tests.test_cli:gpt2_example", "--mesh", "cpu:1x2", "--tp", "2",
-            "--out", str(path)]
+    argv = [
+        "plan",
+        "--model",
+        "tests.test_cli:gpt2_example",
+        "--mesh",
+        "cpu:1x2",
+        "--tp",
+        "2",
+        "--out",
+        str(path),
+    ]
     assert main(argv) == 0
     plan = Plan.load(path)
     assert (plan.dp, plan.tp, plan.pp) == (1, 2, 1)

@@ -15,9 +15,18 @@ from tests.models import tiny_gpt2, tiny_llama, token_batch
 
 def _plan(**changes) -> Plan:
     fields = dict(
-        mesh=MeshSpec("h100-80g", 2, 8), fingerprint="abc", global_batch=64, dp=4, tp=2, pp=2,
-        zero=1, microbatches=4, schedule="1f1b", precision="bf16-mixed",
-        recompute=("model.layers.0",), stage_cuts=("model.layers.2",),
+        mesh=MeshSpec("h100-80g", 2, 8),
+        fingerprint="abc",
+        global_batch=64,
+        dp=4,
+        tp=2,
+        pp=2,
+        zero=1,
+        microbatches=4,
+        schedule="1f1b",
+        precision="bf16-mixed",
+        recompute=("model.layers.0",),
+        stage_cuts=("model.layers.2",),
         placements={"fc.weight": (Replicate(), Shard(0)), "fc.bias": (Replicate(), Shard(0))},
         strategies=(OpStrategy("fc", "linear", (Replicate(), Shard(0)), Shard(1)),),
         predicted=Predicted(0.5, 0.4, 0.05, 0.05, 10 * 1024**3, {"parameters": 1024**3}, 1e14),

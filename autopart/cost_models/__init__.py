@@ -19,8 +19,23 @@ from autopart.cost_models.summary import GraphSummary
 from autopart.cost_models.work import NodeWork, node_work
 
 __all__ = [
-    "COLLECTIVES", "Choices", "CommModel", "ComputeModel", "CostModels", "GraphSummary",
-    "MemoryModel", "NodeWork", "PhaseCost", "bubble_fraction", "exposed_sync",
-    "in_flight_microbatches", "model_state_bytes", "node_work", "pipeline_step", "predict",
-    "ring_steps", "ring_volume", "training_flops",
+    "COLLECTIVES",
+    "Choices",
+    "CommModel",
+    "ComputeModel",
+    "CostModels",
+    "GraphSummary",
+    "MemoryModel",
+    "NodeWork",
+    "PhaseCost",
+    "bubble_fraction",
+    "exposed_sync",
+    "in_flight_microbatches",
+    "model_state_bytes",
+    "node_work",
+    "pipeline_step",
+    "predict",
+    "ring_steps",
+    "ring_volume",
+    "training_flops",
 ]

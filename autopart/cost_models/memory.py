@@ -52,7 +52,12 @@ FP32_WEIGHTS = (4, 4, 8)
 HALF_WEIGHTS = (2, 2, 12)
 STATE_BYTES = {"fp32": FP32_WEIGHTS, "bf16-mixed": FP32_WEIGHTS, "fp16-mixed": FP32_WEIGHTS}
 PARTS = (
-    "parameters", "gradients", "optimizer", "activations", "output_gradients", "buffers",
+    "parameters",
+    "gradients",
+    "optimizer",
+    "activations",
+    "output_gradients",
+    "buffers",
     "allocator",
 )
 OUTPUT_GRADIENTS = 2  # output-sized gradients the loss's backward holds at once

@@ -99,9 +99,19 @@ class Choices:
     def of(cls, plan: Plan) -> Choices:
         placements = tuple((fqn, plan.placement(fqn, Axis.TP)) for fqn in sorted(plan.placements))
         return cls(
-            plan.global_batch, plan.dp, plan.tp, plan.pp, plan.zero, plan.microbatches,
-            plan.schedule, plan.virtual_stages, plan.precision, plan.recompute, plan.stage_cuts,
-            placements if plan.tp > 1 and placements else None, plan.sequence_parallel,
+            plan.global_batch,
+            plan.dp,
+            plan.tp,
+            plan.pp,
+            plan.zero,
+            plan.microbatches,
+            plan.schedule,
+            plan.virtual_stages,
+            plan.precision,
+            plan.recompute,
+            plan.stage_cuts,
+            placements if plan.tp > 1 and placements else None,
+            plan.sequence_parallel,
         )
 
     def tp_layout(self, gm: fx.GraphModule) -> TpLayout | None:
@@ -168,8 +178,7 @@ def predict(
     was made with); `dims` gives the sizes of named dims other than the batch
     (`{"seq": 2048}` when the sequence is dynamic)."""
     summary = (
-        graph if isinstance(graph, GraphSummary)
-        else GraphSummary(graph, choices.tp_layout(graph))
+        graph if isinstance(graph, GraphSummary) else GraphSummary(graph, choices.tp_layout(graph))
     )
     mesh.check_factorization(choices.dp, choices.tp, choices.pp)
     models = models or CostModels.of(mesh, choices.precision)
@@ -177,17 +186,27 @@ def predict(
     segments = [s.sharded(choices.tp) for s in full]
     times = _segment_times(segments, choices, models.compute)
     chunk_of = (
-        chunks_at_cuts(segments, choices.stage_cuts) if choices.stage_cuts
+        chunks_at_cuts(segments, choices.stage_cuts)
+        if choices.stage_cuts
         else balanced_chunks(segments, [t.total for t in times], choices.chunks)
     )
     ranks = [
-        _rank_cost(r, [i for i, c in enumerate(chunk_of) if c % choices.pp == r],
-                   segments, times, choices, models)
+        _rank_cost(
+            r,
+            [i for i, c in enumerate(chunk_of) if c % choices.pp == r],
+            segments,
+            times,
+            choices,
+            models,
+        )
         for r in range(choices.pp)
     ]
     step = pipeline_step(
-        [r.compute.total for r in ranks], [r.comm for r in ranks],
-        choices.microbatches, choices.schedule, choices.virtual_stages,
+        [r.compute.total for r in ranks],
+        [r.comm for r in ranks],
+        choices.microbatches,
+        choices.schedule,
+        choices.virtual_stages,
     )
     optimizer = max(r.optimizer for r in ranks)
     sync = max(r.sync for r in ranks) + models.comm.time(ALL_REDUCE, LOSS_BYTES, mesh.world_size)
@@ -244,7 +263,9 @@ def _rank_cost(
         choices.schedule, choices.microbatches, choices.pp, rank, choices.virtual_stages
     )
     memory = models.memory.breakdown(
-        params, choices.dp, choices.zero,
+        params,
+        choices.dp,
+        choices.zero,
         activations=_activations(own, choices).bytes(in_flight),
         gathered_params=gathered,
         pipeline_bytes=boundary if choices.pp > 1 else 0.0,
@@ -308,8 +329,10 @@ def _zero3_comm(
     scatters = [comm.time(REDUCE_SCATTER, b * grad_bytes, dp, stride) for b in buckets]
     forward = gathers[0] + max(0.0, sum(gathers[1:]) - _hiding(compute.forward, models))
     hidden = sum(gathers[:-1]) + sum(scatters[1:])  # backward runs the buckets in reverse
-    backward = gathers[-1] + scatters[0] + max(
-        0.0, hidden - _hiding(compute.backward + compute.recompute, models)
+    backward = (
+        gathers[-1]
+        + scatters[0]
+        + max(0.0, hidden - _hiding(compute.backward + compute.recompute, models))
     )
     return forward + backward
 
@@ -334,9 +357,7 @@ def _dp_sync(params: float, compute: PhaseCost, choices: Choices, models: CostMo
     return exposed + models.comm.time(ALL_GATHER, params * param_bytes, choices.dp, choices.tp)
 
 
-def _bucketed(
-    op: str, nbytes: float, choices: Choices, models: CostModels
-) -> tuple[float, float]:
+def _bucketed(op: str, nbytes: float, choices: Choices, models: CostModels) -> tuple[float, float]:
     """(every bucket, the last bucket): seconds of `op` over dp on `nbytes` of gradients
     cut into the memory model's buckets."""
     sizes = bucket_sizes(nbytes, models.memory.bucket_bytes)

@@ -25,7 +25,8 @@ def chunks_at_cuts(segments: Sequence[SegmentWork], cuts: Sequence[str]) -> list
     if chunk != len(cuts):
         raise ValueError(
             f"stage cut {cuts[chunk]!r} names no module after {cuts[chunk - 1]!r}"
-            if chunk else f"stage cut {cuts[0]!r} names no module of the graph"
+            if chunk
+            else f"stage cut {cuts[0]!r} names no module of the graph"
         )
     return out
 

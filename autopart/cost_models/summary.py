@@ -121,15 +121,18 @@ class TpLayout:
             for name, p in gm.named_parameters(remove_duplicate=False)
         }
         result = propagate(gm, names, placements, tp, sequence_parallel)
+
         def distributed(node: fx.Node) -> bool:
             return _distributed(result.places.get(node, R))
 
         split = frozenset(
-            node for node in result.decisions
+            node
+            for node in result.decisions
             if distributed(node) or any(map(distributed, node.all_input_nodes))
         )
         saves_replicated = frozenset(
-            node for node in split
+            node
+            for node in split
             if not any(distributed(n) for n in node.all_input_nodes if n.op != "get_attr")
         )
         sharded = frozenset(f for f, p in placements.items() if _distributed(p))
@@ -173,8 +176,9 @@ class GraphSummary:
         for seg in self.segments:
             if seg.block_id is None or seg.block_id not in by_block:
                 works = tuple(
-                    replace(node_work(n, self.gm, dims, self.param_bytes, s), tp_saves_replicated=r)
-                    .scaled(scale)
+                    replace(
+                        node_work(n, self.gm, dims, self.param_bytes, s), tp_saves_replicated=r
+                    ).scaled(scale)
                     for n, s, r in zip(seg.nodes, seg.sharded, seg.saves_replicated)
                 )
                 evaluated = (works, _output_bytes(seg.nodes, dims) * scale)
@@ -208,7 +212,10 @@ def _segments(
     owners = _first_readers(runs, numel)
     return tuple(
         Segment(
-            key, block_id, tuple(nodes), _sharded_flags(gm, key, block_id, nodes, layout),
+            key,
+            block_id,
+            tuple(nodes),
+            _sharded_flags(gm, key, block_id, nodes, layout),
             tuple(layout is not None and n in layout.saves_replicated for n in nodes),
             sum(numel[p] for p in owners[i]),
             sum(numel[p] for p in owners[i] if _is_sharded_param(gm, nodes, p, layout)),

@@ -29,8 +29,15 @@ CONVOLUTIONS = frozenset({"convolution", "conv_transpose"})
 # Call nodes that run in Python without dispatching a tensor operator: a tuple's item, a
 # size, a shape assertion on symbolic sizes.
 HOST_ONLY = frozenset(
-    {"getitem", "size", "sym_size", "dim", "numel", "_assert_scalar",
-     "sym_constrain_range_for_size"}
+    {
+        "getitem",
+        "size",
+        "sym_size",
+        "dim",
+        "numel",
+        "_assert_scalar",
+        "sym_constrain_range_for_size",
+    }
 )
 _CALLS = ("call_function", "call_method", "call_module")
 # Pointwise functions whose arithmetic can cost more than their memory traffic: on a CPU
@@ -38,9 +45,19 @@ _CALLS = ("call_function", "call_method", "call_module")
 # against 10 G for a negation). Operator -> the function it evaluates once per output
 # element; the softmaxes evaluate exp. Attention evaluates exp once per score.
 FUNCTIONS = {
-    "exp": "exp", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu", "gelu": "gelu",
-    "erf": "erf", "log": "log", "sin": "sin", "cos": "cos",
-    "_softmax": "exp", "softmax": "exp", "_log_softmax": "exp", "log_softmax": "exp",
+    "exp": "exp",
+    "tanh": "tanh",
+    "sigmoid": "sigmoid",
+    "silu": "silu",
+    "gelu": "gelu",
+    "erf": "erf",
+    "log": "log",
+    "sin": "sin",
+    "cos": "cos",
+    "_softmax": "exp",
+    "softmax": "exp",
+    "_log_softmax": "exp",
+    "log_softmax": "exp",
 }
 # Operators whose backward evaluates their function again; the others' gradients are
 # arithmetic on the saved output (tanh' = 1 − y², softmax's Jacobian product, ...).

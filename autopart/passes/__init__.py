@@ -48,7 +48,21 @@ def analyze(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 __all__ = [
-    "ANALYSIS_PASSES", "BLOCK", "FLOPS", "MODULE_PATH", "PARAMS", "SAVED_BYTES", "SHAPE",
-    "TRAFFIC", "AnalysisMissing", "BlockInfo", "Pass", "PassContext", "TensorInfo", "Traffic",
-    "analyze", "run_passes", "total_flops",
+    "ANALYSIS_PASSES",
+    "BLOCK",
+    "FLOPS",
+    "MODULE_PATH",
+    "PARAMS",
+    "SAVED_BYTES",
+    "SHAPE",
+    "TRAFFIC",
+    "AnalysisMissing",
+    "BlockInfo",
+    "Pass",
+    "PassContext",
+    "TensorInfo",
+    "Traffic",
+    "analyze",
+    "run_passes",
+    "total_flops",
 ]

@@ -78,9 +78,13 @@ def _convolution(
     x, w = ins[0], ins[1]
     kernel = sympy.Mul(*w.shape[2:])  # w.shape[1] is already Cin/groups (or Cout/groups)
     # aten.convolution carries `transposed` as its seventh argument.
-    generic_transposed = node.op == "call_function" and len(node.args) > 6 and (
-        getattr(node.target, "overloadpacket", None) is torch.ops.aten.convolution
-        and bool(node.args[6])
+    generic_transposed = (
+        node.op == "call_function"
+        and len(node.args) > 6
+        and (
+            getattr(node.target, "overloadpacket", None) is torch.ops.aten.convolution
+            and bool(node.args[6])
+        )
     )
     transposed = name == "conv_transpose" or generic_transposed
     bias = out_numel if len(ins) > 2 else ZERO
@@ -100,4 +104,3 @@ def tensor_operands(node: fx.Node, gm: fx.GraphModule, ctx: PassContext) -> list
         for p in module.parameters(recurse=False):
             infos.append(TensorInfo(tuple(ctx.expr(s) for s in p.shape), p.dtype))
     return infos
-

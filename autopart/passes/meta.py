@@ -97,9 +97,7 @@ class CollectiveInfo:
 
 
 # One key per analysis. The value is None for nodes that produce no tensor.
-SHAPE: MetaKey[TensorInfo | tuple[TensorInfo | None, ...] | None] = MetaKey(
-    "shape", "shape_pass"
-)
+SHAPE: MetaKey[TensorInfo | tuple[TensorInfo | None, ...] | None] = MetaKey("shape", "shape_pass")
 MODULE_PATH: MetaKey[str] = MetaKey("module_path", "module_path_pass")
 FLOPS: MetaKey[sympy.Expr] = MetaKey("flops", "flops_pass")
 TRAFFIC: MetaKey[Traffic] = MetaKey("traffic", "traffic_pass")

@@ -37,30 +37,109 @@ _MODULE_OPS: dict[type[nn.Module], str] = {
 # Operators that only reinterpret, select or relabel memory: no FLOPs, no traffic.
 VIEW_OPS = frozenset(
     {
-        "view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze",
-        "transpose", "t", "permute", "expand", "expand_as", "slice", "select", "alias",
-        "detach", "split", "split_with_sizes", "chunk", "unbind", "getitem", "narrow",
-        "as_strided", "view_as", "contiguous", "size", "sym_size", "dim", "numel",
-        "_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size",
-        "lift_fresh_copy", "movedim", "swapaxes",
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "flatten",
+        "unflatten",
+        "squeeze",
+        "unsqueeze",
+        "transpose",
+        "t",
+        "permute",
+        "expand",
+        "expand_as",
+        "slice",
+        "select",
+        "alias",
+        "detach",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "unbind",
+        "getitem",
+        "narrow",
+        "as_strided",
+        "view_as",
+        "contiguous",
+        "size",
+        "sym_size",
+        "dim",
+        "numel",
+        "_assert_tensor_metadata",
+        "_assert_scalar",
+        "sym_constrain_range_for_size",
+        "lift_fresh_copy",
+        "movedim",
+        "swapaxes",
     }
 )
 
 # Operators that move data without arithmetic: traffic but no FLOPs.
 DATA_MOVEMENT_OPS = frozenset(
     {
-        "embedding", "index", "index_select", "gather", "scatter", "cat", "stack", "clone",
-        "copy", "copy_", "to", "_to_copy", "type_as", "repeat", "new_ones", "new_zeros",
-        "zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "empty", "arange",
-        "slice_scatter", "select_scatter", "index_put", "masked_fill", "tril", "triu",
-        "pad", "constant_pad_nd", "roll", "flip", "dropout", "float", "half", "bfloat16",
+        "embedding",
+        "index",
+        "index_select",
+        "gather",
+        "scatter",
+        "cat",
+        "stack",
+        "clone",
+        "copy",
+        "copy_",
+        "to",
+        "_to_copy",
+        "type_as",
+        "repeat",
+        "new_ones",
+        "new_zeros",
+        "zeros",
+        "ones",
+        "full",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "empty",
+        "arange",
+        "slice_scatter",
+        "select_scatter",
+        "index_put",
+        "masked_fill",
+        "tril",
+        "triu",
+        "pad",
+        "constant_pad_nd",
+        "roll",
+        "flip",
+        "dropout",
+        "float",
+        "half",
+        "bfloat16",
     }
 )
 
 # Operators whose work is proportional to their input rather than their output.
 REDUCTION_OPS = frozenset(
-    {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "argmax", "argmin",
-     "logsumexp", "prod", "var_mean", "cumsum", "any", "all"}
+    {
+        "sum",
+        "mean",
+        "amax",
+        "amin",
+        "max",
+        "min",
+        "var",
+        "std",
+        "norm",
+        "argmax",
+        "argmin",
+        "logsumexp",
+        "prod",
+        "var_mean",
+        "cumsum",
+        "any",
+        "all",
+    }
 )
 
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "einsum"})
@@ -77,8 +156,11 @@ ATTENTION_OPS = frozenset(
 
 # Spellings of one operator across ATen and torch.nn.functional.
 _ALIASES = {
-    "conv1d": "convolution", "conv2d": "convolution", "conv3d": "convolution",
-    "conv_transpose1d": "conv_transpose", "conv_transpose2d": "conv_transpose",
+    "conv1d": "convolution",
+    "conv2d": "convolution",
+    "conv3d": "convolution",
+    "conv_transpose1d": "conv_transpose",
+    "conv_transpose2d": "conv_transpose",
     "conv_transpose3d": "conv_transpose",
 }
 
@@ -107,4 +189,3 @@ def _raw_op_name(node: fx.Node, gm: fx.GraphModule | None) -> str:
                 return _MODULE_OPS[cls]
         return type(module).__name__
     return ""
-

@@ -35,7 +35,8 @@ def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     paths = ctx.options["plan"].recompute
     for index, path in enumerate(paths):
         region = [
-            n for n in gm.graph.nodes
+            n
+            for n in gm.graph.nodes
             if n.op in ("call_function", "call_method", "call_module")
             and _inside(MODULE_PATH.get(n) if MODULE_PATH.has(n) else "", path)
         ]

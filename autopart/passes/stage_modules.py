@@ -85,15 +85,17 @@ def build_stage_modules(
     for k, stage in enumerate(stages):
         outputs = live[k + 1] if k + 1 < count else output_values(work.graph)
         stage.meta[PIPELINE_KEY] = PipelineInfo(
-            k, count, model_inputs,
-            tuple(grads[v] for v in live[k]), tuple(grads[v] for v in outputs), shared,
+            k,
+            count,
+            model_inputs,
+            tuple(grads[v] for v in live[k]),
+            tuple(grads[v] for v in outputs),
+            shared,
         )
     return stages
 
 
-def _live_values(
-    graph: fx.Graph, stage_of: dict[fx.Node, int], count: int
-) -> list[list[fx.Node]]:
+def _live_values(graph: fx.Graph, stage_of: dict[fx.Node, int], count: int) -> list[list[fx.Node]]:
     """live[k]: the values stage k receives, in graph order. Stage 0 receives the model's
     inputs; later stages whatever an earlier stage (or the input) made and it or a later
     stage uses."""
@@ -186,9 +188,7 @@ def _input_meta(value: fx.Node, template: fx.Node) -> dict:
     return meta
 
 
-def _codegen(
-    info: _PyTreeInfo | None, first: bool, last: bool, names: list[str]
-) -> CodeGen:
+def _codegen(info: _PyTreeInfo | None, first: bool, last: bool, names: list[str]) -> CodeGen:
     """The first stage is called as the model is; the last returns the model's output
     structure; in between, plain tensors in and out."""
     if info is None or not (first or last):

@@ -171,9 +171,7 @@ class _Rewriter:
         users = list(node.users)
         with self.graph.inserting_after(node):
             if isinstance(target, Shard):
-                reduced = self.graph.call_function(
-                    c.reduce_scatter, (node, target.dim, self.group)
-                )
+                reduced = self.graph.call_function(c.reduce_scatter, (node, target.dim, self.group))
                 kind = "reduce_scatter"
             else:
                 reduced = self.graph.call_function(c.all_reduce, (node, self.group))

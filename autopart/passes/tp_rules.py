@@ -35,8 +35,24 @@ P = Partial()
 
 # Needed on top of the `pointwise` tag: ops that act elementwise without carrying it.
 _ELEMENTWISE = frozenset(
-    {"to", "_to_copy", "clone", "contiguous", "alias", "detach", "dropout", "native_dropout",
-     "type_as", "lift_fresh_copy", "masked_fill", "where", "relu", "gelu", "silu", "tanh"}
+    {
+        "to",
+        "_to_copy",
+        "clone",
+        "contiguous",
+        "alias",
+        "detach",
+        "dropout",
+        "native_dropout",
+        "type_as",
+        "lift_fresh_copy",
+        "masked_fill",
+        "where",
+        "relu",
+        "gelu",
+        "silu",
+        "tanh",
+    }
 )
 _REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "var", "std", "norm", "logsumexp"})
 _NORMALIZE_LAST = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax"})

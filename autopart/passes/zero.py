@@ -112,9 +112,7 @@ def _buckets(
     for key, (_, nodes) in reads.items():
         users = [user for node in nodes for user in node.users]
         first_use[key] = min(users, key=position.get) if users else None
-    order = sorted(
-        reads, key=lambda k: position[first_use[k]] if first_use[k] else len(position)
-    )
+    order = sorted(reads, key=lambda k: position[first_use[k]] if first_use[k] else len(position))
     buckets: list[list[nn.Parameter]] = []
     last_key, size = None, 0
     for k in order:
@@ -210,11 +208,15 @@ class _Reads:
         itemsize = shard.element_size()
         with self.graph.inserting_before(user):
             start = self.graph.create_node(
-                "call_function", all_gather_start, (self.holder, bucket),
+                "call_function",
+                all_gather_start,
+                (self.holder, bucket),
                 name=f"zero3_all_gather_{bucket}",
             )
             wait = self.graph.create_node(
-                "call_function", all_gather_wait, (self.holder, bucket, start),
+                "call_function",
+                all_gather_wait,
+                (self.holder, bucket, start),
                 name=f"zero3_wait_{bucket}",
             )
         group, axis = self.group, Axis.DP.value
@@ -230,4 +232,3 @@ class _Reads:
         PARAMS.set(node, ())
         SHAPE.set(node, None)  # not tensors: a pending gather, a tuple of views
         COLLECTIVE.set(node, info)
-

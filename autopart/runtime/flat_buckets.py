@@ -55,9 +55,7 @@ class FlatLayout:
     def shard_slice(self, rank: int) -> slice:
         return slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
 
-    def flatten(
-        self, tensors: Sequence[torch.Tensor | None], like: torch.Tensor
-    ) -> torch.Tensor:
+    def flatten(self, tensors: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
         """One padded flat tensor of `tensors` (None stands for zeros), a new buffer."""
         flat = like.new_empty(self.padded)
         flat[self.numel :].zero_()
@@ -95,9 +93,7 @@ class GradientReducer:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
-        self._pending: deque[tuple[dist.Work, torch.Tensor, torch.Tensor, nn.Parameter]] = (
-            deque()
-        )
+        self._pending: deque[tuple[dist.Work, torch.Tensor, torch.Tensor, nn.Parameter]] = deque()
 
     def launch(self, flat: torch.Tensor, shard: nn.Parameter) -> None:
         """Start reducing `flat` (consumed: divided in place) into `shard.grad`."""

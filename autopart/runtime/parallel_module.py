@@ -54,9 +54,7 @@ class ParallelModule(nn.Module):
 
     def _executor(self, program: RankProgram, loss_fn: LossFn):
         if self.plan.pp == 1:
-            return LocalExecutor(
-                program.stages[0], loss_fn, self.plan.microbatches, self.precision
-            )
+            return LocalExecutor(program.stages[0], loss_fn, self.plan.microbatches, self.precision)
         from autopart.runtime.pipeline import PipelineExecutor
 
         return PipelineExecutor(program, self.plan, self.groups, loss_fn, self.precision)

@@ -69,9 +69,7 @@ class PipelineExecutor:
         self.group = groups.group(Axis.PP)
         self.loss_fn = loss_fn
         self.device = _device(program.stages[0])
-        self.shared = SharedParameters(
-            program.stages, program.stage_ids, groups, plan.microbatches
-        )
+        self.shared = SharedParameters(program.stages, program.stage_ids, groups, plan.microbatches)
         self._schedules: dict[tuple, Any] = {}
         self._targets: list[Any] = []
         self._losses: list[torch.Tensor] = []
@@ -142,8 +140,13 @@ class PipelineExecutor:
             for v, grad in zip(output_values(graph), info.output_grads)
         )
         return PipelineStage(
-            module, info.stage, self.num_stages, self.device,
-            input_args=inputs, output_args=outputs, group=self.group,
+            module,
+            info.stage,
+            self.num_stages,
+            self.device,
+            input_args=inputs,
+            output_args=outputs,
+            group=self.group,
         )
 
     def _make_schedule(self, stages: list[PipelineStage]):

@@ -86,9 +86,11 @@ class SharedParameters:
         if entry.param is None:
             for replica in entry.replicas.values():
                 if replica.requires_grad:
-                    self.hooks.append(replica.register_post_accumulate_grad_hook(
-                        lambda t, e=entry: self._replica_grad(e, t)
-                    ))
+                    self.hooks.append(
+                        replica.register_post_accumulate_grad_hook(
+                            lambda t, e=entry: self._replica_grad(e, t)
+                        )
+                    )
         return entry
 
     def begin(self) -> None:

@@ -51,7 +51,11 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         raise PlanError(f"{e}{_what_fits(captured, mesh, pins, batch, dims)}") from None
     best = found[0].choices
     pipeline = choose_pipeline(
-        captured.gm, best.pp, batch // best.dp, best.schedule, best.virtual_stages,
+        captured.gm,
+        best.pp,
+        batch // best.dp,
+        best.schedule,
+        best.virtual_stages,
         best.microbatches,
     )
     plan = Plan(
@@ -71,7 +75,7 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         recompute=best.recompute,
         placements=_placements(captured, best.tp, best.zero),
     )
-    alternatives = tuple(_alternative(c) for c in found[1:MAX_ALTERNATIVES + 1])
+    alternatives = tuple(_alternative(c) for c in found[1 : MAX_ALTERNATIVES + 1])
     return plan.with_changes(
         predicted=predict(captured.gm, mesh, Choices.of(plan), dims=dims),
         alternatives=alternatives,
@@ -98,8 +102,17 @@ def _what_fits(captured: Captured, mesh: Mesh, pins: Pins, batch: int, dims: dic
 def _alternative(candidate: Candidate) -> Alternative:
     c, p = candidate.choices, candidate.predicted
     note = "recompute" if c.recompute else ""
-    return Alternative(c.dp, c.tp, c.pp, c.zero, c.microbatches, c.schedule,
-                       p.step_time_s, p.peak_memory_bytes, note)
+    return Alternative(
+        c.dp,
+        c.tp,
+        c.pp,
+        c.zero,
+        c.microbatches,
+        c.schedule,
+        p.step_time_s,
+        p.peak_memory_bytes,
+        note,
+    )
 
 
 def _placements(captured: Captured, tp: int, zero: int) -> dict[str, tuple[Placement, ...]]:

@@ -66,8 +66,12 @@ class Candidate:
     def simplicity(self) -> int:
         c = self.choices
         return (
-            c.zero + 3 * int(math.log2(c.tp)) + 3 * int(math.log2(c.pp))
-            + 2 * bool(c.recompute) + (c.virtual_stages > 1) + int(math.log2(c.microbatches))
+            c.zero
+            + 3 * int(math.log2(c.tp))
+            + 3 * int(math.log2(c.pp))
+            + 2 * bool(c.recompute)
+            + (c.virtual_stages > 1)
+            + int(math.log2(c.microbatches))
         )
 
 
@@ -107,8 +111,10 @@ def _solve(candidates: list[Candidate], memory: int) -> Candidate:
     model.Minimize(sum(c.simplicity * v for c, v in zip(candidates, x)))
     chosen = _run(model, x, candidates, memory)
     log.info(
-        "solver: %d candidate plans, %.3fs; chose %s", len(candidates),
-        time.perf_counter() - start, chosen.choices,
+        "solver: %d candidate plans, %.3fs; chose %s",
+        len(candidates),
+        time.perf_counter() - start,
+        chosen.choices,
     )
     return chosen
 
@@ -168,8 +174,9 @@ def _choices(
         for schedule, virtual, m in _pipelines(pp, batch // dp, pins, len(blocks)):
             for zero in _zero_stages(dp, pins):
                 for recompute in _recompute_sets(blocks, zero, pins):
-                    yield Choices(batch, dp, tp, pp, zero, m, schedule, virtual,
-                                  pins.precision, recompute)
+                    yield Choices(
+                        batch, dp, tp, pp, zero, m, schedule, virtual, pins.precision, recompute
+                    )
 
 
 def _factorizations(mesh: Mesh, pins: Pins, blocks: int) -> Iterator[tuple[int, int, int]]:
@@ -227,4 +234,3 @@ def _recompute_sets(blocks: tuple[str, ...], zero: int, pins: Pins) -> list[tupl
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-

@@ -54,16 +54,12 @@ def _balanced_cuts(before: list[float], total: float, stages: int) -> list[int]:
     n = len(before)
     # best[s][j]: the least possible largest cost of s stages ending at candidate j
     # (stage s+1 begins at j), with the cut list that achieves it.
-    best: list[list[tuple[float, list[int]]]] = [
-        [(before[j], [j]) for j in range(n)]
-    ]
+    best: list[list[tuple[float, list[int]]]] = [[(before[j], [j]) for j in range(n)]]
     for _ in range(stages - 2):
         prev = best[-1]
         row = []
         for j in range(n):
-            options = [
-                (max(prev[i][0], before[j] - before[i]), prev[i][1] + [j]) for i in range(j)
-            ]
+            options = [(max(prev[i][0], before[j] - before[i]), prev[i][1] + [j]) for i in range(j)]
             row.append(min(options, default=(float("inf"), [])))
         best.append(row)
     finals = [(max(cost, total - before[j]), cuts) for j, (cost, cuts) in enumerate(best[-1])]

@@ -113,5 +113,5 @@ def _copy_to_repeated_blocks(
         for fqn, place in places.items():
             if fqn.startswith(first):
                 for other in members[1:]:
-                    out[other + "." + fqn[len(first):]] = place
+                    out[other + "." + fqn[len(first) :]] = place
     return out

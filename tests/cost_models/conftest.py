@@ -23,8 +23,13 @@ def gpt_graph():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        n_embd=GPT["hidden"], n_layer=GPT["layers"], n_head=16, vocab_size=GPT["vocab"],
-        n_positions=GPT["seq"], use_cache=False, tie_word_embeddings=True,
+        n_embd=GPT["hidden"],
+        n_layer=GPT["layers"],
+        n_head=16,
+        vocab_size=GPT["vocab"],
+        n_positions=GPT["seq"],
+        use_cache=False,
+        tie_word_embeddings=True,
     )
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
@@ -39,9 +44,14 @@ def llama3_8b_graph():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=8192, use_cache=False,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        use_cache=False,
     )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)

@@ -32,15 +32,20 @@ def test_quick_calibration_in_one_process_writes_a_loadable_profile(tmp_path, ca
 
 
 def _calibrate_world(path: str) -> dict:
-    return calibrate(path, sizes=(64,), messages=QUICK_MESSAGES, copy_bytes=1 << 20,
-                     repeats=2).collectives
+    return calibrate(
+        path, sizes=(64,), messages=QUICK_MESSAGES, copy_bytes=1 << 20, repeats=2
+    ).collectives
 
 
 def test_calibration_on_a_gloo_world_fits_every_collective(tmp_path):
     path = tmp_path / "profile.json"
     collectives = run_world(_calibrate_world, 2, str(path))[0]
     assert set(collectives) == {
-        "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "broadcast",
+        "all_to_all",
     }
     for fit in collectives.values():
         assert fit["alpha"] >= 0 and fit["beta"] > 0

@@ -25,8 +25,14 @@ H100 = PRESETS["h100-80g"]
 
 
 def _matmul(m, n, k):
-    return NodeWork(MATMUL, 2.0 * m * n * k, read_bytes=4.0 * m * k, written_bytes=4.0 * m * n,
-                    param_bytes=4.0 * k * n, shape=(m, n, k))
+    return NodeWork(
+        MATMUL,
+        2.0 * m * n * k,
+        read_bytes=4.0 * m * k,
+        written_bytes=4.0 * m * n,
+        param_bytes=4.0 * k * n,
+        shape=(m, n, k),
+    )
 
 
 def test_megatron_flops_formula_with_recomputation(gpt_graph):
@@ -126,8 +132,7 @@ def test_backward_is_twice_a_matmul_once_an_elementwise_and_recompute_adds_a_for
 def test_transcendentals_cost_their_measured_rate_and_again_in_backward_where_recomputed():
     cpu = replace(PRESETS["cpu"], kernel_launch_s=0.0, function_rates={"tanh": 1e8, "silu": 1e8})
     model = ComputeModel(cpu)
-    tanh = NodeWork(OTHER, 1e6, read_bytes=4e6, written_bytes=4e6, function="tanh",
-                    evaluations=1e6)
+    tanh = NodeWork(OTHER, 1e6, read_bytes=4e6, written_bytes=4e6, function="tanh", evaluations=1e6)
     memory = 8e6 / cpu.memory_bandwidth
     arithmetic = 1e6 / cpu.flops_for("fp32") + 1e6 / 1e8
     assert arithmetic > memory  # 10 ms of tanh against 0.4 ms of traffic
@@ -141,12 +146,16 @@ def test_transcendentals_cost_their_measured_rate_and_again_in_backward_where_re
 
 def test_attention_evaluates_exp_once_per_score_gelu_tanh_once_per_element(gpt_graph):
     dims = {"batch": GPT["batch"]}
-    works = {op_name(n, gpt_graph): node_work(n, gpt_graph, dims, {})
-             for n in gpt_graph.graph.nodes if MODULE_PATH.get(n).startswith("transformer.h.0.")}
+    works = {
+        op_name(n, gpt_graph): node_work(n, gpt_graph, dims, {})
+        for n in gpt_graph.graph.nodes
+        if MODULE_PATH.get(n).startswith("transformer.h.0.")
+    }
     attention = next(w for name, w in works.items() if "attention" in name)
     heads = 16
     assert (attention.function, attention.evaluations) == (
-        "exp", GPT["batch"] * heads * GPT["seq"] ** 2
+        "exp",
+        GPT["batch"] * heads * GPT["seq"] ** 2,
     )
     assert attention.evaluates_in_backward
     tanh = works["tanh"]  # GPT-2's gelu_new: the MLP's 4h activations

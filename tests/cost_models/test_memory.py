@@ -44,7 +44,12 @@ def test_allocator_allowance_is_a_fraction_of_the_rest():
     rest = total(parts) - parts["allocator"]
     assert parts["allocator"] == pytest.approx(0.1 * rest, rel=1e-9)
     assert set(parts) == {
-        "parameters", "gradients", "optimizer", "activations", "output_gradients", "buffers",
+        "parameters",
+        "gradients",
+        "optimizer",
+        "activations",
+        "output_gradients",
+        "buffers",
         "allocator",
     }
 

@@ -69,8 +69,14 @@ def test_recomputation_trades_activations_for_time(llama3_8b_graph):
 
 def test_pipelines_on_a_thousand_devices(llama3_8b_graph):
     summary = GraphSummary(llama3_8b_graph)
-    base = {"global_batch": 1024, "dp": 32, "tp": 8, "pp": 4, "microbatches": 8,
-            "precision": "bf16-mixed"}
+    base = {
+        "global_batch": 1024,
+        "dp": 32,
+        "tp": 8,
+        "pp": 4,
+        "microbatches": 8,
+        "precision": "bf16-mixed",
+    }
     one = predict(summary, CLUSTER, Choices(**base, schedule="1f1b"))
     gpipe = predict(summary, CLUSTER, Choices(**base, schedule="gpipe"))
     interleaved = predict(

@@ -67,6 +67,4 @@ def test_zero3_pays_a_gather_per_bucket_in_each_pass_and_the_last_scatter(gpt2):
 
 
 def _node(gm, path: str, op: str):
-    return next(
-        n for n in gm.graph.nodes if MODULE_PATH.get(n) == path and op_name(n, gm) == op
-    )
+    return next(n for n in gm.graph.nodes if MODULE_PATH.get(n) == path and op_name(n, gm) == op)

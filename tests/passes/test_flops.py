@@ -49,12 +49,11 @@ def test_convolution_is_exact():
 def test_flops_are_expressions_of_named_dims():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                                       vocab_size=256, use_cache=False))
-    ids = torch.zeros(2, 16, dtype=torch.long)
-    captured = _analyzed(
-        model, ids, dynamic_shapes=({0: Dim("batch"), 1: Dim("seq", max=128)},)
+    model = GPT2LMHeadModel(
+        GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=256, use_cache=False)
     )
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    captured = _analyzed(model, ids, dynamic_shapes=({0: Dim("batch"), 1: Dim("seq", max=128)},))
     total = total_flops(captured.gm)
     batch, seq = captured.dims["batch"], captured.dims["seq"]
     assert total.free_symbols == {batch, seq}
@@ -67,8 +66,9 @@ def test_gpt_forward_flops_match_the_analytic_count():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     h, layers, heads, vocab, seq, batch = 768, 12, 12, 50257, 1024, 2
-    config = GPT2Config(n_embd=h, n_layer=layers, n_head=heads, vocab_size=vocab,
-                        n_positions=seq, use_cache=False)
+    config = GPT2Config(
+        n_embd=h, n_layer=layers, n_head=heads, vocab_size=vocab, n_positions=seq, use_cache=False
+    )
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")

@@ -18,8 +18,10 @@ from tests.models import (
 )
 
 STEPS = 5
-EVERY_LAYER = {"gpt2": ("transformer.h.0", "transformer.h.1"),
-               "llama": ("model.layers.0", "model.layers.1")}
+EVERY_LAYER = {
+    "gpt2": ("transformer.h.0", "transformer.h.1"),
+    "llama": ("model.layers.0", "model.layers.1"),
+}
 CASES = [("gpt2", {"dp": 2}), ("llama", {"dp": 2}), ("llama", {"tp": 2})]
 
 
@@ -45,13 +47,20 @@ def _train(batch):
         results = {}
         for recompute in ((), EVERY_LAYER[name]):
             pm = autopart.parallelize(
-                LM_FACTORIES[name](), autopart.Mesh.local(), (ids,), loss_fn=lm_loss,
-                optimizer=make_optimizer("adamw"), recompute=recompute, **pins,
+                LM_FACTORIES[name](),
+                autopart.Mesh.local(),
+                (ids,),
+                loss_fn=lm_loss,
+                optimizer=make_optimizer("adamw"),
+                recompute=recompute,
+                **pins,
             )
             saved = _saved_bytes(pm, ids)
             losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
             results[bool(recompute)] = {
-                "losses": losses, "params": pm.full_state_dict(), "saved": saved,
+                "losses": losses,
+                "params": pm.full_state_dict(),
+                "saved": saved,
                 "outlined": sum(1 for n, _ in pm.graph.named_children() if "recompute" in n),
             }
             pm.close()
@@ -66,13 +75,22 @@ def test_recomputed_blocks_save_less_and_train_the_same():
         plain, recomputed = results[(name, tuple(pins))][False], results[(name, tuple(pins))][True]
         assert recomputed["outlined"] == 2 and plain["outlined"] == 0
         # Two of the model's blocks keep only their inputs; the head's logits remain.
-        assert recomputed["saved"] < 0.6 * plain["saved"], (name, pins, recomputed["saved"],
-                                                             plain["saved"])
+        assert recomputed["saved"] < 0.6 * plain["saved"], (
+            name,
+            pins,
+            recomputed["saved"],
+            plain["saved"],
+        )
         assert_matches(recomputed, train_single_device(name, "adamw", STEPS, batch))
 
 
 def test_recompute_with_zero3_is_refused():
     mesh = autopart.Mesh.cluster("cpu", nodes=1, per_node=2)
     with pytest.raises(autopart.PlanError, match="ZeRO-3"):
-        autopart.plan(LM_FACTORIES["llama"](), mesh, (token_batch(4)[0],), zero=3,
-                      recompute=EVERY_LAYER["llama"])
+        autopart.plan(
+            LM_FACTORIES["llama"](),
+            mesh,
+            (token_batch(4)[0],),
+            zero=3,
+            recompute=EVERY_LAYER["llama"],
+        )

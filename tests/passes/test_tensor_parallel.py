@@ -70,8 +70,12 @@ def _train(cases, batch):
     for model_name, pins in cases:
         model = LM_FACTORIES[model_name]()
         pm = autopart.parallelize(
-            model, autopart.Mesh.local(), (ids,), loss_fn=lm_loss,
-            optimizer=make_optimizer("adamw"), **pins,
+            model,
+            autopart.Mesh.local(),
+            (ids,),
+            loss_fn=lm_loss,
+            optimizer=make_optimizer("adamw"),
+            **pins,
         )
         losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
         out[(model_name, tuple(sorted(pins.items())))] = {
@@ -127,13 +131,22 @@ def _forced_layout(x, target):
     plan = autopart.plan(model, mesh, (x,), tp=2)
     assert all(p == (Replicate(), Replicate()) for p in plan.placements.values())
     forced = dict(plan.placements)
-    forced.update({"up.weight": (Replicate(), Shard(0)), "up.bias": (Replicate(), Shard(0)),
-                   "down.weight": (Replicate(), Shard(1))})
+    forced.update(
+        {
+            "up.weight": (Replicate(), Shard(0)),
+            "up.bias": (Replicate(), Shard(0)),
+            "down.weight": (Replicate(), Shard(1)),
+        }
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pm = autopart.parallelize(
-            model, mesh, (x,), plan=plan.with_changes(placements=forced),
-            loss_fn=torch.nn.functional.mse_loss, optimizer=make_optimizer("sgd"),
+            model,
+            mesh,
+            (x,),
+            plan=plan.with_changes(placements=forced),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=make_optimizer("sgd"),
         )
     losses = [pm.train_step(x, target).item() for _ in range(3)]
     return losses, pm.full_state_dict(), [str(w.message) for w in caught]

@@ -24,8 +24,12 @@ def _train(batch):
     out = {}
     for name in ("gpt2", "llama"):
         pm = autopart.parallelize(
-            LM_FACTORIES[name](layers=LAYERS), autopart.Mesh.local(), (ids,),
-            loss_fn=lm_loss, optimizer=make_optimizer("adamw"), **PINS,
+            LM_FACTORIES[name](layers=LAYERS),
+            autopart.Mesh.local(),
+            (ids,),
+            loss_fn=lm_loss,
+            optimizer=make_optimizer("adamw"),
+            **PINS,
         )
         losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
         out[name] = {

@@ -27,8 +27,13 @@ def _train_dp(cases, batch) -> dict:
     for model_name, optimizer in cases:
         model = LM_FACTORIES[model_name]()
         pm = autopart.parallelize(
-            model, autopart.Mesh.local(), (ids,), loss_fn=lm_loss,
-            optimizer=make_optimizer(optimizer), dp=torch.distributed.get_world_size(), zero=0,
+            model,
+            autopart.Mesh.local(),
+            (ids,),
+            loss_fn=lm_loss,
+            optimizer=make_optimizer(optimizer),
+            dp=torch.distributed.get_world_size(),
+            zero=0,
         )
         losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
         pm.close()

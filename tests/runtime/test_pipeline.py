@@ -44,8 +44,12 @@ def _train_pipelined(cases, batch) -> dict:
     for name, model_name, layers, pins in cases:
         model = LM_FACTORIES[model_name](layers=layers)
         pm = autopart.parallelize(
-            model, autopart.Mesh.local(), (ids,), loss_fn=lm_loss,
-            optimizer=make_optimizer("adamw"), **pins,
+            model,
+            autopart.Mesh.local(),
+            (ids,),
+            loss_fn=lm_loss,
+            optimizer=make_optimizer("adamw"),
+            **pins,
         )
         losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
         full = pm.full_state_dict()
@@ -75,4 +79,3 @@ def test_two_stage_schedules_match_single_device():
 
 def test_interleaved_and_composed_pipelines_match_single_device():
     _check(WORLD_4, 4)
-

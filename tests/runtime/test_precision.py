@@ -25,8 +25,13 @@ def _train(batch):
     out = {}
     for name, pins, precision in CASES:
         pm = autopart.parallelize(
-            LM_FACTORIES[name](), autopart.Mesh.local(), (ids,), loss_fn=lm_loss,
-            optimizer=make_optimizer("adamw"), precision=precision, **pins,
+            LM_FACTORIES[name](),
+            autopart.Mesh.local(),
+            (ids,),
+            loss_fn=lm_loss,
+            optimizer=make_optimizer("adamw"),
+            precision=precision,
+            **pins,
         )
         losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
         out[(name, precision, tuple(pins))] = (losses, [p.dtype for p in pm.parameters()])

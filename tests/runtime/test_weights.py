@@ -26,8 +26,13 @@ def _from_meta(source, checkpoint_dir, batch):
         model = tiny_llama()
     assert all(p.is_meta for p in model.parameters())
     pm = autopart.parallelize(
-        model, autopart.Mesh.local(), (ids,), loss_fn=lm_loss,
-        optimizer=make_optimizer("adamw"), tp=2, weights=weights,
+        model,
+        autopart.Mesh.local(),
+        (ids,),
+        loss_fn=lm_loss,
+        optimizer=make_optimizer("adamw"),
+        tp=2,
+        weights=weights,
     )
     local = {n: tuple(p.shape) for n, p in pm.named_parameters()}
     losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]

@@ -41,8 +41,12 @@ def _train(cases, batch) -> dict:
     results = {}
     for model_name, pins in cases:
         pm = autopart.parallelize(
-            LM_FACTORIES[model_name](), autopart.Mesh.local(), (ids,), loss_fn=lm_loss,
-            optimizer=make_optimizer("adamw"), **pins,
+            LM_FACTORIES[model_name](),
+            autopart.Mesh.local(),
+            (ids,),
+            loss_fn=lm_loss,
+            optimizer=make_optimizer("adamw"),
+            **pins,
         )
         losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
         result = {"losses": losses, "params": pm.full_state_dict()}

@@ -41,9 +41,7 @@ def test_cuts_are_the_most_balanced_block_boundaries(stages):
     cuts = choose_stage_cuts(captured.gm, stages)
     blocks = [f"model.layers.{i}" for i in range(LAYERS)]
     assert len(cuts) == stages - 1 and all(cut in blocks for cut in cuts)
-    best = min(
-        _slowest_stage(captured, c) for c in itertools.combinations(blocks, stages - 1)
-    )
+    best = min(_slowest_stage(captured, c) for c in itertools.combinations(blocks, stages - 1))
     assert _slowest_stage(captured, cuts) == pytest.approx(best)
 
 
