@@ -13,13 +13,14 @@ from torch.utils import _pytree as pytree
 from autopart.batch import split_batch
 from autopart.capture import Captured, capture
 from autopart.mesh import Mesh
+from autopart.ops.groups import MeshGroups
 from autopart.passes import analyze
+from autopart.passes.materialize import Weights
 from autopart.passes.rewrite import rank_program
+from autopart.passes.runner import RankTarget
 from autopart.plan import Plan
-from autopart.runtime.groups import MeshGroups
 from autopart.runtime.parallel_module import LossFn, OptimizerFactory, ParallelModule
 from autopart.runtime.precision import LOW_DTYPES
-from autopart.runtime.weights import Weights
 from autopart.solver import Pins, make_plan
 
 
@@ -83,7 +84,7 @@ def parallelize(
     plan.check_compatible(captured.fingerprint, mesh)
     groups = MeshGroups(mesh.device_mesh(dp=plan.dp, tp=plan.tp, pp=plan.pp))
     captured = _program_capture(model, captured, plan, example_kwargs, groups.device)
-    program = rank_program(captured, plan, groups, weights)
+    program = rank_program(captured.gm, captured.context(target=RankTarget(plan, groups, weights)))
     return ParallelModule(program, plan, groups, loss_fn, optimizer)
 
 

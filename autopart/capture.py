@@ -84,8 +84,10 @@ class Captured:
             names[name] = canonical.setdefault(id(p), name)
         return names
 
-    def context(self, **options: Any) -> PassContext:
-        return PassContext(symbols=self.symbols, params=self.parameter_names, options=options)
+    def context(self, **fields: Any) -> PassContext:
+        """The pass context of this capture; `fields` set or override the others."""
+        fields.setdefault("example_args", self.example_args)
+        return PassContext(symbols=self.symbols, params=self.parameter_names, **fields)
 
     @property
     def fingerprint(self) -> str:

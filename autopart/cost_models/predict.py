@@ -313,7 +313,7 @@ def _p2p_comm(boundary: float, choices: Choices, comm: CommModel) -> float:
 def _zero3_comm(
     own: list[SegmentWork], compute: PhaseCost, choices: Choices, models: CostModels
 ) -> float:
-    """Per microbatch under ZeRO-3, as the runtime runs it (`runtime/zero3.py`): each
+    """Per microbatch under ZeRO-3, as the runtime runs it (`ops/zero3.py`): each
     parameter bucket is all-gathered in forward, all-gathered again in backward and its
     gradients reduce-scattered. A gather is issued one bucket ahead and reduce-scatters
     travel while backward goes on, so each pass's first gather and the last
@@ -368,7 +368,7 @@ def _bucketed(op: str, nbytes: float, choices: Choices, models: CostModels) -> t
 def _optimizer_time(own: list[SegmentWork], choices: Choices, models: CostModels) -> float:
     """Adam touches this rank's parameters, gradients and state: all of them, or 1/dp
     of them under ZeRO, whose optimizer steps one flat shard per bucket instead of the
-    parameter tensors (`runtime/flat_buckets.py`): ZeRO-1/2 bucket the gradients as
+    parameter tensors (`ops/flat_buckets.py`): ZeRO-1/2 bucket the gradients as
     data parallelism does, ZeRO-3 the parameters of each block and of each run of
     segments between blocks (`passes/zero.py`)."""
     params = sum(s.param_numel(choices.tp) for s in own)

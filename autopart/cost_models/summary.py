@@ -34,8 +34,8 @@ from torch.distributed.tensor import Placement
 
 from autopart.cost_models.precision import bytes_scale
 from autopart.cost_models.work import OTHER, NodeWork, evaluate, node_work, op_kind
-from autopart.passes.meta import BLOCK, MODULE_PATH, PARAMS, SHAPE, TensorInfo
-from autopart.passes.ops import op_name
+from autopart.ops.aten import op_name
+from autopart.ops.meta import BLOCK, MODULE_PATH, PARAMS, SHAPE, TensorInfo
 from autopart.passes.tp_propagate import propagate
 from autopart.passes.tp_rules import R
 

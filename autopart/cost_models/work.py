@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 import sympy
 from torch import fx
 
-from autopart.passes.meta import FLOPS, PARAMS, SAVED_BYTES, SHAPE, TRAFFIC, TensorInfo
-from autopart.passes.ops import ATTENTION_OPS, MATMUL_OPS, op_name
+from autopart.ops.aten import ATTENTION_OPS, MATMUL_OPS, op_name
+from autopart.ops.meta import FLOPS, PARAMS, SAVED_BYTES, SHAPE, TRAFFIC, TensorInfo
 
 MATMUL = "matmul"
 ATTENTION = "attention"

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from autopart.passes.blocks import blocks_pass
-from autopart.passes.flops import flops_pass, total_flops
-from autopart.passes.meta import (
+from autopart.ops.meta import (
     BLOCK,
     FLOPS,
     MODULE_PATH,
@@ -23,6 +21,8 @@ from autopart.passes.meta import (
     TensorInfo,
     Traffic,
 )
+from autopart.passes.blocks import blocks_pass
+from autopart.passes.flops import flops_pass, total_flops
 from autopart.passes.module_path import module_path_pass
 from autopart.passes.params import params_pass
 from autopart.passes.runner import Pass, PassContext, run_passes

@@ -16,8 +16,8 @@ from collections import defaultdict
 import networkx as nx
 from torch import fx
 
-from autopart.passes.meta import BLOCK, MODULE_PATH, PARAMS, SHAPE, BlockInfo
-from autopart.passes.ops import op_name
+from autopart.ops.aten import op_name
+from autopart.ops.meta import BLOCK, MODULE_PATH, PARAMS, SHAPE, BlockInfo
 from autopart.passes.runner import PassContext
 
 _INDEXED = re.compile(r"^(?P<container>.+?)\.(?P<index>\d+)(?:\.|$)")

@@ -19,14 +19,14 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autopart.passes.ops import ATTENTION_OPS, op_name
+from autopart.ops.aten import ATTENTION_OPS, op_name
 from autopart.passes.runner import PassContext
 
 _MASK_ARG = 3
 
 
 def causal_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    args = ctx.options.get("example_args")
+    args = ctx.example_args
     if args is None:
         return gm
     changed = False

@@ -15,8 +15,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autopart.passes.meta import FLOPS, SHAPE, TensorInfo, tensor_infos
-from autopart.passes.ops import (
+from autopart.ops.aten import (
     ATTENTION_OPS,
     DATA_MOVEMENT_OPS,
     MATMUL_OPS,
@@ -24,6 +23,7 @@ from autopart.passes.ops import (
     VIEW_OPS,
     op_name,
 )
+from autopart.ops.meta import FLOPS, SHAPE, TensorInfo, tensor_infos
 from autopart.passes.runner import PassContext
 
 ZERO = sympy.Integer(0)

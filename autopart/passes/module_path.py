@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from autopart.passes.meta import MODULE_PATH
+from autopart.ops.meta import MODULE_PATH
 from autopart.passes.runner import PassContext
 
 

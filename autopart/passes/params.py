@@ -6,10 +6,10 @@ operator consuming the view is the one that reads it.
 
 from __future__ import annotations
 
-from torch import fx, nn
+from torch import fx
 
-from autopart.passes.meta import PARAMS
-from autopart.passes.ops import VIEW_OPS, op_name
+from autopart.ops.aten import VIEW_OPS, op_name
+from autopart.ops.meta import PARAMS
 from autopart.passes.runner import PassContext
 
 
@@ -32,24 +32,3 @@ def params_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             read = ()
         PARAMS.set(node, read)
     return gm
-
-
-def parameter_readers(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
-    """Parameter FQN -> the nodes that read it, in graph order."""
-    readers: dict[str, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        for fqn in PARAMS.get(node):
-            readers.setdefault(fqn, []).append(node)
-    return readers
-
-
-def parameter_attributes(gm: fx.GraphModule) -> list[tuple[fx.Node, nn.Parameter]]:
-    """Every get_attr node of `gm`'s graph that reads a parameter, with the parameter."""
-    found = []
-    for node in gm.graph.find_nodes(op="get_attr"):
-        value: object = gm
-        for part in str(node.target).split("."):
-            value = getattr(value, part, None)
-        if isinstance(value, nn.Parameter):
-            found.append((node, value))
-    return found

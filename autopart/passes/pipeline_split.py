@@ -23,7 +23,7 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from autopart.mesh import Axis
-from autopart.passes.meta import MODULE_PATH
+from autopart.ops.meta import MODULE_PATH
 from autopart.passes.runner import PassContext
 from autopart.passes.stage_modules import build_stage_modules
 from autopart.plan import PlanError
@@ -32,13 +32,15 @@ _CALLS = ("call_function", "call_method", "call_module")
 
 
 def split_stages(gm: fx.GraphModule, ctx: PassContext) -> tuple[list[fx.GraphModule], list[int]]:
-    """The stage modules this rank runs, and their stage indices.
-
-    Reads `ctx.options["plan"]` (its `stage_cuts`) and `ctx.options["groups"]` (this
-    rank's place on the pp axis)."""
-    plan, groups = ctx.options["plan"], ctx.options["groups"]
+    """The stage modules this rank runs, and their stage indices: the plan's
+    `stage_cuts`, this rank's place on the pp axis. Each stage keeps what earlier
+    rewrite passes recorded in `gm.meta` (the tensor-parallel layout)."""
+    plan, groups = ctx.rank.plan, ctx.rank.groups
     stages = pipeline_stages(gm, plan.stage_cuts, ctx)
     ids = list(range(groups.rank(Axis.PP), len(stages), groups.size(Axis.PP)))
+    decided = {k: v for k, v in gm.meta.items() if k.startswith("autopart.")}
+    for i in ids:
+        stages[i].meta.update(decided)
     return [stages[i] for i in ids], ids
 
 
@@ -70,7 +72,7 @@ def assign_stages(graph: fx.Graph, cuts: tuple[str, ...]) -> dict[fx.Node, int]:
         elif node.op in _CALLS:
             # Nodes a rewrite pass inserted may carry no module path: they stay with the
             # stage of the operators before them.
-            path = MODULE_PATH.get(node) if MODULE_PATH.has(node) else ""
+            path = MODULE_PATH.get(node, "")
             for i in range(stage, len(cuts)):
                 if path == cuts[i] or path.startswith(cuts[i] + "."):
                     stage = i + 1

@@ -16,7 +16,7 @@ from typing import Any
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from autopart.passes.meta import BLOCK, MODULE_PATH, PARAMS
+from autopart.ops.meta import MODULE_PATH, PARAMS, inherit
 from autopart.passes.runner import PassContext
 
 
@@ -32,13 +32,13 @@ class Recomputed(nn.Module):
 
 
 def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    paths = ctx.options["plan"].recompute
+    paths = ctx.rank.plan.recompute
     for index, path in enumerate(paths):
         region = [
             n
             for n in gm.graph.nodes
             if n.op in ("call_function", "call_method", "call_module")
-            and _inside(MODULE_PATH.get(n) if MODULE_PATH.has(n) else "", path)
+            and _inside(MODULE_PATH.get(n, ""), path)
         ]
         if region:
             _outline(gm, region, f"recompute_{index}", path)
@@ -72,7 +72,8 @@ def _outline(gm: fx.GraphModule, region: list[fx.Node], name: str, path: str) ->
 
     with gm.graph.inserting_after(region[-1]):
         call = gm.graph.call_module(name, tuple(inputs))
-    _context(call, region[0], tuple(sorted({p for n in region for p in PARAMS.get(n)})))
+    inherit(call, region[0])
+    PARAMS.set(call, tuple(sorted({p for n in region for p in PARAMS.get(n)})))
     previous = call
     for i, out in enumerate(outputs):
         with gm.graph.inserting_after(previous):
@@ -83,9 +84,3 @@ def _outline(gm: fx.GraphModule, region: list[fx.Node], name: str, path: str) ->
         previous = item
     for node in reversed(region):
         gm.graph.erase_node(node)
-
-
-def _context(node: fx.Node, like: fx.Node, params: tuple[str, ...]) -> None:
-    MODULE_PATH.set(node, MODULE_PATH.get(like) if MODULE_PATH.has(like) else "")
-    BLOCK.set(node, BLOCK.get(like) if BLOCK.has(like) else None)
-    PARAMS.set(node, params)

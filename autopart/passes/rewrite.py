@@ -1,97 +1,77 @@
 """The rewrite stage: from the captured graph and a plan to this rank's program.
 
-    capture assertions            dropped (local shards and autocast change sizes, dtypes)
-    causal attention              explicit causal masks back to `is_causal=True`
-    tensor parallelism (tp > 1)   shard parameters, insert tp collectives (whole graph)
-    pipeline split (pp > 1)       cut the graph into stages, keep this rank's
-    materialize                   real memory for this rank's pieces of a meta model
-    recompute                     the plan's blocks run under activation checkpointing
-    ZeRO-3 (zero = 3)             shard each stage's parameters over dp; gather on use
+`REWRITES` declares the rewrite passes in the order they run, each with the plans it
+applies to and what it runs on: the whole graph, or (after the pipeline split keeps
+this rank's stages) each stage. `run_passes` applies them, so each is timed and can be
+disabled by name (`PassContext.disabled`).
 
-Each step is a pass with the usual contract; the plan and this rank's coordinates reach
-them through `ctx.options` (`plan`, `groups`).
+    drop capture assertions   local shards and autocast change sizes, dtypes
+    causal attention          explicit causal masks back to `is_causal=True`
+    tensor parallelism        shard parameters, insert tp collectives (tp > 1)
+    ── pipeline split ──       cut the graph into stages, keep this rank's (pp > 1)
+    materialize               real memory for this rank's pieces of a meta model
+    retarget devices          device arguments and tensors on this rank's device
+    recompute                 the plan's blocks run under activation checkpointing
+    ZeRO-3                    shard each stage's parameters over dp; gather on use
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
-import torch
 from torch import fx
 
-from autopart.capture import Captured
+from autopart.ops.meta import TP_LAYOUT
+from autopart.ops.program import RankProgram
 from autopart.passes.causal_attention import causal_attention_pass
+from autopart.passes.materialize import materialize_pass
 from autopart.passes.pipeline_split import split_stages
 from autopart.passes.recompute import recompute_pass
-from autopart.passes.runner import PassContext
+from autopart.passes.retarget import drop_capture_assertions_pass, retarget_devices_pass
+from autopart.passes.runner import Pass, PassContext, run_passes
 from autopart.passes.tensor_parallel import tensor_parallel_pass
 from autopart.passes.zero import zero3_pass
 from autopart.plan import Plan
-from autopart.runtime.groups import MeshGroups
-from autopart.runtime.weights import Weights, materialize
 
 
-@dataclass
-class RankProgram:
-    """This rank's stage graphs: the whole graph when pp = 1; with a pipeline, the
-    stages this rank runs (several under an interleaved schedule), by stage index."""
-
-    stages: list[fx.GraphModule]
-    stage_ids: list[int]
-    # Tensor-parallel parameters: FQN -> (sharded dim, parts of a fused weight).
-    tp_layout: dict[str, tuple[int, int]] = field(default_factory=dict)
+def _always(plan: Plan) -> bool:
+    return True
 
 
-def rank_program(
-    captured: Captured, plan: Plan, groups: MeshGroups, weights: Weights | None = None
-) -> RankProgram:
-    ctx = captured.context(plan=plan, groups=groups, example_args=captured.example_args)
-    gm = drop_capture_assertions(captured.gm, ctx)
-    gm = causal_attention_pass(gm, ctx)
-    if plan.tp > 1:
-        gm = tensor_parallel_pass(gm, ctx)
+@dataclass(frozen=True, slots=True)
+class Rewrite:
+    """One rewrite pass: when the plan calls for it, and whether it runs on each of this
+    rank's pipeline stages (after the split) or on the whole graph (before it)."""
+
+    run: Pass
+    applies: Callable[[Plan], bool] = _always
+    per_stage: bool = False
+
+
+REWRITES: tuple[Rewrite, ...] = (
+    Rewrite(drop_capture_assertions_pass),
+    Rewrite(causal_attention_pass),
+    Rewrite(tensor_parallel_pass, lambda plan: plan.tp > 1),
+    Rewrite(materialize_pass, per_stage=True),
+    Rewrite(retarget_devices_pass, per_stage=True),
+    Rewrite(recompute_pass, lambda plan: bool(plan.recompute), per_stage=True),
+    Rewrite(zero3_pass, lambda plan: plan.zero == 3, per_stage=True),
+)
+
+
+def rank_program(gm: fx.GraphModule, ctx: PassContext) -> RankProgram:
+    """This rank's program of the captured `gm`, for the plan and mesh place in
+    `ctx.target`."""
+    plan = ctx.rank.plan
+
+    def passes(per_stage: bool) -> list[Pass]:
+        return [r.run for r in REWRITES if r.per_stage == per_stage and r.applies(plan)]
+
+    gm = run_passes(gm, ctx, passes(per_stage=False))
     if plan.pp > 1:
         stages, stage_ids = split_stages(gm, ctx)
     else:
         stages, stage_ids = [gm], [0]
-    materialize(stages, weights, ctx.options.get("tp_layout", {}), groups.tp_mesh, groups.device)
-    stages = [retarget_devices(stage, groups.device) for stage in stages]
-    if groups.device.type != "cpu":
-        stages = [stage.to(groups.device) for stage in stages]
-    if plan.recompute:
-        stages = [recompute_pass(stage, ctx) for stage in stages]
-    if plan.zero == 3:
-        stages = [zero3_pass(stage, ctx) for stage in stages]
-    return RankProgram(stages, stage_ids, ctx.options.get("tp_layout", {}))
-
-
-def drop_capture_assertions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Remove export's checks of the sizes and dtypes seen at capture: local shards have
-    other sizes, and autocast other dtypes. Subgraphs of higher-order operators too."""
-    for module in gm.modules():
-        if not isinstance(module, fx.GraphModule):
-            continue
-        for node in list(module.graph.nodes):
-            if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
-                module.graph.erase_node(node)
-        module.recompile()
-    return gm
-
-
-def retarget_devices(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
-    """Point device arguments baked in at capture (`arange(..., device=meta)`) at this
-    rank's device, in the graph and in the subgraphs of higher-order operators."""
-
-    def retarget(value: object) -> object:
-        if isinstance(value, torch.device) and value != device:
-            return device
-        return value
-
-    for module in gm.modules():
-        if not isinstance(module, fx.GraphModule):
-            continue
-        for node in module.graph.nodes:
-            node.args = fx.node.map_aggregate(node.args, retarget)
-            node.kwargs = fx.node.map_aggregate(node.kwargs, retarget)
-        module.recompile()
-    return gm
+    stages = [run_passes(stage, ctx, passes(per_stage=True)) for stage in stages]
+    return RankProgram(stages, stage_ids, TP_LAYOUT.get(gm, {}))

@@ -23,7 +23,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
 
-from autopart.passes.meta import SAVED_BYTES
+from autopart.ops.meta import SAVED_BYTES
 from autopart.passes.runner import PassContext
 
 

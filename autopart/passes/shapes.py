@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autopart.passes.meta import SHAPE, TensorInfo
+from autopart.ops.meta import SHAPE, TensorInfo
 from autopart.passes.runner import PassContext
 
 

@@ -16,49 +16,19 @@ Each stage module carries a `PipelineInfo` in `gm.meta`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import fx, nn
 from torch.fx.graph import CodeGen, _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
-from autopart.passes.meta import SHAPE, AnalysisMissing, TensorInfo
+from autopart.ops.meta import SHAPE
+from autopart.ops.stage_info import (
+    PIPELINE_KEY,
+    PipelineInfo,
+    SharedParameter,
+    output_values,
+)
 from autopart.plan import PlanError
-
-PIPELINE_KEY = "autopart.pipeline"
-
-
-@dataclass(frozen=True, slots=True)
-class SharedParameter:
-    """A parameter read by several stages: `owner` holds it, `readers` hold replicas."""
-
-    fqn: str
-    owner: int
-    readers: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineInfo:
-    """What the runtime needs to know of a stage beyond its graph."""
-
-    stage: int
-    stages: int
-    # The model's (flattened) inputs: binding their named dims to a microbatch's sizes
-    # gives every stage's input and output shapes.
-    model_inputs: tuple[TensorInfo | None, ...]
-    input_grads: tuple[bool, ...]  # which inputs carry a gradient back to the previous stage
-    output_grads: tuple[bool, ...]  # which (flattened) outputs receive one
-    shared: tuple[SharedParameter, ...]  # of the whole pipeline, the same in every stage
-
-
-def pipeline_info(gm: fx.GraphModule) -> PipelineInfo:
-    try:
-        return gm.meta[PIPELINE_KEY]
-    except KeyError:
-        raise AnalysisMissing(
-            f"{type(gm).__name__} is not a pipeline stage: run split_stages first"
-        ) from None
 
 
 def build_stage_modules(
@@ -131,12 +101,6 @@ def _carries_grad(graph: fx.Graph, trainable: set[str]) -> dict[fx.Node, bool]:
         and node.meta["val"].dtype.is_floating_point
         for node, flag in upstream.items()
     }
-
-
-def output_values(graph: fx.Graph) -> list[fx.Node]:
-    """The values a graph returns, flattened."""
-    (output,) = graph.find_nodes(op="output")
-    return [v for v in pytree.tree_leaves(output.args[0]) if isinstance(v, fx.Node)]
 
 
 def _stage_module(

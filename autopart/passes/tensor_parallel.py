@@ -26,24 +26,17 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopart.mesh import Axis
-from autopart.passes.meta import (
-    BLOCK,
-    COLLECTIVE,
-    MODULE_PATH,
-    PARAMS,
-    SHAPE,
-    CollectiveInfo,
-    TensorInfo,
-)
-from autopart.passes.ops import op_name
+from autopart.ops import collectives as c
+from autopart.ops.aten import op_name
+from autopart.ops.meta import COLLECTIVE, SHAPE, TP_LAYOUT, CollectiveInfo, TensorInfo, inherit
+from autopart.ops.shards import local_shard
 from autopart.passes.runner import PassContext
 from autopart.passes.tp_propagate import Propagation, propagate
 from autopart.passes.tp_rules import flatten_args
-from autopart.runtime import collectives as c
 
 
 def tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    plan, groups = ctx.options["plan"], ctx.options["groups"]
+    plan, groups = ctx.rank.plan, ctx.rank.groups
     places = {fqn: plan.placement(fqn, Axis.TP) for fqn in sorted(set(ctx.params.values()))}
     result = propagate(gm, ctx.params, places, plan.tp, plan.sequence_parallel)
     _warn_fallbacks(gm, result)
@@ -53,9 +46,10 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             rewriter.apply(node)
     shard_parameters(gm, ctx.params, places, result.fused, plan.tp, groups.rank(Axis.TP))
     # How each sharded parameter was cut, for reassembling it (checkpoints, full_state_dict).
-    ctx.options["tp_layout"] = {
+    layout = {
         fqn: (p.dim, result.fused.get(fqn, 1)) for fqn, p in places.items() if isinstance(p, Shard)
     }
+    TP_LAYOUT.set(gm, layout)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -145,7 +139,7 @@ class _Rewriter:
         with self.graph.inserting_before(user):
             node = self.graph.call_function(fn, args)
         node.name = f"tp_{fn.__name__}_{src.name}"
-        _copy_context(user, node, SHAPE.get(src))
+        inherit(node, user, SHAPE.get(src))
         info = CollectiveInfo(kind, Axis.TP.value, self.group, self._bytes(src, have))
         COLLECTIVE.set(node, info)
         return node
@@ -180,11 +174,11 @@ class _Rewriter:
         if bias is not None:
             with self.graph.inserting_after(reduced):
                 last = self.graph.call_function(torch.ops.aten.add.Tensor, (reduced, bias))
-            _copy_context(node, last, SHAPE.get(node))
+            inherit(last, node, SHAPE.get(node))
         for user in users:
             user.replace_input_with(node, last)
         reduced.name = f"tp_{kind}_{node.name}"
-        _copy_context(node, reduced, SHAPE.get(node))
+        inherit(reduced, node, SHAPE.get(node))
         info = CollectiveInfo(kind, Axis.TP.value, self.group, _info(node).nbytes)
         COLLECTIVE.set(reduced, info)
 
@@ -198,14 +192,6 @@ def _info(node: fx.Node) -> TensorInfo:
     if not isinstance(info, TensorInfo):
         raise TypeError(f"{node.name} does not produce a single tensor")
     return info
-
-
-def _copy_context(source: fx.Node, node: fx.Node, shape: Any) -> None:
-    """Give an inserted node the analysis context later passes read."""
-    MODULE_PATH.set(node, MODULE_PATH.get(source) if MODULE_PATH.has(source) else "")
-    BLOCK.set(node, BLOCK.get(source) if BLOCK.has(source) else None)
-    PARAMS.set(node, ())
-    SHAPE.set(node, shape)
 
 
 def shard_parameters(
@@ -229,19 +215,3 @@ def shard_parameters(
         module_path, _, leaf = attr.rpartition(".")
         module = gm.get_submodule(module_path) if module_path else gm
         setattr(module, leaf, shards[fqn])
-
-
-def local_shard(full: torch.Tensor, dim: int, tp: int, rank: int, parts: int = 1) -> torch.Tensor:
-    """This rank's slice of `full` along `dim`; with `parts` > 1 (a fused weight such as
-    q/k/v), this rank's slice of each part, concatenated."""
-    dim = dim + full.dim() if dim < 0 else dim
-    pieces = [part.chunk(tp, dim)[rank] for part in full.chunk(parts, dim)]
-    return torch.cat(pieces, dim) if parts > 1 else pieces[0]
-
-
-def unshard(gathered: list[torch.Tensor], dim: int, parts: int = 1) -> torch.Tensor:
-    """The inverse of `local_shard`, from every rank's slice in rank order."""
-    if parts == 1:
-        return torch.cat(gathered, dim)
-    per_rank = [g.chunk(parts, dim) for g in gathered]
-    return torch.cat([torch.cat([r[k] for r in per_rank], dim) for k in range(parts)], dim)

@@ -15,8 +15,8 @@ import sympy
 from torch import fx
 from torch.distributed.tensor import Placement, Shard
 
-from autopart.passes.meta import SHAPE, TensorInfo
-from autopart.passes.ops import VIEW_OPS, op_name
+from autopart.ops.aten import VIEW_OPS, op_name
+from autopart.ops.meta import SHAPE, TensorInfo
 from autopart.passes.tp_rules import Decision, Operands, R, decide, flatten_args
 
 log = logging.getLogger("autopart.tp")
@@ -87,7 +87,7 @@ def _operands(node: fx.Node, result: Propagation, tp: int) -> Operands:
     flat, _ = flatten_args(node)
     places, shapes, grads = [], [], []
     for leaf in flat:
-        info = SHAPE.get(leaf) if isinstance(leaf, fx.Node) and SHAPE.has(leaf) else None
+        info = SHAPE.get(leaf, None) if isinstance(leaf, fx.Node) else None
         is_tensor = isinstance(leaf, fx.Node) and (
             isinstance(info, TensorInfo) or isinstance(result.places.get(leaf), tuple)
         )

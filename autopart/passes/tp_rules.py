@@ -27,8 +27,8 @@ from torch import fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from autopart.passes.meta import SHAPE, TensorInfo
-from autopart.passes.ops import ATTENTION_OPS, VIEW_OPS, op_name
+from autopart.ops.aten import ATTENTION_OPS, VIEW_OPS, op_name
+from autopart.ops.meta import SHAPE, TensorInfo
 
 R = Replicate()
 P = Partial()

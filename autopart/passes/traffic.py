@@ -9,9 +9,9 @@ from __future__ import annotations
 import sympy
 from torch import fx
 
+from autopart.ops.aten import VIEW_OPS, op_name
+from autopart.ops.meta import TRAFFIC, Traffic, tensor_infos
 from autopart.passes.flops import tensor_operands
-from autopart.passes.meta import TRAFFIC, Traffic, tensor_infos
-from autopart.passes.ops import VIEW_OPS, op_name
 from autopart.passes.runner import PassContext
 
 NONE = Traffic(sympy.Integer(0), sympy.Integer(0))

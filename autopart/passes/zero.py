@@ -1,7 +1,7 @@
 """ZeRO-3 as graph rewrites: parameters sharded over dp, gathered where they are read.
 
     zero3_shard_pass     buckets of parameters become flat shards, one per rank, held by
-                         the stage's `zero3` module (runtime/zero3.py); every parameter
+                         the stage's `zero3` module (ops/zero3.py); every parameter
                          read becomes a view of its bucket, all-gathered before use
     zero3_prefetch_pass  each all-gather is issued as the previous bucket's is taken, so
                          it travels while that bucket computes; each wait stays just
@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from torch import fx, nn
 
 from autopart.mesh import Axis
-from autopart.passes.meta import BLOCK, COLLECTIVE, MODULE_PATH, PARAMS, SHAPE, CollectiveInfo
-from autopart.passes.params import parameter_attributes
+from autopart.ops.meta import BLOCK, COLLECTIVE, PARAMS, SHAPE, CollectiveInfo, inherit
+from autopart.ops.params import parameter_attributes
+from autopart.ops.stage_info import PIPELINE_KEY, pipeline_info
+from autopart.ops.zero3 import ZERO3, ShardedParameters, all_gather_start, all_gather_wait
 from autopart.passes.runner import PassContext, run_passes
-from autopart.passes.stage_modules import PIPELINE_KEY, pipeline_info
-from autopart.runtime.zero3 import ZERO3, ShardedParameters, all_gather_start, all_gather_wait
 
 BUCKET_BYTES = 128 * 1024**2
 REGATHER_AFTER = 2  # other buckets gathered since a bucket's last gather
@@ -41,7 +41,7 @@ def zero3_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def zero3_shard_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    groups = ctx.options["groups"]
+    groups = ctx.rank.groups
     if groups.size(Axis.DP) == 1:
         return gm  # nothing to shard over one rank (runtime/data_parallel.py's LocalState)
     if hasattr(gm, ZERO3):
@@ -130,7 +130,7 @@ def _buckets(
 
 
 def _block(node: fx.Node | None) -> str | None:
-    info = BLOCK.get(node) if node is not None and BLOCK.has(node) else None
+    info = BLOCK.get(node, None) if node is not None else None
     return info.instance if info is not None else None
 
 
@@ -227,8 +227,5 @@ class _Reads:
         return _Gather(self.serial, wait)
 
     def _annotate(self, node: fx.Node, user: fx.Node, info: CollectiveInfo) -> None:
-        MODULE_PATH.set(node, MODULE_PATH.get(user) if MODULE_PATH.has(user) else "")
-        BLOCK.set(node, BLOCK.get(user) if BLOCK.has(user) else None)
-        PARAMS.set(node, ())
-        SHAPE.set(node, None)  # not tensors: a pending gather, a tuple of views
+        inherit(node, user, shape=None)  # not tensors: a pending gather, a tuple of views
         COLLECTIVE.set(node, info)

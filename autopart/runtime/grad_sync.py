@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from autopart.passes.params import parameter_readers
+from autopart.ops.params import parameter_readers
 
 DEFAULT_BUCKET_BYTES = 25 * 1024**2
 FIRST_BUCKET_BYTES = 1024**2  # small, so communication starts early in backward

@@ -12,12 +12,12 @@ from torch.utils import _pytree as pytree
 
 from autopart.batch import split_batch
 from autopart.mesh import Axis
-from autopart.passes.meta import COLLECTIVE, CollectiveInfo
-from autopart.passes.rewrite import RankProgram
+from autopart.ops.groups import MeshGroups
+from autopart.ops.meta import COLLECTIVE, CollectiveInfo
+from autopart.ops.program import RankProgram
 from autopart.plan import Plan
 from autopart.runtime.data_parallel import OptimizerFactory, build_data_parallel_state
 from autopart.runtime.executor import LocalExecutor
-from autopart.runtime.groups import MeshGroups
 from autopart.runtime.precision import Precision
 from autopart.runtime.unshard import gather_full_parameters
 

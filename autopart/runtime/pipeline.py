@@ -33,11 +33,11 @@ from torch.utils import _pytree as pytree
 
 from autopart.batch import split_batch
 from autopart.mesh import Axis
-from autopart.passes.meta import SHAPE, TensorInfo
-from autopart.passes.rewrite import RankProgram
-from autopart.passes.stage_modules import PipelineInfo, output_values, pipeline_info
+from autopart.ops.groups import MeshGroups
+from autopart.ops.meta import SHAPE, TensorInfo
+from autopart.ops.program import RankProgram
+from autopart.ops.stage_info import PipelineInfo, output_values, pipeline_info
 from autopart.plan import Plan
-from autopart.runtime.groups import MeshGroups
 from autopart.runtime.precision import Precision
 from autopart.runtime.shared_params import SharedParameters
 

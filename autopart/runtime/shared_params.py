@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import fx
 
 from autopart.mesh import Axis
-from autopart.passes.stage_modules import SharedParameter, pipeline_info
-from autopart.runtime.groups import MeshGroups
+from autopart.ops.groups import MeshGroups
+from autopart.ops.stage_info import SharedParameter, pipeline_info
 
 
 @dataclass

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from autopart.mesh import Axis
-from autopart.passes.tensor_parallel import unshard
-from autopart.runtime.zero3 import whole_parameters
+from autopart.ops.shards import unshard
+from autopart.ops.zero3 import whole_parameters
 
 if TYPE_CHECKING:
     from autopart.runtime.parallel_module import ParallelModule

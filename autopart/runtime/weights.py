@@ -1,37 +1,19 @@
 """Weights for models built on the meta device, and distributed checkpoints.
 
 A model too large for one machine is built with `init_empty_weights()` (parameters on
-the meta device, buffers real) and captured as it is. After the rewrite, each rank
-materializes only its own pieces, from either
-
-- a state dict of whole tensors (`torch.load(path, mmap=True)` keeps it on disk): each
-  rank copies its slice of each parameter; or
-- a `torch.distributed.checkpoint` directory: each tensor-parallel parameter is loaded
-  as a DTensor with its placement, so the reader fetches only this rank's slice
-  (a fused q/k/v weight, sharded part by part, is read whole and sliced).
-
-`save_checkpoint(pm, path)` writes the model's whole parameters in that format.
+the meta device, buffers real) and captured as it is; after the rewrite each rank
+materializes only its own pieces (passes/materialize.py). `save_checkpoint(pm, path)`
+writes the model's whole parameters in the format that pass reads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
-import torch
 import torch.distributed.checkpoint as dcp
-from torch import fx, nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-
-from autopart.passes.tensor_parallel import local_shard
-
-Weights = Mapping[str, torch.Tensor] | str | os.PathLike
-
-
-class WeightsError(ValueError):
-    """Weights that do not fit the model."""
+from torch import nn
 
 
 @contextlib.contextmanager
@@ -51,101 +33,6 @@ def init_empty_weights() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = register
-
-
-def materialize(
-    stages: list[fx.GraphModule],
-    weights: Weights | None,
-    tp_layout: Mapping[str, tuple[int, int]],
-    tp_mesh: DeviceMesh | None,
-    device: torch.device,
-) -> None:
-    """Replace every meta parameter and buffer of `stages` by real memory holding this
-    rank's piece of `weights`."""
-    tensors = [(gm, name, t) for gm in stages for name, t in _tensors(gm) if t.is_meta]
-    if not tensors:
-        return
-    if weights is None:
-        raise WeightsError(
-            f"the model has {len(tensors)} tensors on the meta device (e.g. {tensors[0][1]!r}):"
-            " pass parallelize(..., weights=state_dict or checkpoint directory)"
-        )
-    if isinstance(weights, Mapping):
-        loaded = {name: _slice(weights, name, t, tp_layout, tp_mesh) for _, name, t in tensors}
-    else:
-        loaded = _load_checkpoint(str(weights), tensors, tp_layout, tp_mesh)
-    for gm, name, t in tensors:
-        _replace(gm, name, loaded[name].to(device), t)
-
-
-def _tensors(gm: fx.GraphModule):
-    yield from gm.named_parameters()
-    yield from gm.named_buffers()
-
-
-def _aliases(gm: fx.GraphModule, tensor: torch.Tensor) -> list[str]:
-    """Every attribute path that holds `tensor` (tied weights have several)."""
-    params = gm.named_parameters(remove_duplicate=False)
-    buffers = gm.named_buffers(remove_duplicate=False)
-    return [name for name, t in [*params, *buffers] if t is tensor]
-
-
-def _slice(weights, name, target, tp_layout, tp_mesh) -> torch.Tensor:
-    if name not in weights:
-        raise WeightsError(
-            f"the weights have no entry {name!r} (shape {tuple(target.shape)}), which this "
-            "rank needs: pass the model's full state dict (parameters and buffers)"
-        )
-    full = weights[name]
-    if name in tp_layout:
-        dim, parts = tp_layout[name]
-        full = local_shard(full, dim, tp_mesh.size(), tp_mesh.get_local_rank(), parts)
-    if tuple(full.shape) != tuple(target.shape):
-        raise WeightsError(
-            f"{name}: the weights hold shape {tuple(weights[name].shape)}, which does not "
-            f"give this rank's piece {tuple(target.shape)}: they belong to another model"
-        )
-    return full.to(target.dtype)
-
-
-def _load_checkpoint(path, tensors, tp_layout, tp_mesh) -> dict[str, torch.Tensor]:
-    request: dict[str, torch.Tensor] = {}
-    for _, name, t in tensors:
-        dim, parts = tp_layout.get(name, (0, 0))
-        local = torch.empty(t.shape, dtype=t.dtype)
-        if parts == 1:
-            request[name] = DTensor.from_local(local, tp_mesh, [Shard(dim)], run_check=False)
-        elif parts > 1:  # fused: read whole, slice below
-            whole = list(t.shape)
-            whole[dim] *= tp_mesh.size()
-            request[name] = torch.empty(whole, dtype=t.dtype)
-        else:
-            request[name] = local
-    dcp.load(request, checkpoint_id=path)
-    out = {}
-    for name, value in request.items():
-        if isinstance(value, DTensor):
-            out[name] = value.to_local()
-        elif name in tp_layout:
-            dim, parts = tp_layout[name]
-            out[name] = local_shard(value, dim, tp_mesh.size(), tp_mesh.get_local_rank(), parts)
-        else:
-            out[name] = value
-    return out
-
-
-def _replace(gm: fx.GraphModule, name: str, value: torch.Tensor, old: torch.Tensor) -> None:
-    if isinstance(old, nn.Parameter):
-        value = nn.Parameter(value, requires_grad=old.requires_grad)
-    else:  # a pipeline stage's replica of a tied weight is a buffer that needs grad
-        value.requires_grad_(old.requires_grad)
-    for alias in _aliases(gm, old):
-        module_path, _, leaf = alias.rpartition(".")
-        module = gm.get_submodule(module_path) if module_path else gm
-        if isinstance(old, nn.Parameter):
-            setattr(module, leaf, value)
-        else:
-            module._buffers[leaf] = value
 
 
 def save_checkpoint(pm, path: str | os.PathLike) -> None:

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch.distributed as dist
 from torch import fx, nn
 
-from autopart.passes.params import parameter_attributes
+from autopart.ops.params import parameter_attributes
+from autopart.ops.zero3 import sharded_parameters
 from autopart.runtime.grad_sync import params_in_backward_order
-from autopart.runtime.zero3 import sharded_parameters
 from autopart.runtime.zero_replicas import ReplicaShards
 
 if TYPE_CHECKING:

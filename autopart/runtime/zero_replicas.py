@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.runtime.flat_buckets import FlatLayout, GradientReducer, all_gather_flat
+from autopart.ops.flat_buckets import FlatLayout, GradientReducer, all_gather_flat
 from autopart.runtime.grad_sync import DEFAULT_BUCKET_BYTES, group_into_buckets
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sympy
 from torch import fx
 
-from autopart.passes.meta import BLOCK, FLOPS, SHAPE, TensorInfo
+from autopart.ops.meta import BLOCK, FLOPS, SHAPE, TensorInfo
 from autopart.plan import PlanError
 
 

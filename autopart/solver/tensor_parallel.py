@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from torch import fx
 from torch.distributed.tensor import Placement, Shard
 
-from autopart.passes.meta import BLOCK
-from autopart.passes.ops import op_name
+from autopart.ops.aten import op_name
+from autopart.ops.meta import BLOCK
 from autopart.passes.tp_propagate import propagate
 
 log = logging.getLogger("autopart.solver")

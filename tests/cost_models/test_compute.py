@@ -17,8 +17,8 @@ from autopart.cost_models.precision import bytes_scale, cast_bytes
 from autopart.cost_models.summary import GraphSummary
 from autopart.cost_models.work import MATMUL, OTHER, NodeWork, evaluate, node_work
 from autopart.mesh import PRESETS
+from autopart.ops.aten import op_name
 from autopart.passes import MODULE_PATH, total_flops
-from autopart.passes.ops import op_name
 from tests.cost_models.conftest import GPT
 
 H100 = PRESETS["h100-80g"]

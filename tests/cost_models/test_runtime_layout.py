@@ -13,8 +13,8 @@ from autopart.capture import capture
 from autopart.cost_models.predict import Choices, predict
 from autopart.cost_models.summary import GraphSummary, TpLayout
 from autopart.mesh import PRESETS, Mesh
+from autopart.ops.aten import op_name
 from autopart.passes import MODULE_PATH, analyze
-from autopart.passes.ops import op_name
 from autopart.solver.pins import Pins, make_plan
 from tests.models import tiny_gpt2, token_batch
 

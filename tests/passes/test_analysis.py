@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from autopart.capture import capture
+from autopart.ops.aten import op_name
 from autopart.passes import (
     ANALYSIS_PASSES,
     BLOCK,
@@ -20,7 +21,6 @@ from autopart.passes import (
     analyze,
     run_passes,
 )
-from autopart.passes.ops import op_name
 from tests.models import tiny_gpt2, tiny_llama, token_batch
 
 

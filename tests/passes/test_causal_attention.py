@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from autopart.capture import capture
+from autopart.ops.aten import op_name
 from autopart.passes import analyze
 from autopart.passes.causal_attention import causal_attention_pass
-from autopart.passes.ops import op_name
 from tests.models import tiny_gpt2, tiny_llama, token_batch
 
 

@@ -9,8 +9,8 @@ from torch import nn
 from torch.export import Dim
 
 from autopart.capture import capture
+from autopart.ops.aten import op_name
 from autopart.passes import FLOPS, analyze, total_flops
-from autopart.passes.ops import op_name
 from tests.models import ConvNet
 
 

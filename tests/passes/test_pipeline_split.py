@@ -11,9 +11,10 @@ import torch
 
 from autopart.capture import capture
 from autopart.mesh import Axis
+from autopart.ops.stage_info import SharedParameter, pipeline_info
 from autopart.passes import MODULE_PATH, PARAMS, analyze
 from autopart.passes.pipeline_split import assign_stages, pipeline_stages, split_stages
-from autopart.passes.stage_modules import SharedParameter, pipeline_info
+from autopart.passes.runner import RankTarget
 from autopart.plan import PlanError
 from tests.models import LM_FACTORIES, token_batch
 
@@ -89,8 +90,8 @@ def test_operators_keep_their_analysis_meta_and_stage():
 def test_split_stages_keeps_this_ranks_stages():
     _, captured, ctx, _ = _captured("llama")
     cuts = ("model.layers.1", "model.layers.2", "model.layers.3")  # pp=2 × 2 virtual
-    options = dict(plan=SimpleNamespace(stage_cuts=cuts), groups=_PipelineRank(1, 2))
-    ctx = dataclasses.replace(ctx, options=options)
+    target = RankTarget(SimpleNamespace(stage_cuts=cuts), _PipelineRank(1, 2))
+    ctx = dataclasses.replace(ctx, target=target)
     stages, ids = split_stages(captured.gm, ctx)
     assert ids == [1, 3]
     assert [pipeline_info(s).stage for s in stages] == [1, 3]

@@ -15,13 +15,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopart
 from autopart.capture import capture
+from autopart.ops.flat_buckets import FlatLayout
+from autopart.ops.groups import MeshGroups
+from autopart.ops.params import parameter_attributes
+from autopart.ops.zero3 import all_gather_start, all_gather_wait, sharded_parameters
 from autopart.passes import analyze
-from autopart.passes.params import parameter_attributes
-from autopart.passes.rewrite import drop_capture_assertions
+from autopart.passes.retarget import drop_capture_assertions_pass
+from autopart.passes.runner import RankTarget
 from autopart.passes.zero import zero3_pass
-from autopart.runtime.flat_buckets import FlatLayout
-from autopart.runtime.groups import MeshGroups
-from autopart.runtime.zero3 import all_gather_start, all_gather_wait, sharded_parameters
 from autopart.solver import Pins, make_plan
 from tests.models import LM_FACTORIES, token_batch
 
@@ -44,9 +45,9 @@ def _rewritten(model_name: str, groups: MeshGroups, disabled: frozenset[str] = f
     analyze(captured.gm, captured.context())
     mesh = autopart.Mesh.cluster("cpu", nodes=1, per_node=DP)
     plan = make_plan(captured, mesh, Pins(dp=DP, zero=3))
-    ctx = captured.context(plan=plan, groups=groups)
+    ctx = captured.context(target=RankTarget(plan, groups))
     ctx.disabled = disabled
-    return model, zero3_pass(drop_capture_assertions(captured.gm, ctx), ctx)
+    return model, zero3_pass(drop_capture_assertions_pass(captured.gm, ctx), ctx)
 
 
 def _calls(gm, target):

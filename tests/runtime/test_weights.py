@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import autopart
-from autopart.runtime.weights import WeightsError
+from autopart.passes.materialize import WeightsError
 from autopart.testing import run_world
 from tests.models import lm_loss, make_optimizer, tiny_llama, token_batch, train_single_device
 

@@ -10,7 +10,7 @@ import torch
 
 import autopart
 from autopart.mesh import Axis
-from autopart.runtime.zero3 import sharded_parameters
+from autopart.ops.zero3 import sharded_parameters
 from autopart.testing import run_world
 from tests.models import (
     LM_FACTORIES,

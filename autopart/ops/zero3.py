@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from autopart.runtime.flat_buckets import FlatLayout, GradientReducer, all_gather_flat
+from autopart.ops.flat_buckets import FlatLayout, GradientReducer, all_gather_flat
 
 ZERO3 = "zero3"  # the attribute of a stage module that holds its ShardedParameters
 

@@ -1,19 +1,22 @@
-"""Where analysis results live: one namespaced `node.meta` key per analysis.
+"""Where analysis results live: one namespaced `node.meta` key per analysis, and one
+`gm.meta` key per decision a rewrite pass records on the graph it returns.
 
-Each result is read through its `MetaKey`, whose getter fails loudly when the analysis
-that writes it has not run, in the manner of `torch.fx.passes.shape_prop`'s `tensor_meta`.
+Each result is read through its key, whose getter fails loudly when the pass that
+writes it has not run (in the manner of `torch.fx.passes.shape_prop`'s `tensor_meta`),
+unless the caller gives a default.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import sympy
 import torch
 from torch import fx
 
 T = TypeVar("T")
+_REQUIRED: Any = object()
 
 
 class AnalysisMissing(LookupError):
@@ -21,26 +24,36 @@ class AnalysisMissing(LookupError):
 
 
 class MetaKey(Generic[T]):
+    """A namespaced key of `node.meta` (or, for a `GraphKey`, of `gm.meta`)."""
+
     def __init__(self, name: str, written_by: str) -> None:
         self.key = f"autopart.{name}"
         self.written_by = written_by
 
-    def set(self, node: fx.Node, value: T) -> None:
-        node.meta[self.key] = value
+    def set(self, holder: fx.Node | fx.GraphModule, value: T) -> None:
+        holder.meta[self.key] = value
 
-    def has(self, node: fx.Node) -> bool:
-        return self.key in node.meta
+    def has(self, holder: fx.Node | fx.GraphModule) -> bool:
+        return self.key in holder.meta
 
-    def get(self, node: fx.Node) -> T:
+    def get(self, holder: fx.Node | fx.GraphModule, default: T = _REQUIRED) -> T:
+        """The value; `default` where there is none, or AnalysisMissing without one."""
         try:
-            return node.meta[self.key]
+            return holder.meta[self.key]
         except KeyError:
+            if default is not _REQUIRED:
+                return default
+            name = holder.name if isinstance(holder, fx.Node) else type(holder).__name__
             raise AnalysisMissing(
-                f"node {node.name!r} has no {self.key}: run {self.written_by} first"
+                f"{name!r} has no {self.key}: run {self.written_by} first"
             ) from None
 
     def __repr__(self) -> str:
-        return f"MetaKey({self.key})"
+        return f"{type(self).__name__}({self.key})"
+
+
+class GraphKey(MetaKey[T]):
+    """A key of `gm.meta`: what a rewrite pass decided for the whole graph it returns."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +118,20 @@ PARAMS: MetaKey[tuple[str, ...]] = MetaKey("params", "params_pass")
 SAVED_BYTES: MetaKey[sympy.Expr] = MetaKey("saved_bytes", "saved_for_backward_pass")
 BLOCK: MetaKey[BlockInfo | None] = MetaKey("block", "blocks_pass")
 COLLECTIVE: MetaKey[CollectiveInfo] = MetaKey("collective", "a rewrite pass")
+
+# Tensor-parallel parameters of a rewritten graph: FQN -> (sharded dim, parts of a fused
+# weight), for slicing checkpoints and reassembling whole parameters.
+TP_LAYOUT: GraphKey[dict[str, tuple[int, int]]] = GraphKey("tp_layout", "tensor_parallel_pass")
+
+
+def inherit(node: fx.Node, source: fx.Node, shape: Any = _REQUIRED) -> None:
+    """Give a node a rewrite pass inserted the context later passes read: `source`'s
+    module path and block, no parameters of its own, and `shape` where given."""
+    MODULE_PATH.set(node, MODULE_PATH.get(source, ""))
+    BLOCK.set(node, BLOCK.get(source, None))
+    PARAMS.set(node, ())
+    if shape is not _REQUIRED:
+        SHAPE.set(node, shape)
 
 
 def tensor_infos(node: fx.Node) -> tuple[TensorInfo, ...]:

@@ -1,0 +1,28 @@
+"""Finding a graph's parameters: the nodes that read each one, the attributes that hold them."""
+
+from __future__ import annotations
+
+from torch import fx, nn
+
+from autopart.ops.meta import PARAMS
+
+
+def parameter_readers(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Parameter FQN -> the nodes that read it, in graph order."""
+    readers: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        for fqn in PARAMS.get(node):
+            readers.setdefault(fqn, []).append(node)
+    return readers
+
+
+def parameter_attributes(gm: fx.GraphModule) -> list[tuple[fx.Node, nn.Parameter]]:
+    """Every get_attr node of `gm`'s graph that reads a parameter, with the parameter."""
+    found = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value: object = gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, nn.Parameter):
+            found.append((node, value))
+    return found
