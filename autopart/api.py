@@ -19,8 +19,8 @@ from autopart.passes.materialize import Weights
 from autopart.passes.rewrite import rank_program
 from autopart.passes.runner import RankTarget
 from autopart.plan import Plan
+from autopart.policy import LOW_DTYPES
 from autopart.runtime.parallel_module import LossFn, OptimizerFactory, ParallelModule
-from autopart.runtime.precision import LOW_DTYPES
 from autopart.solver import Pins, make_plan
 
 

@@ -23,10 +23,9 @@ from torch.distributed.tensor import Placement, Replicate
 from autopart.mesh import Axis, Mesh
 from autopart.placements import placement_from_str, placement_to_str
 from autopart.plan_format import PLACEMENT_AXES, diff_plans, explain_plan, format_plan
+from autopart.policy import Precision, Schedule, check_choice
 
 PLAN_VERSION = 1
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 class PlanError(ValueError):
@@ -129,10 +128,9 @@ class Plan:
             )
         if self.zero not in (0, 1, 2, 3):
             out.append(f"zero must be 0, 1, 2 or 3, not {self.zero}")
-        if self.precision not in PRECISIONS:
-            out.append(f"precision must be one of {PRECISIONS}, not {self.precision!r}")
-        if self.schedule is not None and self.schedule not in SCHEDULES:
-            out.append(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        out.append(check_choice(Precision, self.precision, "precision"))
+        if self.schedule is not None:
+            out.append(check_choice(Schedule, self.schedule, "schedule"))
         if self.recompute and self.zero == 3:
             out.append("recomputation together with ZeRO-3 is not supported: choose one")
         if self.sequence_parallel and self.tp == 1:
@@ -152,7 +150,7 @@ class Plan:
         for fqn, ps in self.placements.items():
             if len(ps) != len(PLACEMENT_AXES):
                 out.append(f"{fqn} needs one placement per axis {[str(a) for a in PLACEMENT_AXES]}")
-        return out
+        return [p for p in out if p]
 
     # -- use ------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 import autopart
-from autopart.runtime.pipeline import SCHEDULES
+from autopart.runtime.pipeline import SCHEDULE_CLASSES
 from autopart.testing import run_world
 
 VOCAB = 2048
@@ -96,7 +96,9 @@ def native_pipeline(model, cuts: tuple[str, ...], schedule: str, microbatches: i
         return F.cross_entropy(logits.flatten(0, 1), target.flatten()) / microbatches
 
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    runner = SCHEDULES[schedule](stage, microbatches, loss_fn=microbatch_loss, scale_grads=False)
+    runner = SCHEDULE_CLASSES[schedule](
+        stage, microbatches, loss_fn=microbatch_loss, scale_grads=False
+    )
     return module, runner
 
 

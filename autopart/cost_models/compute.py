@@ -84,12 +84,17 @@ from torch import fx
 from autopart.cost_models.precision import bytes_scale, cast_bytes, is_mixed
 from autopart.cost_models.work import NodeWork, node_work
 from autopart.mesh import DeviceSpec
+from autopart.policy import Precision
 
 DEFAULT_HALF_DIM = 64.0
 BACKWARD_CONTRACTION = 2.0  # backward / forward for matmuls, attention, convolutions
 BACKWARD_OTHER = 1.0  # backward / forward for everything else
 ADAM_OPERATORS_PER_TENSOR = 10  # torch.optim.adam._single_tensor_adam, AdamW included
-COMPUTE_DTYPES = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+COMPUTE_DTYPES = {
+    Precision.FP32: "fp32",
+    Precision.BF16_MIXED: "bf16",
+    Precision.FP16_MIXED: "fp16",
+}
 
 
 @dataclass(frozen=True, slots=True)

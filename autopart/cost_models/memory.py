@@ -47,6 +47,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopart.policy import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES
+
 # Bytes per parameter: (parameters, gradients, optimizer state) for Adam.
 FP32_WEIGHTS = (4, 4, 8)
 HALF_WEIGHTS = (2, 2, 12)
@@ -61,7 +63,6 @@ PARTS = (
     "allocator",
 )
 OUTPUT_GRADIENTS = 2  # output-sized gradients the loss's backward holds at once
-DEFAULT_BUCKET_BYTES = 25 * 1024**2  # runtime.grad_sync's bucket size
 DEFAULT_ALLOCATOR_FRACTION = 0.10
 
 
@@ -126,7 +127,8 @@ class MemoryModel:
     allowance."""
 
     precision: str = "fp32"
-    bucket_bytes: float = DEFAULT_BUCKET_BYTES
+    bucket_bytes: float = GRAD_BUCKET_BYTES
+    first_bucket_bytes: float = FIRST_GRAD_BUCKET_BYTES
     allocator_fraction: float = DEFAULT_ALLOCATOR_FRACTION
 
     def breakdown(

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+from autopart.policy import Schedule, check_choice
 
 
 def bubble_fraction(
@@ -36,9 +36,10 @@ def bubble_fraction(
     interleaved 1F1B; 0 without a pipeline."""
     if stages == 1 or schedule is None:
         return 0.0
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}: use one of {SCHEDULES}")
-    v = virtual_stages if schedule == "interleaved-1f1b" else 1
+    problem = check_choice(Schedule, schedule, "schedule")
+    if problem:
+        raise ValueError(problem)
+    v = virtual_stages if schedule == Schedule.INTERLEAVED_1F1B else 1
     return (stages - 1) / (v * microbatches)
 
 
@@ -81,9 +82,13 @@ def exposed_sync(sync: float, overlappable: float, last_bucket: float) -> float:
     return max(0.0, sync - last_bucket - overlappable) + last_bucket
 
 
-def bucket_sizes(total_bytes: float, bucket_bytes: float) -> list[float]:
-    """`total_bytes` of gradients cut into buckets of at most `bucket_bytes`."""
+def bucket_sizes(
+    total_bytes: float, bucket_bytes: float, first_bytes: float | None = None
+) -> list[float]:
+    """`total_bytes` of gradients cut as the runtime cuts them: a first bucket of at most
+    `first_bytes` (the first gradients of backward), then buckets of `bucket_bytes`."""
     if total_bytes <= 0:
         return []
-    full, rest = divmod(total_bytes, bucket_bytes)
-    return [bucket_bytes] * int(full) + ([rest] if rest else [])
+    first = min(total_bytes, first_bytes or bucket_bytes)
+    full, rest = divmod(total_bytes - first, bucket_bytes)
+    return [first] + [bucket_bytes] * int(full) + ([rest] if rest else [])

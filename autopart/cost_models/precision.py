@@ -22,15 +22,16 @@ operator's bytes instead predicted 0.63 ×.
 from __future__ import annotations
 
 from autopart.cost_models.work import NodeWork
+from autopart.policy import Precision, check_choice
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 CAST_FACTOR = 1.5  # bytes a cast moves per captured fp32 byte: read 4, write 2
 
 
 def is_mixed(precision: str) -> bool:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
-    return precision != "fp32"
+    problem = check_choice(Precision, precision, "precision")
+    if problem:
+        raise ValueError(problem)
+    return precision != Precision.FP32
 
 
 def bytes_scale(work: NodeWork, precision: str) -> float:

@@ -55,17 +55,19 @@ from autopart.cost_models.comm import (
 )
 from autopart.cost_models.compute import ComputeModel, PhaseCost
 from autopart.cost_models.memory import (
+    FP32_WEIGHTS,
     STATE_BYTES,
     Activations,
     MemoryModel,
     in_flight_microbatches,
     total,
 )
-from autopart.cost_models.pipeline import SCHEDULES, bucket_sizes, exposed_sync, pipeline_step
+from autopart.cost_models.pipeline import bucket_sizes, exposed_sync, pipeline_step
 from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
 from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork, TpLayout
 from autopart.mesh import Axis, Mesh
 from autopart.plan import Plan, Predicted
+from autopart.policy import SCHEDULES, ZERO3_BUCKET_BYTES
 
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
 TP_ALL_REDUCES_BACKWARD = 2
@@ -360,7 +362,8 @@ def _dp_sync(params: float, compute: PhaseCost, choices: Choices, models: CostMo
 def _bucketed(op: str, nbytes: float, choices: Choices, models: CostModels) -> tuple[float, float]:
     """(every bucket, the last bucket): seconds of `op` over dp on `nbytes` of gradients
     cut into the memory model's buckets."""
-    sizes = bucket_sizes(nbytes, models.memory.bucket_bytes)
+    memory = models.memory
+    sizes = bucket_sizes(nbytes, memory.bucket_bytes, memory.first_bucket_bytes)
     seconds = {b: models.comm.time(op, b, choices.dp, choices.tp) for b in set(sizes)}
     return sum(seconds[b] for b in sizes), seconds[sizes[-1]] if sizes else 0.0
 
@@ -380,22 +383,29 @@ def _optimizer_time(own: list[SegmentWork], choices: Choices, models: CostModels
         shards = len(_parameter_buckets(own, choices.tp))
     else:
         grad_bytes = params * STATE_BYTES[choices.precision][1]
-        shards = len(bucket_sizes(grad_bytes, models.memory.bucket_bytes))
+        memory = models.memory
+        shards = len(bucket_sizes(grad_bytes, memory.bucket_bytes, memory.first_bucket_bytes))
     return models.compute.optimizer_step_time(state_bytes / choices.dp, shards)
 
 
 def _parameter_buckets(own: list[SegmentWork], tp: int) -> list[float]:
     """ZeRO-3's buckets (`passes/zero.py`), as parameter counts: one per block holding
-    parameters and one per run of other segments holding them."""
+    parameters and one per run of other segments holding them, each split at the
+    pass's cap on fp32 bytes."""
+    cap = ZERO3_BUCKET_BYTES / FP32_WEIGHTS[0]
     buckets: list[float] = []
     in_run = False
     for seg in own:
         params = seg.param_numel(tp)
         if params and (seg.is_block or not in_run):
-            buckets.append(params)
-        elif params:
-            buckets[-1] += params
-        in_run = (in_run or params > 0) and not seg.is_block
+            buckets.append(0.0)
+        while params > 0:
+            if buckets[-1] >= cap:
+                buckets.append(0.0)
+            take = min(params, cap - buckets[-1])
+            buckets[-1] += take
+            params -= take
+        in_run = (in_run or seg.param_numel(tp) > 0) and not seg.is_block
     return buckets
 
 

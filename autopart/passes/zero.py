@@ -8,10 +8,11 @@
                          before the first use (about two buckets gathered at a time)
 
 Buckets follow first use in forward: one per repeated block (a transformer layer),
-the parameters between blocks in runs, split at BUCKET_BYTES, one dtype, device and
-requires_grad each; parameters the graph never reads go last, in buckets of their own.
-A bucket read again after two others have been gathered is gathered again (a tied
-embedding read by the head), rather than staying whole in between.
+the parameters between blocks in runs, split at ZERO3_BUCKET_BYTES (policy.py), one
+dtype, device and requires_grad each; parameters the graph never reads go last, in
+buckets of their own. A bucket read again after ZERO3_REGATHER_AFTER others have been
+gathered is gathered again (a tied embedding read by the head), rather than staying
+whole in between.
 
 A pipeline stage's parameters that other stages read too (tied weights) stay whole:
 the pipeline keeps their replicas in step through the owner (runtime/shared_params.py),
@@ -31,9 +32,7 @@ from autopart.ops.params import parameter_attributes
 from autopart.ops.stage_info import PIPELINE_KEY, pipeline_info
 from autopart.ops.zero3 import ZERO3, ShardedParameters, all_gather_start, all_gather_wait
 from autopart.passes.runner import PassContext, run_passes
-
-BUCKET_BYTES = 128 * 1024**2
-REGATHER_AFTER = 2  # other buckets gathered since a bucket's last gather
+from autopart.policy import ZERO3_BUCKET_BYTES, ZERO3_REGATHER_AFTER
 
 
 def zero3_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -121,7 +120,7 @@ def _buckets(
         read = first_use[k] is not None
         key = (_block(first_use[k]), read, p.dtype, p.device, p.requires_grad)
         nbytes = p.numel() * p.element_size()
-        if key != last_key or size + nbytes > BUCKET_BYTES:
+        if key != last_key or size + nbytes > ZERO3_BUCKET_BYTES:
             buckets.append([])
             last_key, size = key, 0
         buckets[-1].append(p)
@@ -191,7 +190,7 @@ class _Reads:
 
     def _view(self, bucket: int, index: int, attr: fx.Node, user: fx.Node) -> fx.Node:
         gather = self.latest.get(bucket)
-        if gather is None or self.serial - gather.serial >= REGATHER_AFTER:
+        if gather is None or self.serial - gather.serial >= ZERO3_REGATHER_AFTER:
             gather = self.latest[bucket] = self._gather(bucket, user)
         if index not in gather.views:
             with self.graph.inserting_before(user):

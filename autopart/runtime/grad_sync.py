@@ -21,9 +21,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autopart.ops.params import parameter_readers
-
-DEFAULT_BUCKET_BYTES = 25 * 1024**2
-FIRST_BUCKET_BYTES = 1024**2  # small, so communication starts early in backward
+from autopart.policy import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES
 
 
 @dataclass
@@ -44,7 +42,7 @@ class GradientSync:
         params_in_backward_order: list[nn.Parameter],
         group: dist.ProcessGroup,
         accumulation: int = 1,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int = GRAD_BUCKET_BYTES,
         finish_with_backward: bool = False,
     ) -> None:
         """`finish_with_backward`: call `finish` when the backward that produced the
@@ -120,13 +118,13 @@ def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket
 
 
 def group_into_buckets(
-    params: list[nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    params: list[nn.Parameter], bucket_bytes: int = GRAD_BUCKET_BYTES
 ) -> list[list[nn.Parameter]]:
     """Consecutive runs of `params` that need a gradient, of one dtype and device, up to
-    `bucket_bytes` each (the first only `FIRST_BUCKET_BYTES`, so communication starts
+    `bucket_bytes` each (the first only `FIRST_GRAD_BUCKET_BYTES`, so communication starts
     early in backward)."""
     groups: list[list[nn.Parameter]] = []
-    limit = FIRST_BUCKET_BYTES
+    limit = FIRST_GRAD_BUCKET_BYTES
     size = 0
     for p in params:
         if not p.requires_grad:

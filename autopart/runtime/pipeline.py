@@ -38,13 +38,14 @@ from autopart.ops.meta import SHAPE, TensorInfo
 from autopart.ops.program import RankProgram
 from autopart.ops.stage_info import PipelineInfo, output_values, pipeline_info
 from autopart.plan import Plan
+from autopart.policy import Schedule
 from autopart.runtime.precision import Precision
 from autopart.runtime.shared_params import SharedParameters
 
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
+SCHEDULE_CLASSES = {
+    Schedule.GPIPE: ScheduleGPipe,
+    Schedule.ONE_F_ONE_B: Schedule1F1B,
+    Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
 }
 
 
@@ -64,7 +65,7 @@ class PipelineExecutor:
         self.infos = [pipeline_info(gm) for gm in program.stages]
         self.stage_ids = program.stage_ids
         self.num_stages = self.infos[0].stages
-        self.schedule_type = SCHEDULES[plan.schedule]
+        self.schedule_type = SCHEDULE_CLASSES[Schedule(plan.schedule)]
         self.microbatches = plan.microbatches
         self.group = groups.group(Axis.PP)
         self.loss_fn = loss_fn

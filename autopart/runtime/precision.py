@@ -17,14 +17,15 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-LOW_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+from autopart.policy import LOW_DTYPES
+from autopart.policy import Precision as PrecisionName
 
 
 class Precision:
     def __init__(self, precision: str, device_type: str = "cpu") -> None:
         self.dtype = LOW_DTYPES.get(precision)
         self.device_type = device_type
-        self.scaler = LossScaler() if precision == "fp16-mixed" else None
+        self.scaler = LossScaler() if precision == PrecisionName.FP16_MIXED else None
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:

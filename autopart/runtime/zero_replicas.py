@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.ops.flat_buckets import FlatLayout, GradientReducer, all_gather_flat
-from autopart.runtime.grad_sync import DEFAULT_BUCKET_BYTES, group_into_buckets
+from autopart.policy import GRAD_BUCKET_BYTES
+from autopart.runtime.grad_sync import group_into_buckets
 
 
 @dataclass
@@ -51,7 +52,7 @@ class ReplicaShards:
         group: dist.ProcessGroup,
         accumulation: int,
         stage: int,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int = GRAD_BUCKET_BYTES,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ReplicaShards is ZeRO stage 1 or 2, not {stage}")

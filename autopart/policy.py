@@ -1,0 +1,65 @@
+"""What the runtime does and the cost models price, defined once.
+
+Each policy here is followed by the code that runs it and read by the model that
+predicts it; both import it from here, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+MiB = 1024**2
+
+
+class Precision(str, Enum):
+    """How a plan computes: fp32, or autocast to 16 bits over fp32 master weights."""
+
+    FP32 = "fp32"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "fp16-mixed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Schedule(str, Enum):
+    """A pipeline schedule (torch.distributed.pipelining's)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PRECISIONS: tuple[str, ...] = tuple(p.value for p in Precision)
+SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
+
+# The 16-bit dtype autocast computes in, per mixed precision (runtime/precision.py).
+LOW_DTYPES: dict[str, torch.dtype] = {
+    Precision.BF16_MIXED.value: torch.bfloat16,
+    Precision.FP16_MIXED.value: torch.float16,
+}
+
+# Data-parallel gradient buckets (runtime/grad_sync.py; ZeRO-1/2's flat shards in
+# runtime/zero_replicas.py follow the same buckets). The first bucket of backward is
+# small, so communication starts early.
+GRAD_BUCKET_BYTES = 25 * MiB
+FIRST_GRAD_BUCKET_BYTES = 1 * MiB
+
+# ZeRO-3's parameter buckets (passes/zero.py): one per repeated block, runs of the
+# parameters between blocks, each split at this cap.
+ZERO3_BUCKET_BYTES = 128 * MiB
+# A bucket read again after this many other buckets were gathered is gathered again.
+ZERO3_REGATHER_AFTER = 2
+
+
+def check_choice(kind: type[Enum], value: object, what: str) -> str | None:
+    """None if `value` names a member of `kind`, else the sentence that says what would."""
+    names = [m.value for m in kind]
+    if value in names:
+        return None
+    return f"{what} must be one of {names}, not {value!r}"
