@@ -6,7 +6,8 @@ capture (torch.export) → analysis passes → solver → rewrite passes → run
 from autopart.api import parallelize, plan
 from autopart.batch import BatchError
 from autopart.capture import CaptureError, capture
-from autopart.mesh import Axis, DeviceSpec, Mesh, MeshError
+from autopart.degrees import Axis, Degrees, MeshError
+from autopart.mesh import DeviceSpec, Mesh
 from autopart.plan import Plan, PlanError
 from autopart.runtime.parallel_module import ParallelModule
 from autopart.runtime.weights import init_empty_weights, save_checkpoint
@@ -15,6 +16,7 @@ __all__ = [
     "Axis",
     "BatchError",
     "CaptureError",
+    "Degrees",
     "DeviceSpec",
     "Mesh",
     "MeshError",

@@ -29,34 +29,15 @@ def plan(
     mesh: Mesh,
     example_inputs: Any,
     *,
-    loss_fn: LossFn | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
-    precision: str = "fp32",
-    dp: int | None = None,
-    tp: int | None = None,
-    pp: int | None = None,
-    zero: int | None = None,
-    microbatches: int | None = None,
-    schedule: str | None = None,
-    virtual_stages: int | None = None,
-    recompute: tuple[str, ...] | None = None,
-    sequence_parallel: bool = False,
+    **pins: Any,
 ) -> Plan:
     """Choose how to run `model` on `mesh` for the global batch `example_inputs`.
-    A pin left as None is the solver's choice."""
-    pins = Pins(
-        dp,
-        tp,
-        pp,
-        zero,
-        microbatches,
-        schedule,
-        virtual_stages,
-        recompute,
-        precision,
-        sequence_parallel,
-    )
-    return make_plan(_captured(model, example_inputs, example_kwargs), mesh, pins)
+
+    Pins, each left to the solver when None: every mesh axis by name (`dp`, `tp`, `pp`),
+    `zero`, `microbatches`, `schedule`, `virtual_stages`, `recompute`; and `precision`
+    ("fp32", "bf16-mixed", "fp16-mixed") and `sequence_parallel`."""
+    return make_plan(_captured(model, example_inputs, example_kwargs), mesh, Pins.of(**pins))
 
 
 def parallelize(
@@ -78,11 +59,11 @@ def parallelize(
     rank loads only its own pieces."""
     captured = _captured(model, example_inputs, example_kwargs)
     if plan is None:
-        plan = make_plan(captured, mesh, Pins(**pins))
+        plan = make_plan(captured, mesh, Pins.of(**pins))
     elif pins:
         raise TypeError(f"pass either a plan or pins, not both (got pins {sorted(pins)})")
     plan.check_compatible(captured.fingerprint, mesh)
-    groups = MeshGroups(mesh.device_mesh(dp=plan.dp, tp=plan.tp, pp=plan.pp))
+    groups = MeshGroups(mesh.device_mesh(plan.degrees))
     captured = _program_capture(model, captured, plan, example_kwargs, groups.device)
     program = rank_program(captured.gm, captured.context(target=RankTarget(plan, groups, weights)))
     return ParallelModule(program, plan, groups, loss_fn, optimizer)

@@ -16,7 +16,16 @@ import sys
 
 import torch
 
-PIN_NAMES = ("dp", "tp", "pp", "zero", "microbatches", "virtual_stages")
+from autopart.policy import PRECISIONS, SCHEDULES
+
+# Integer pins besides the mesh axes, which are pinned by name (`--dp 8`).
+INT_PINS = ("zero", "microbatches", "virtual_stages")
+
+
+def _int_pins() -> list[str]:
+    from autopart.degrees import axis_names
+
+    return [*axis_names(), *INT_PINS]
 
 
 def _factory(spec: str):
@@ -43,7 +52,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             model, inputs = factory()
     else:
         model, inputs = factory()
-    pins = {k: getattr(args, k) for k in PIN_NAMES if getattr(args, k) is not None}
+    pins = {k: getattr(args, k) for k in _int_pins() if getattr(args, k) is not None}
     plan = autopart.plan(
         model, _mesh(args.mesh), inputs, precision=args.precision, schedule=args.schedule, **pins
     )
@@ -59,22 +68,25 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     print(plan, end="\n\n")
-    plan.explain()
+    print(plan.explain())
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from autopart import calibrate
 
-    options = {}
-    if args.quick:
-        options = {
-            "sizes": calibrate.QUICK_SIZES,
-            "messages": calibrate.QUICK_MESSAGES,
-            "copy_bytes": calibrate.QUICK_COPY_BYTES,
-        }
     dtypes = args.dtypes.split(",") if args.dtypes else None
-    calibrate.calibrate(args.out, dtypes=dtypes, name=args.name, **options)
+    if args.quick:
+        calibrate.calibrate(
+            args.out,
+            dtypes=dtypes,
+            name=args.name,
+            sizes=calibrate.QUICK_SIZES,
+            messages=calibrate.QUICK_MESSAGES,
+            copy_bytes=calibrate.QUICK_COPY_BYTES,
+        )
+    else:
+        calibrate.calibrate(args.out, dtypes=dtypes, name=args.name)
     return 0
 
 
@@ -86,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="package.module:factory -> (model, inputs)")
     p.add_argument("--mesh", required=True, help="device:NODESxPER_NODE, e.g. h100-80g:8x8")
     p.add_argument("--meta", action="store_true", help="build the model on the meta device")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16-mixed", "fp16-mixed"))
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"))
-    for name in PIN_NAMES:
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    p.add_argument("--schedule", choices=SCHEDULES)
+    for name in _int_pins():
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
     p.add_argument("--out", help="write the plan JSON here")
     p.set_defaults(run=cmd_plan)

@@ -16,36 +16,19 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopart.degrees import Axis, Degrees, MeshError
+
+__all__ = ["Axis", "DeviceSpec", "Mesh", "MeshError", "PRESETS", "Topology", "device_spec"]
 
 GiB = 1024**3
 GB = 1e9
-
-
-class Axis(str, Enum):
-    """The mesh axes. "axis" always means one of these; "dim" means a tensor dimension."""
-
-    DP = "dp"
-    TP = "tp"
-    PP = "pp"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-# The order of axes in a DeviceMesh: pp outermost, tp innermost, so that tensor
-# parallel groups are consecutive ranks and land inside one node.
-MESH_AXIS_ORDER = (Axis.PP, Axis.DP, Axis.TP)
-
-
-class MeshError(ValueError):
-    """A mesh that does not match the world it is used in, or a bad factorization."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,27 +225,15 @@ class Mesh:
             device = _guess_device() if backend == "nccl" else "cpu"
         return cls(device_spec(device), world // per_node, per_node, backend=backend)
 
-    def device_mesh(self, dp: int = 1, tp: int = 1, pp: int = 1) -> DeviceMesh:
-        """The named torch DeviceMesh (axes pp, dp, tp; tp innermost) for this world."""
-        self.check_factorization(dp, tp, pp)
+    def device_mesh(self, degrees: Degrees) -> DeviceMesh:
+        """The named torch DeviceMesh of `degrees` (axes in mesh order) for this world."""
+        self.check_covered(degrees)
         self.check_running()
-        device_type = "cuda" if self.backend == "nccl" else "cpu"
-        sizes = {Axis.PP: pp, Axis.DP: dp, Axis.TP: tp}
-        return init_device_mesh(
-            device_type,
-            tuple(sizes[a] for a in MESH_AXIS_ORDER),
-            mesh_dim_names=tuple(a.value for a in MESH_AXIS_ORDER),
-        )
+        return degrees.device_mesh("cuda" if self.backend == "nccl" else "cpu")
 
-    def check_factorization(self, dp: int, tp: int, pp: int) -> None:
-        if min(dp, tp, pp) < 1:
-            raise MeshError(f"mesh axes must be positive, got dp={dp} tp={tp} pp={pp}")
-        if dp * tp * pp != self.world_size:
-            raise MeshError(
-                f"dp×tp×pp = {dp}×{tp}×{pp} = {dp * tp * pp} devices, but the mesh "
-                f"{self.describe()} has {self.world_size}: choose axes whose product is "
-                f"{self.world_size}"
-            )
+    def check_covered(self, degrees: Degrees) -> None:
+        """Fail clearly unless `degrees` multiply to this mesh's devices."""
+        degrees.check_covers(self.world_size, self.describe())
 
     def check_running(self) -> None:
         """Fail clearly when this mesh is not the world the process is running in."""

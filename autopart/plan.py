@@ -20,7 +20,8 @@ from typing import Any
 
 from torch.distributed.tensor import Placement, Replicate
 
-from autopart.mesh import Axis, Mesh
+from autopart.degrees import Axis, AxisAttributes, Degrees, MeshError
+from autopart.mesh import Mesh
 from autopart.placements import placement_from_str, placement_to_str
 from autopart.plan_format import PLACEMENT_AXES, diff_plans, explain_plan, format_plan
 from autopart.policy import Precision, Schedule, check_choice
@@ -55,16 +56,6 @@ class MeshSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class OpStrategy:
-    """How one operator (module path + op) is laid out over the tp axis."""
-
-    module_path: str
-    op: str
-    inputs: tuple[Placement, ...]
-    output: Placement
-
-
-@dataclass(frozen=True, slots=True)
 class Predicted:
     """What the cost models expect of the plan, per rank (the largest where they differ)."""
 
@@ -78,12 +69,10 @@ class Predicted:
 
 
 @dataclass(frozen=True, slots=True)
-class Alternative:
+class Alternative(AxisAttributes):
     """A ranked runner-up: its axes and predicted step time and memory."""
 
-    dp: int
-    tp: int
-    pp: int
+    degrees: Degrees
     zero: int
     microbatches: int
     schedule: str | None
@@ -93,13 +82,13 @@ class Alternative:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(AxisAttributes):
+    """How one model runs on one mesh. `plan.dp`, `plan.tp`, ... read `plan.degrees`."""
+
     mesh: MeshSpec
     fingerprint: str  # of the model's parameters (names, shapes, dtypes)
     global_batch: int
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
+    degrees: Degrees = field(default_factory=Degrees)
     zero: int = 0
     microbatches: int = 1
     schedule: str | None = None
@@ -108,7 +97,6 @@ class Plan:
     sequence_parallel: bool = False  # tp activations between blocks sharded on the sequence
     recompute: tuple[str, ...] = ()  # module paths of blocks recomputed in backward
     placements: Mapping[str, tuple[Placement, ...]] = field(default_factory=dict)
-    strategies: tuple[OpStrategy, ...] = ()
     stage_cuts: tuple[str, ...] = ()  # module paths where stages 1, 2, ... begin
     predicted: Predicted | None = None
     alternatives: tuple[Alternative, ...] = ()
@@ -120,10 +108,10 @@ class Plan:
             raise PlanError("invalid plan: " + "; ".join(problems))
 
     def problems(self) -> list[str]:
-        out = []
-        if self.dp * self.tp * self.pp != self.mesh.world_size:
+        out: list[str | None] = []
+        if self.degrees.world_size != self.mesh.world_size:
             out.append(
-                f"dp×tp×pp = {self.dp}×{self.tp}×{self.pp} does not cover the "
+                f"{self.degrees.product()} does not cover the "
                 f"{self.mesh.world_size} devices of {self.mesh}"
             )
         if self.zero not in (0, 1, 2, 3):
@@ -150,7 +138,7 @@ class Plan:
         for fqn, ps in self.placements.items():
             if len(ps) != len(PLACEMENT_AXES):
                 out.append(f"{fqn} needs one placement per axis {[str(a) for a in PLACEMENT_AXES]}")
-        return [p for p in out if p]
+        return [p for p in out if p is not None]
 
     # -- use ------------------------------------------------------------------------------
 
@@ -175,7 +163,11 @@ class Plan:
         return ps[PLACEMENT_AXES.index(axis)] if ps else Replicate()
 
     def with_changes(self, **changes: Any) -> Plan:
-        """A copy with some fields changed (validated again): how a user edits a plan."""
+        """A copy with some fields changed (validated again): how a user edits a plan.
+        Axes are changed by name: `plan.with_changes(dp=4, tp=2)`."""
+        axes = {k: changes.pop(k) for k in self.degrees.names if k in changes}
+        if axes:
+            changes["degrees"] = changes.get("degrees", self.degrees).replace(**axes)
         return replace(self, **changes)
 
     # -- text -----------------------------------------------------------------------------
@@ -184,10 +176,8 @@ class Plan:
         return format_plan(self)
 
     def explain(self) -> str:
-        """Print, and return, the plan's choices and predictions in sentences."""
-        text = explain_plan(self)
-        print(text)
-        return text
+        """The plan's choices and predictions in sentences."""
+        return explain_plan(self)
 
     def diff(self, other: Plan) -> list[str]:
         return diff_plans(self, other)
@@ -200,20 +190,13 @@ class Plan:
             value = getattr(self, f.name)
             if f.name == "placements":
                 value = {k: [placement_to_str(p) for p in v] for k, v in value.items()}
-            elif f.name == "strategies":
-                value = [
-                    {
-                        "module_path": s.module_path,
-                        "op": s.op,
-                        "inputs": [placement_to_str(p) for p in s.inputs],
-                        "output": placement_to_str(s.output),
-                    }
-                    for s in value
-                ]
             elif f.name in ("mesh", "predicted"):
                 value = None if value is None else _dataclass_dict(value)
             elif f.name == "alternatives":
                 value = [_dataclass_dict(a) for a in value]
+            elif f.name == "degrees":
+                data.update(value.to_json())  # one key per axis, "dp": 2, ...
+                continue
             elif isinstance(value, tuple):
                 value = list(value)
             data[f.name] = value
@@ -228,21 +211,14 @@ class Plan:
                 f"{PLAN_VERSION}): make the plan again with this version"
             )
         d = dict(data)
+        d["degrees"] = _degrees(d)
         d["mesh"] = MeshSpec(**d["mesh"])
         d["placements"] = {
             k: tuple(placement_from_str(p) for p in v) for k, v in d.get("placements", {}).items()
         }
-        d["strategies"] = tuple(
-            OpStrategy(
-                s["module_path"],
-                s["op"],
-                tuple(placement_from_str(p) for p in s["inputs"]),
-                placement_from_str(s["output"]),
-            )
-            for s in d.get("strategies", [])
-        )
+        d.pop("strategies", None)  # an always-empty field that earlier plan files carry
         d["predicted"] = Predicted(**d["predicted"]) if d.get("predicted") else None
-        d["alternatives"] = tuple(Alternative(**a) for a in d.get("alternatives", []))
+        d["alternatives"] = tuple(_alternative(a) for a in d.get("alternatives", []))
         for key in ("recompute", "stage_cuts"):
             d[key] = tuple(d.get(key, ()))
         known = {f.name for f in fields(cls)}
@@ -263,8 +239,29 @@ class Plan:
         return cls.from_json(data)
 
 
+def _degrees(data: dict[str, Any]) -> Degrees:
+    """Take the axes' degrees out of a plan's (or an alternative's) JSON."""
+    axes = {k: data.pop(k) for k in Degrees().names if k in data}
+    try:
+        return Degrees(axes)
+    except MeshError as e:
+        raise PlanError(f"invalid plan file: {e}") from None
+
+
+def _alternative(data: Mapping[str, Any]) -> Alternative:
+    rest = dict(data)
+    return Alternative(degrees=_degrees(rest), **rest)
+
+
 def _dataclass_dict(obj: Any) -> dict[str, Any]:
-    return {f.name: _plain(getattr(obj, f.name)) for f in fields(obj)}
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, Degrees):
+            out.update(value.to_json())
+        else:
+            out[f.name] = _plain(value)
+    return out
 
 
 def _plain(value: Any) -> Any:

@@ -6,7 +6,7 @@ import re
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from autopart.mesh import Axis
+from autopart.degrees import Axis
 from autopart.placements import placement_to_str
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ PLACEMENT_AXES = (Axis.DP, Axis.TP)  # the order of a parameter's placements
 
 
 def _axes_line(plan: Plan) -> str:
-    parts = [f"dp={plan.dp}", f"tp={plan.tp}", f"pp={plan.pp}", f"zero={plan.zero}"]
+    parts = [f"{a}={n}" for a, n in plan.degrees.items()] + [f"zero={plan.zero}"]
     if plan.sequence_parallel:
         parts.append("sequence_parallel")
     if plan.pp > 1:
@@ -62,16 +62,11 @@ def format_plan(plan: Plan) -> str:
         lines += ["", "  " + header, "  " + "-" * len(header)]
         for name, ps in rows:
             lines.append("  " + name.ljust(width) + "".join(p.ljust(6) for p in ps))
-    if plan.strategies:
-        lines += ["", "  operator strategies (tp):"]
-        for s in plan.strategies:
-            ins = ", ".join(placement_to_str(x) for x in s.inputs)
-            lines.append(f"    {s.module_path} {s.op}: ({ins}) -> {placement_to_str(s.output)}")
     if plan.alternatives:
         lines += ["", "  alternatives:"]
         for a in plan.alternatives:
             lines.append(
-                f"    dp={a.dp} tp={a.tp} pp={a.pp} zero={a.zero} m={a.microbatches}: "
+                f"    {a.degrees} zero={a.zero} m={a.microbatches}: "
                 f"{a.step_time_s * 1e3:.2f} ms, {format_bytes(a.peak_memory_bytes)} {a.note}"
             )
     return "\n".join(lines)
@@ -84,9 +79,9 @@ def _collapse_layers(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
     for fqn, ps in plan.placements.items():
         pattern = re.sub(r"\.\d+\.", ".*.", fqn)
         groups.setdefault((pattern, tuple(placement_to_str(p) for p in ps)), []).append(fqn)
-    rows = []
-    for (pattern, ps), members in groups.items():
-        rows.append((members[0] if len(members) == 1 else f"{pattern} (×{len(members)})", ps))
+    rows: list[tuple[str, tuple[str, ...]]] = []
+    for (pattern, names), members in groups.items():
+        rows.append((members[0] if len(members) == 1 else f"{pattern} (×{len(members)})", names))
     return rows
 
 
@@ -129,7 +124,11 @@ def diff_plans(a: Plan, b: Plan) -> list[str]:
     out = []
     for f in fields(a):
         va, vb = getattr(a, f.name), getattr(b, f.name)
-        if f.name == "placements":
+        if f.name == "degrees":
+            out += [
+                f"{axis}: {va[axis]} -> {vb[axis]}" for axis in va.names if va[axis] != vb[axis]
+            ]
+        elif f.name == "placements":
             for fqn in sorted(set(va) | set(vb)):
                 if va.get(fqn) != vb.get(fqn):
                     out.append(f"placements[{fqn}]: {va.get(fqn)} -> {vb.get(fqn)}")

@@ -11,10 +11,9 @@ analysis passes, and capture / export.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
 import torch
+from harness import print_json_line, timed
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from autopart.capture import capture
@@ -39,28 +38,23 @@ def main() -> None:
         model = LlamaForCausalLM(config)
     ids = torch.zeros(1, args.seq, dtype=torch.long, device="meta")
 
-    start = time.perf_counter()
-    torch.export.export(model, (ids,), dynamic_shapes=({0: torch.export.Dim.AUTO},), strict=False)
-    export_s = time.perf_counter() - start
-    start = time.perf_counter()
-    captured = capture(model, (ids,))
-    capture_s = time.perf_counter() - start
-    start = time.perf_counter()
-    analyze(captured.gm, captured.context())
-    analyze_s = time.perf_counter() - start
-    print(
-        json.dumps(
-            {
-                "benchmark": "capture_llama3_8b_meta",
-                "seq": args.seq,
-                "nodes": len(captured.gm.graph.nodes),
-                "torch_export_s": round(export_s, 2),
-                "autopart_capture_s": round(capture_s, 2),
-                "analysis_s": round(analyze_s, 2),
-                "ratio": round(capture_s / export_s, 3),
-                "target_capture_s": 15,
-            }
-        )
+    dynamic_batch = ({0: torch.export.Dim.AUTO},)
+    _, export_s = timed(
+        lambda: torch.export.export(model, (ids,), dynamic_shapes=dynamic_batch, strict=False)
+    )
+    captured, capture_s = timed(lambda: capture(model, (ids,)))
+    _, analyze_s = timed(lambda: analyze(captured.gm, captured.context()))
+    print_json_line(
+        {
+            "benchmark": "capture_llama3_8b_meta",
+            "seq": args.seq,
+            "nodes": len(captured.gm.graph.nodes),
+            "torch_export_s": round(export_s, 2),
+            "autopart_capture_s": round(capture_s, 2),
+            "analysis_s": round(analyze_s, 2),
+            "ratio": round(capture_s / export_s, 3),
+            "target_capture_s": 15,
+        }
     )
 
 

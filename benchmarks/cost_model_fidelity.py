@@ -43,18 +43,17 @@ listed as skipped.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from harness import print_json_line, world_step_seconds
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
@@ -166,7 +165,7 @@ def _captured(model: torch.nn.Module, ids: torch.Tensor) -> Captured:
 
 def _build(model_name: str, mesh: autopart.Mesh, ids: torch.Tensor, pins: dict[str, Any]):
     model = LM_FACTORIES[model_name]()
-    plan = autopart.plan(model, mesh, (ids,), loss_fn=lm_loss, **pins)
+    plan = autopart.plan(model, mesh, (ids,), **pins)
     return autopart.parallelize(
         model, mesh, (ids,), loss_fn=lm_loss, optimizer=make_optimizer("adamw"), plan=plan
     )
@@ -195,14 +194,10 @@ def _step_times(steps: dict[Any, Callable[[], object]], count: int) -> dict[Any,
     starts after a barrier, so it times the whole world's step. Each plan first runs one
     untimed step: the plans before it (and the calibration) have evicted its parameters
     and activations from the caches, which a training loop repeating one plan keeps."""
-    times: dict[Any, list[float]] = {key: [] for key in steps}
+    times: dict[Any, list[float]] = {}
     for key, step in steps.items():
         step()
-        for _ in range(count):
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            times[key].append(time.perf_counter() - start)
+        times[key] = [world_step_seconds(step) for _ in range(count)]
     return times
 
 
@@ -348,9 +343,9 @@ def main() -> None:
             per_rank = run_world(_world, world, args.profiles or tmp, options)
             for records in zip(*per_rank):
                 lines.append(_line(records))
-                print(json.dumps(lines[-1]), flush=True)
+                print_json_line(lines[-1])
             loads[world] = next((r["load"] for r in per_rank[0] if "load" in r), (0.0, 0.0))
-    print(json.dumps(_summary(lines, loads)))
+    print_json_line(_summary(lines, loads))
 
 
 if __name__ == "__main__":

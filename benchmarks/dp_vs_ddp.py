@@ -12,84 +12,52 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from timing import compare, report
+from harness import (
+    Step,
+    comparison_options,
+    global_mean_loss,
+    lm_loss,
+    run_comparison,
+    sgd,
+    this_ranks_rows,
+    time_against_native,
+    tiny_llama,
+)
 from torch.nn.parallel import DistributedDataParallel
+from transformers import LlamaForCausalLM
 
 import autopart
-from autopart.testing import run_world
 
 
-def build_model(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=2048,
-        max_position_embeddings=64,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
+def build_model() -> LlamaForCausalLM:
+    return tiny_llama(
+        hidden=256, intermediate=512, layers=4, heads=4, kv_heads=4, vocab=2048, positions=64
     )
-    return LlamaForCausalLM(config)
 
 
-def loss_fn(output, target):
-    return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
-
-
-def _bench(steps: int, rounds: int, batch: int, seq: int) -> dict:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 2048, (batch, seq), generator=g)
-    target = torch.randint(0, 2048, (batch, seq), generator=g)
-
-    pm = autopart.parallelize(
-        build_model(),
-        autopart.Mesh.local(),
-        (ids,),
-        loss_fn=loss_fn,
-        optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
-        dp=world,
-        zero=0,
-    )
+def ddp_baseline(pm: autopart.ParallelModule, ids: torch.Tensor, target: torch.Tensor) -> Step:
+    """A DDP step on this rank's share of the batch."""
     ddp = DistributedDataParallel(build_model())
-    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    local = slice(rank * batch // world, (rank + 1) * batch // world)
+    ddp_opt = sgd(ddp.parameters())
+    local = this_ranks_rows(ids.shape[0])
 
     def ddp_step() -> float:
         ddp_opt.zero_grad()
-        loss = loss_fn(ddp(ids[local]), target[local])
+        loss = lm_loss(ddp(ids[local]), target[local])
         loss.backward()
         ddp_opt.step()
-        mean = loss.detach() / world  # the global loss, as autopart's step returns it
-        dist.all_reduce(mean)
-        return mean.item()
+        return global_mean_loss(loss)
 
-    def autopart_step() -> float:
-        return pm.train_step(ids, target).item()
+    return ddp_step
 
-    result = compare(autopart_step, ddp_step, steps, rounds)
-    pm.close()
-    return result
+
+def _bench(args: argparse.Namespace) -> dict:
+    return time_against_native(args, build_model, sgd, ddp_baseline, dp=args.world, zero=0)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    args = parser.parse_args()
-    per_rank = run_world(_bench, args.world, args.steps, args.rounds, args.batch, args.seq)
-    print(report("dp_vs_ddp", per_rank, 1.05, world=args.world, batch=args.batch, seq=args.seq))
+    args = comparison_options(__doc__, steps=30, rounds=3, batch=8, seq=64).parse_args()
+    run_comparison(_bench, args, "dp_vs_ddp", target_ratio=1.05)
 
 
 if __name__ == "__main__":

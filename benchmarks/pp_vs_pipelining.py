@@ -14,42 +14,24 @@ time and autopart / native.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from timing import compare, report
+from harness import Step, comparison_options, run_comparison, sgd, time_against_native, tiny_llama
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from transformers import LlamaForCausalLM
 
 import autopart
 from autopart.runtime.pipeline import SCHEDULE_CLASSES
-from autopart.testing import run_world
-
-VOCAB = 2048
 
 
-def build_model(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
+def build_model() -> LlamaForCausalLM:
+    return tiny_llama(
+        hidden=256, intermediate=768, layers=8, heads=4, kv_heads=4, vocab=2048, positions=128
     )
-    return LlamaForCausalLM(config)
-
-
-def loss_fn(output, target):
-    return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
 
 
 class HandStage(nn.Module):
@@ -102,24 +84,18 @@ def native_pipeline(model, cuts: tuple[str, ...], schedule: str, microbatches: i
     return module, runner
 
 
-def _bench(schedule: str, steps: int, rounds: int, batch: int, seq: int, micro: int) -> dict:
+def pipelining_baseline(
+    schedule: str,
+    microbatches: int,
+    pm: autopart.ParallelModule,
+    ids: torch.Tensor,
+    target: torch.Tensor,
+) -> Step:
+    """A step of this rank's hand-written stage, cut where autopart's plan cuts; only the
+    last stage sees the losses, the other ranks return 0."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
-    target = torch.randint(0, VOCAB, (batch, seq), generator=g)
-
-    pm = autopart.parallelize(
-        build_model(),
-        autopart.Mesh.local(),
-        (ids,),
-        loss_fn=loss_fn,
-        optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
-        pp=world,
-        schedule=schedule,
-        microbatches=micro,
-    )
-    module, runner = native_pipeline(build_model(), pm.plan.stage_cuts, schedule, micro)
-    native_opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    module, runner = native_pipeline(build_model(), pm.plan.stage_cuts, schedule, microbatches)
+    native_opt = sgd(module.parameters())
 
     def native_step() -> float:
         native_opt.zero_grad()
@@ -131,47 +107,27 @@ def _bench(schedule: str, steps: int, rounds: int, batch: int, seq: int, micro: 
         native_opt.step()
         return float(sum(loss.detach() for loss in losses))
 
-    def autopart_step() -> float:
-        return pm.train_step(ids, target).item()
+    return native_step
 
-    result = compare(autopart_step, native_step, steps, rounds)
-    pm.close()
-    return result
+
+def _bench(args: argparse.Namespace) -> dict:
+    baseline = partial(pipelining_baseline, args.schedule, args.microbatches)
+    pins = {"pp": args.world, "schedule": args.schedule, "microbatches": args.microbatches}
+    return time_against_native(args, build_model, sgd, baseline, **pins)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
+    parser = comparison_options(__doc__, steps=30, rounds=3, batch=16, seq=64)
     parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=4)
     args = parser.parse_args()
-    per_rank = run_world(
+    run_comparison(
         _bench,
-        args.world,
-        args.schedule,
-        args.steps,
-        args.rounds,
-        args.batch,
-        args.seq,
-        args.microbatches,
-    )
-    # The last stage's rank holds both losses.
-    print(
-        report(
-            "pp_vs_pipelining",
-            per_rank,
-            1.05,
-            loss_rank=-1,
-            world=args.world,
-            schedule=args.schedule,
-            batch=args.batch,
-            seq=args.seq,
-            microbatches=args.microbatches,
-        )
+        args,
+        "pp_vs_pipelining",
+        target_ratio=1.05,
+        settings=("world", "schedule", "batch", "seq", "microbatches"),
+        loss_rank=-1,  # the last stage's rank holds both losses
     )
 
 

@@ -11,36 +11,30 @@ step time and autopart / eager.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from timing import median_step_times
+from harness import compare, median_fields, print_json_line, tiny_llama, token_batch
+from transformers import LlamaForCausalLM
 
 import autopart
 
 
-def build_model(layers: int, hidden: int, vocab: int, seq: int, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 8 / 3) // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 128,
-        vocab_size=vocab,
-        max_position_embeddings=seq,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
+def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
+    return tiny_llama(
+        hidden=args.hidden,
+        intermediate=int(args.hidden * 8 / 3) // 64 * 64,
+        layers=args.layers,
+        heads=args.hidden // 64,
+        kv_heads=args.hidden // 128,
+        vocab=args.vocab,
+        positions=args.seq,
     )
-    return LlamaForCausalLM(config)
 
 
 def loss_fn(output, target):
+    # Under mixed precision the logits come in bf16 or fp16; the loss is taken in fp32.
     return F.cross_entropy(output.logits.flatten(0, 1).float(), target.flatten())
 
 
@@ -56,65 +50,48 @@ def main() -> None:
     args = parser.parse_args()
     mesh = autopart.Mesh.local()
     device = torch.device("cuda") if mesh.backend == "nccl" else torch.device("cpu")
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
-    target = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
-    sizes = (args.layers, args.hidden, args.vocab, args.seq)
+    ids, target = token_batch(args.batch, args.seq, args.vocab)
 
     pm = autopart.parallelize(
-        build_model(*sizes),
+        build_model(args),
         mesh,
         (ids,),
         loss_fn=loss_fn,
         precision=args.precision,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
     )
-    eager = build_model(*sizes).to(device)
+    eager = build_model(args).to(device)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-4)
     dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(args.precision)
     ids_d, target_d = ids.to(device), target.to(device)
 
-    def eager_step():
+    # Both steps end in .item(), which waits for the device, so a step's time is its work.
+    def eager_step() -> float:
         eager_opt.zero_grad()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             loss = loss_fn(eager(ids_d), target_d)
         loss.backward()
         eager_opt.step()
-        return loss
+        return loss.item()
 
-    def autopart_step():
-        return pm.train_step(ids, target)
+    def autopart_step() -> float:
+        return pm.train_step(ids, target).item()
 
-    def synced(step):
-        def run():
-            step().item()  # waits for the device
-
-        return run
-
-    for step in (autopart_step, eager_step):
-        step()
-        step()
-    medians = median_step_times(
-        {"autopart": synced(autopart_step), "eager": synced(eager_step)}, args.steps, 3
-    )
-    first = (pm.train_step(ids, target).item(), eager_step().item())
-    print(
-        json.dumps(
-            {
-                "benchmark": "single_device_overhead",
-                "device": str(device),
-                "backend": mesh.backend,
-                "precision": args.precision,
-                "layers": args.layers,
-                "hidden": args.hidden,
-                "batch": args.batch,
-                "seq": args.seq,
-                "autopart_median_s": round(medians["autopart"], 5),
-                "eager_median_s": round(medians["eager"], 5),
-                "ratio": round(medians["autopart"] / medians["eager"], 3),
-                "losses_after": [round(x, 4) for x in first],
-            }
-        )
+    medians = compare(autopart_step, eager_step, args.steps, rounds=3)
+    losses_after = (autopart_step(), eager_step())
+    print_json_line(
+        {
+            "benchmark": "single_device_overhead",
+            "device": str(device),
+            "backend": mesh.backend,
+            "precision": args.precision,
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "batch": args.batch,
+            "seq": args.seq,
+            **median_fields(medians["autopart"], medians["native"], baseline="eager"),
+            "losses_after": [round(x, 4) for x in losses_after],
+        }
     )
     pm.close()
     dist.destroy_process_group()

@@ -14,45 +14,34 @@ import argparse
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from timing import compare, report
+from harness import (
+    Step,
+    comparison_options,
+    lm_loss,
+    run_comparison,
+    sgd,
+    time_against_native,
+    tiny_llama,
+)
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
     parallelize_module,
 )
+from transformers import LlamaForCausalLM
 
 import autopart
-from autopart.testing import run_world
-
-VOCAB = 2048
 
 
-def build_model(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
+def build_model() -> LlamaForCausalLM:
+    return tiny_llama(
+        hidden=512, intermediate=1536, layers=4, heads=8, kv_heads=8, vocab=2048, positions=128
     )
-    return LlamaForCausalLM(config)
 
 
-def loss_fn(output, target):
-    return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
-
-
-def native_tp(model, world: int):
+def native_tp(model: LlamaForCausalLM, world: int) -> nn.Module:
     mesh = init_device_mesh("cpu", (world,))
     plan = {}
     for i in range(len(model.model.layers)):
@@ -70,57 +59,30 @@ def native_tp(model, world: int):
     return parallelize_module(model, mesh, plan)
 
 
-def _bench(steps: int, rounds: int, batch: int, seq: int) -> dict:
-    world = dist.get_world_size()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
-    target = torch.randint(0, VOCAB, (batch, seq), generator=g)
-
-    pm = autopart.parallelize(
-        build_model(),
-        autopart.Mesh.local(),
-        (ids,),
-        loss_fn=loss_fn,
-        optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
-        tp=world,
-    )
-    native = native_tp(build_model(), world)
-    native_opt = torch.optim.SGD(native.parameters(), lr=1e-3)
+def native_tp_baseline(
+    pm: autopart.ParallelModule, ids: torch.Tensor, target: torch.Tensor
+) -> Step:
+    """A step of the model sharded by `parallelize_module` over every rank."""
+    native = native_tp(build_model(), dist.get_world_size())
+    native_opt = sgd(native.parameters())
 
     def native_step() -> float:
         native_opt.zero_grad()
-        loss = loss_fn(native(ids), target)
+        loss = lm_loss(native(ids), target)
         loss.backward()
         native_opt.step()
         return loss.item()
 
-    def autopart_step() -> float:
-        return pm.train_step(ids, target).item()
+    return native_step
 
-    result = compare(autopart_step, native_step, steps, rounds)
-    pm.close()
-    return result
+
+def _bench(args: argparse.Namespace) -> dict:
+    return time_against_native(args, build_model, sgd, native_tp_baseline, tp=args.world)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    args = parser.parse_args()
-    per_rank = run_world(_bench, args.world, args.steps, args.rounds, args.batch, args.seq)
-    print(
-        report(
-            "tp_vs_parallelize_module",
-            per_rank,
-            1.0,
-            world=args.world,
-            batch=args.batch,
-            seq=args.seq,
-        )
-    )
+    args = comparison_options(__doc__, steps=20, rounds=2, batch=4, seq=128).parse_args()
+    run_comparison(_bench, args, "tp_vs_parallelize_module", target_ratio=1.0)
 
 
 if __name__ == "__main__":

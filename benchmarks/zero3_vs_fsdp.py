@@ -13,76 +13,58 @@ step time and autopart / FSDP2.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from dp_vs_ddp import build_model, loss_fn
-from timing import compare, report
+from dp_vs_ddp import build_model
+from harness import (
+    Step,
+    comparison_options,
+    global_mean_loss,
+    lm_loss,
+    run_comparison,
+    this_ranks_rows,
+    time_against_native,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import autopart
-from autopart.testing import run_world
-
-VOCAB = 2048
 
 
-def _optimizer(params):
+def adamw(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def _bench(steps: int, rounds: int, batch: int, seq: int) -> dict:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
-    target = torch.randint(0, VOCAB, (batch, seq), generator=g)
-
-    pm = autopart.parallelize(
-        build_model(),
-        autopart.Mesh.local(),
-        (ids,),
-        loss_fn=loss_fn,
-        optimizer=_optimizer,
-        dp=world,
-        zero=3,
-    )
+def fsdp_baseline(pm: autopart.ParallelModule, ids: torch.Tensor, target: torch.Tensor) -> Step:
+    """An FSDP2 step on this rank's share of the batch, each decoder layer and then the
+    root sharded over every rank."""
     fsdp = build_model()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in fsdp.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
-    fsdp_opt = _optimizer(fsdp.parameters())
-    local = slice(rank * batch // world, (rank + 1) * batch // world)
+    fsdp_opt = adamw(fsdp.parameters())
+    local = this_ranks_rows(ids.shape[0])
 
     def fsdp_step() -> float:
-        loss = loss_fn(fsdp(ids[local]), target[local])
+        loss = lm_loss(fsdp(ids[local]), target[local])
         loss.backward()
         fsdp_opt.step()
         fsdp_opt.zero_grad()
-        mean = loss.detach() / world
-        dist.all_reduce(mean)
-        return mean.item()
+        return global_mean_loss(loss)
 
-    def autopart_step() -> float:
-        return pm.train_step(ids, target).item()
+    return fsdp_step
 
-    result = compare(autopart_step, fsdp_step, steps, rounds)
-    pm.close()
-    return result
+
+def _bench(args: argparse.Namespace) -> dict:
+    return time_against_native(args, build_model, adamw, fsdp_baseline, dp=args.world, zero=3)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    args = parser.parse_args()
-    per_rank = run_world(_bench, args.world, args.steps, args.rounds, args.batch, args.seq)
-    print(
-        report("zero3_vs_fsdp2", per_rank, 1.05, world=args.world, batch=args.batch, seq=args.seq)
-    )
+    args = comparison_options(__doc__, steps=30, rounds=3, batch=8, seq=64).parse_args()
+    run_comparison(_bench, args, "zero3_vs_fsdp2", target_ratio=1.05)
 
 
 if __name__ == "__main__":

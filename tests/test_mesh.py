@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from autopart.degrees import Degrees
 from autopart.mesh import Axis, DeviceSpec, Mesh, MeshError, device_spec
 from autopart.testing import run_world
 
@@ -30,14 +31,14 @@ def test_cluster_topology_has_a_level_per_network_tier():
 
 def test_factorization_must_cover_the_mesh():
     mesh = Mesh.cluster("a100-80g", nodes=2, per_node=8)
-    mesh.check_factorization(dp=4, tp=2, pp=2)
+    mesh.check_covered(Degrees(dp=4, tp=2, pp=2))
     with pytest.raises(MeshError, match="2×2×2 = 8 devices, but the mesh .* has 16"):
-        mesh.check_factorization(dp=2, tp=2, pp=2)
+        mesh.check_covered(Degrees(dp=2, tp=2, pp=2))
 
 
 def test_planning_mesh_cannot_build_process_groups():
     with pytest.raises(MeshError, match="for planning only"):
-        Mesh.cluster("cpu", nodes=1, per_node=2).device_mesh(dp=2)
+        Mesh.cluster("cpu", nodes=1, per_node=2).device_mesh(Degrees(dp=2))
 
 
 def test_unknown_device_names_the_choices(tmp_path):
@@ -51,12 +52,12 @@ def test_unknown_device_names_the_choices(tmp_path):
 
 def _world_checks():
     local = Mesh.local()
-    dm = local.device_mesh(dp=2, tp=2)
+    dm = local.device_mesh(Degrees(dp=2, tp=2))
     names = dm.mesh_dim_names
     wrong = Mesh.cluster("cpu", nodes=1, per_node=8)
     wrong = Mesh(wrong.device, 1, 8, backend="gloo")
     try:
-        wrong.device_mesh(dp=8)
+        wrong.device_mesh(Degrees(dp=8))
         error = None
     except MeshError as e:
         error = str(e)

@@ -8,8 +8,9 @@ import pytest
 from torch.distributed.tensor import Replicate, Shard
 
 import autopart
+from autopart.degrees import Degrees
 from autopart.mesh import Mesh
-from autopart.plan import MeshSpec, OpStrategy, Plan, PlanError, Predicted
+from autopart.plan import MeshSpec, Plan, PlanError, Predicted
 from tests.models import tiny_gpt2, tiny_llama, token_batch
 
 
@@ -18,9 +19,7 @@ def _plan(**changes) -> Plan:
         mesh=MeshSpec("h100-80g", 2, 8),
         fingerprint="abc",
         global_batch=64,
-        dp=4,
-        tp=2,
-        pp=2,
+        degrees=Degrees(dp=4, tp=2, pp=2),
         zero=1,
         microbatches=4,
         schedule="1f1b",
@@ -28,10 +27,10 @@ def _plan(**changes) -> Plan:
         recompute=("model.layers.0",),
         stage_cuts=("model.layers.2",),
         placements={"fc.weight": (Replicate(), Shard(0)), "fc.bias": (Replicate(), Shard(0))},
-        strategies=(OpStrategy("fc", "linear", (Replicate(), Shard(0)), Shard(1)),),
         predicted=Predicted(0.5, 0.4, 0.05, 0.05, 10 * 1024**3, {"parameters": 1024**3}, 1e14),
     )
-    fields.update(changes)
+    axes = {k: changes.pop(k) for k in ("dp", "tp", "pp") if k in changes}
+    fields.update(changes, degrees=fields["degrees"].replace(**axes))
     return Plan(**fields)
 
 

@@ -90,7 +90,7 @@ DEFAULT_HALF_DIM = 64.0
 BACKWARD_CONTRACTION = 2.0  # backward / forward for matmuls, attention, convolutions
 BACKWARD_OTHER = 1.0  # backward / forward for everything else
 ADAM_OPERATORS_PER_TENSOR = 10  # torch.optim.adam._single_tensor_adam, AdamW included
-COMPUTE_DTYPES = {
+COMPUTE_DTYPES: dict[str, str] = {
     Precision.FP32: "fp32",
     Precision.BF16_MIXED: "bf16",
     Precision.FP16_MIXED: "fp16",

@@ -74,9 +74,9 @@ def model_state_bytes(
     (`STATE_BYTES[precision]` for autopart's runtime)."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, not {zero}")
-    per_param, per_grad, per_state = per_param
+    param_bytes, per_grad, per_state = per_param
     return {
-        "parameters": params * per_param / (dp if zero >= 3 else 1),
+        "parameters": params * param_bytes / (dp if zero >= 3 else 1),
         "gradients": params * per_grad / (dp if zero >= 2 else 1),
         "optimizer": params * per_state / (dp if zero >= 1 else 1),
     }

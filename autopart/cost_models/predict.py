@@ -41,7 +41,7 @@ backward (3× forward FLOPs) without recomputation, as in MFU (Chowdhery et al.,
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import fx
 from torch.distributed.tensor import Placement
@@ -65,7 +65,8 @@ from autopart.cost_models.memory import (
 from autopart.cost_models.pipeline import bucket_sizes, exposed_sync, pipeline_step
 from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
 from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork, TpLayout
-from autopart.mesh import Axis, Mesh
+from autopart.degrees import Axis, AxisAttributes, Degrees
+from autopart.mesh import Mesh
 from autopart.plan import Plan, Predicted
 from autopart.policy import SCHEDULES, ZERO3_BUCKET_BYTES
 
@@ -75,13 +76,12 @@ LOSS_BYTES = 4  # the fp32 scalar loss all-reduced at the end of every step
 
 
 @dataclass(frozen=True, slots=True)
-class Choices:
-    """What a plan decides that the costs depend on (the fields of `Plan`)."""
+class Choices(AxisAttributes):
+    """What a plan decides that the costs depend on (the fields of `Plan`);
+    `choices.dp`, `choices.tp`, ... read `choices.degrees`."""
 
     global_batch: int
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
+    degrees: Degrees = field(default_factory=Degrees)
     zero: int = 0
     microbatches: int = 1
     schedule: str | None = None
@@ -102,9 +102,7 @@ class Choices:
         placements = tuple((fqn, plan.placement(fqn, Axis.TP)) for fqn in sorted(plan.placements))
         return cls(
             plan.global_batch,
-            plan.dp,
-            plan.tp,
-            plan.pp,
+            plan.degrees,
             plan.zero,
             plan.microbatches,
             plan.schedule,
@@ -182,7 +180,7 @@ def predict(
     summary = (
         graph if isinstance(graph, GraphSummary) else GraphSummary(graph, choices.tp_layout(graph))
     )
-    mesh.check_factorization(choices.dp, choices.tp, choices.pp)
+    mesh.check_covered(choices.degrees)
     models = models or CostModels.of(mesh, choices.precision)
     full = summary.evaluate({**(dims or {}), BATCH: choices.microbatch_size})
     segments = [s.sharded(choices.tp) for s in full]
@@ -231,7 +229,7 @@ def _segment_times(
 ) -> list[PhaseCost]:
     """Each segment's seconds per microbatch; one block instance priced per block."""
     cache: dict[tuple[str, bool], PhaseCost] = {}
-    out = []
+    out: list[PhaseCost] = []
     for seg in segments:
         recompute = choices.recomputes(seg)
         key = (seg.segment.block_id or f"segment {len(out)}", recompute)
@@ -308,7 +306,7 @@ def _p2p_comm(boundary: float, choices: Choices, comm: CommModel) -> float:
     """Per microbatch: one activation and one gradient per chunk of this rank."""
     if choices.pp == 1:
         return 0.0
-    one = comm.time(SEND_RECV, boundary, choices.pp, stride=choices.dp * choices.tp)
+    one = comm.time(SEND_RECV, boundary, choices.pp, stride=choices.degrees.stride(Axis.PP))
     return 2 * choices.virtual_stages * one
 
 
@@ -323,7 +321,7 @@ def _zero3_comm(
     if choices.zero != 3 or choices.dp == 1:
         return 0.0
     param_bytes, grad_bytes = STATE_BYTES[choices.precision][:2]
-    comm, dp, stride = models.comm, choices.dp, choices.tp
+    comm, dp, stride = models.comm, choices.dp, choices.degrees.stride(Axis.DP)
     buckets = _parameter_buckets(own, choices.tp)
     if not buckets:
         return 0.0
@@ -356,7 +354,8 @@ def _dp_sync(params: float, compute: PhaseCost, choices: Choices, models: CostMo
     exposed = exposed_sync(sync, _hiding(compute.backward + compute.recompute, models), last)
     if choices.zero == 0:
         return exposed
-    return exposed + models.comm.time(ALL_GATHER, params * param_bytes, choices.dp, choices.tp)
+    stride = choices.degrees.stride(Axis.DP)
+    return exposed + models.comm.time(ALL_GATHER, params * param_bytes, choices.dp, stride)
 
 
 def _bucketed(op: str, nbytes: float, choices: Choices, models: CostModels) -> tuple[float, float]:
@@ -364,7 +363,8 @@ def _bucketed(op: str, nbytes: float, choices: Choices, models: CostModels) -> t
     cut into the memory model's buckets."""
     memory = models.memory
     sizes = bucket_sizes(nbytes, memory.bucket_bytes, memory.first_bucket_bytes)
-    seconds = {b: models.comm.time(op, b, choices.dp, choices.tp) for b in set(sizes)}
+    stride = choices.degrees.stride(Axis.DP)
+    seconds = {b: models.comm.time(op, b, choices.dp, stride) for b in set(sizes)}
     return sum(seconds[b] for b in sizes), seconds[sizes[-1]] if sizes else 0.0
 
 

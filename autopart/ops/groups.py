@@ -8,24 +8,37 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopart.mesh import Axis
+from autopart.degrees import Axis
 
 
 @dataclass(frozen=True)
 class MeshGroups:
     device_mesh: DeviceMesh
 
-    def group(self, axis: Axis) -> dist.ProcessGroup:
-        return self.device_mesh.get_group(axis.value)
+    def mesh(self, *axes: Axis) -> DeviceMesh:
+        """The mesh of one axis, or of several flattened into one dim: the ranks an
+        operation that spans those axes runs over (flattened meshes are cached by
+        the DeviceMesh)."""
+        names = tuple(str(a) for a in axes)
+        if len(names) == 1:
+            return self.device_mesh[names[0]]
+        # DeviceMesh has no public flatten yet; torchtitan builds its combined axes alike.
+        return self.device_mesh[names]._flatten("_".join(names))
 
-    def group_name(self, axis: Axis) -> str:
-        return self.group(axis).group_name
+    def group(self, *axes: Axis) -> dist.ProcessGroup:
+        """The process group over `axes` (one axis, or several together)."""
+        if len(axes) == 1:
+            return self.device_mesh.get_group(str(axes[0]))
+        return self.mesh(*axes).get_group()
+
+    def group_name(self, *axes: Axis) -> str:
+        return self.group(*axes).group_name
 
     def rank(self, axis: Axis) -> int:
-        return self.device_mesh.get_local_rank(axis.value)
+        return self.device_mesh.get_local_rank(str(axis))
 
     def size(self, axis: Axis) -> int:
-        return self.device_mesh.size(self.device_mesh.mesh_dim_names.index(axis.value))
+        return self.device_mesh.size(self.device_mesh.mesh_dim_names.index(str(axis)))
 
     @property
     def device_type(self) -> str:
@@ -40,7 +53,7 @@ class MeshGroups:
 
     @property
     def tp_mesh(self) -> DeviceMesh:
-        return self.device_mesh[Axis.TP.value]
+        return self.mesh(Axis.TP)
 
     @property
     def is_last_stage(self) -> bool:

@@ -135,7 +135,7 @@ class ShardedParameters(nn.Module):
         flats = (ref() for _, ref in self._gathered.values())
         return sum(f.numel() * f.element_size() for f in flats if f is not None)
 
-    def whole(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, under its FQN (collective over the dp group)."""
         out = {}
         for b, (names, layout) in enumerate(zip(self.names, self.layouts)):
@@ -243,7 +243,7 @@ def sharded_parameters(gm: nn.Module) -> ShardedParameters | None:
     return module if isinstance(module, ShardedParameters) else None
 
 
-def whole_parameters(gm: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(gm: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of a stage, under its FQN: ZeRO-3's gathered whole (collective
     over the dp group), the others as they are. Copies, detached."""
     zero3 = sharded_parameters(gm)
@@ -253,5 +253,5 @@ def whole_parameters(gm: nn.Module) -> dict[str, torch.Tensor]:
     prefix = f"{ZERO3}."
     return {
         **{name: p for name, p in own.items() if not name.startswith(prefix)},
-        **zero3.whole(),
+        **zero3.full_state_dict(),
     }

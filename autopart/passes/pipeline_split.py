@@ -22,7 +22,7 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from autopart.mesh import Axis
+from autopart.degrees import Axis
 from autopart.ops.meta import MODULE_PATH
 from autopart.passes.runner import PassContext
 from autopart.passes.stage_modules import build_stage_modules

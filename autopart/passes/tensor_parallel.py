@@ -25,7 +25,7 @@ from torch import fx, nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from autopart.mesh import Axis
+from autopart.degrees import Axis
 from autopart.ops import collectives as c
 from autopart.ops.aten import op_name
 from autopart.ops.meta import COLLECTIVE, SHAPE, TP_LAYOUT, CollectiveInfo, TensorInfo, inherit

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from torch import fx, nn
 
-from autopart.mesh import Axis
+from autopart.degrees import Axis
 from autopart.ops.meta import BLOCK, COLLECTIVE, PARAMS, SHAPE, CollectiveInfo, inherit
 from autopart.ops.params import parameter_attributes
 from autopart.ops.stage_info import PIPELINE_KEY, pipeline_info

@@ -11,15 +11,15 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autopart.batch import split_batch
-from autopart.mesh import Axis
+from autopart.degrees import Axis
 from autopart.ops.groups import MeshGroups
 from autopart.ops.meta import COLLECTIVE, CollectiveInfo
 from autopart.ops.program import RankProgram
 from autopart.plan import Plan
 from autopart.runtime.data_parallel import OptimizerFactory, build_data_parallel_state
 from autopart.runtime.executor import LocalExecutor
+from autopart.runtime.full_state import full_state_dict
 from autopart.runtime.precision import Precision
-from autopart.runtime.unshard import gather_full_parameters
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -116,7 +116,7 @@ class ParallelModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, whole (unsharded), under its original FQN, on
         every rank. Collective: all ranks must call it."""
-        return gather_full_parameters(self)
+        return full_state_dict(self)
 
     def close(self) -> None:
         """Detach autopart's hooks from the model's parameters."""

@@ -32,7 +32,7 @@ from torch.distributed.pipelining import (
 from torch.utils import _pytree as pytree
 
 from autopart.batch import split_batch
-from autopart.mesh import Axis
+from autopart.degrees import Axis
 from autopart.ops.groups import MeshGroups
 from autopart.ops.meta import SHAPE, TensorInfo
 from autopart.ops.program import RankProgram

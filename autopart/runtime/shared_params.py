@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from autopart.mesh import Axis
+from autopart.degrees import Axis
 from autopart.ops.groups import MeshGroups
 from autopart.ops.stage_info import SharedParameter, pipeline_info
 

@@ -1,17 +1,21 @@
 """The user's pins, and the plan they determine.
 
-A pin left as None is the solver's choice (`solver.search`); a value fixes it.
+A pin left as None is the solver's choice (`solver.search`); a value fixes it. Axes are
+pinned by name (`dp=2`, `tp=4`, ...: every axis of `Degrees`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from autopart.batch import batch_size, check_divisible
 from autopart.capture import BATCH, Captured
 from autopart.cost_models import Choices, predict
+from autopart.degrees import Axis, Degrees, axis_names
 from autopart.mesh import Mesh
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
@@ -24,9 +28,7 @@ MAX_ALTERNATIVES = 4
 
 @dataclass(frozen=True, slots=True)
 class Pins:
-    dp: int | None = None
-    tp: int | None = None
-    pp: int | None = None
+    degrees: Mapping[str, int] = field(default_factory=dict)  # the pinned axes, by name
     zero: int | None = None
     microbatches: int | None = None
     schedule: str | None = None
@@ -35,15 +37,31 @@ class Pins:
     precision: str = "fp32"
     sequence_parallel: bool = False
 
+    @classmethod
+    def of(cls, **pins: Any) -> Pins:
+        """Pins by name, as `autopart.plan(...)` takes them: axes (`dp`, `tp`, ...) and
+        the other fields; None leaves a pin to the solver."""
+        axes = axis_names()
+        known = axes + [f.name for f in fields(cls) if f.name != "degrees"]
+        unknown = sorted(set(pins) - set(known))
+        if unknown:
+            raise TypeError(f"unknown pins {unknown}: autopart pins {', '.join(known)}")
+        degrees = {k: pins.pop(k) for k in axes if k in pins}
+        return cls(degrees={k: v for k, v in degrees.items() if v is not None}, **pins)
+
+    def degree(self, axis: Axis | str) -> int | None:
+        """The pinned degree of `axis`, or None where the solver chooses."""
+        return self.degrees.get(str(axis))
+
 
 def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     """The plan for `captured` on `mesh`: the search's choice among what `pins` allow,
     with its tensor-parallel layout, pipeline cuts, predictions and runners-up."""
     batch = batch_size((captured.example_args, captured.example_kwargs))
-    if pins.dp is not None:
-        check_divisible(batch, pins.dp, "dp")
-    if pins.dp and pins.tp and pins.pp:
-        mesh.check_factorization(pins.dp, pins.tp, pins.pp)
+    if pins.degree(Axis.DP) is not None:
+        check_divisible(batch, pins.degrees[Axis.DP], "dp")
+    if set(pins.degrees) == set(axis_names()):
+        mesh.check_covered(Degrees(pins.degrees))
     dims = {k: v for k, v in captured.dim_sizes.items() if k != BATCH}
     try:
         found = search(captured.gm, captured.parameter_names, mesh, pins, batch, dims)
@@ -62,9 +80,7 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         mesh=MeshSpec.of(mesh),
         fingerprint=captured.fingerprint,
         global_batch=batch,
-        dp=best.dp,
-        tp=best.tp,
-        pp=best.pp,
+        degrees=best.degrees,
         zero=best.zero,
         microbatches=pipeline.microbatches,
         schedule=pipeline.schedule,
@@ -93,7 +109,7 @@ def _what_fits(captured: Captured, mesh: Mesh, pins: Pins, batch: int, dims: dic
         return ""
     what = c.choices
     return (
-        f". What fits: dp={what.dp} tp={what.tp} pp={what.pp} zero={what.zero}"
+        f". What fits: {what.degrees} zero={what.zero}"
         f"{' with recomputation' if what.recompute else ''} "
         f"({format_bytes(c.predicted.peak_memory_bytes)} per rank)"
     )
@@ -103,9 +119,7 @@ def _alternative(candidate: Candidate) -> Alternative:
     c, p = candidate.choices, candidate.predicted
     note = "recompute" if c.recompute else ""
     return Alternative(
-        c.dp,
-        c.tp,
-        c.pp,
+        c.degrees,
         c.zero,
         c.microbatches,
         c.schedule,

@@ -1,9 +1,11 @@
 """Searching the plans the pins leave open, with OR-Tools CP-SAT.
 
 Candidates, every combination the pins allow:
-  dp × tp × pp = the mesh, with tp within a node (tensor parallelism stays on the fast
-    links) and, unless pinned, only at degrees where the model has a tensor-parallel
-    layout; pp no more than the repeated blocks;
+  every factorization of the mesh over the axes of `Degrees` (dp × tp × pp), less what
+    `_admissible` rules out for an unpinned axis: dp must divide the batch, tp stays
+    within a node (tensor parallelism on the fast links) and, unless pinned, at degrees
+    where the model has a tensor-parallel layout; pp no more than the repeated blocks.
+    An axis with no rule is enumerated at every degree;
   ZeRO stage 0-3 (0 when dp = 1);
   microbatches: 1 without a pipeline; pp, 2pp and 4pp (dividing the replica's batch)
     with one; schedule 1F1B, and interleaved 1F1B over 2 virtual stages where the blocks
@@ -12,18 +14,20 @@ Candidates, every combination the pins allow:
 Each is priced once by `cost_models.predict` on one `GraphSummary` of the graph.
 
 Formulation. A boolean x_c per candidate c, with predicted step time t_c (µs), peak
-memory m_c (bytes) and a simplicity rank s_c (how many mechanisms it switches on):
+memory m_c (bytes), a simplicity rank s_c (how many mechanisms it switches on) and
+its rank r_c among the N candidates by step time:
 
     add_one_plan:      Σ_c x_c = 1
     add_memory:        Σ_c m_c x_c ≤ M          (M: the device's memory)
     objective 1:       minimize Σ_c t_c x_c      → T*
     add_near_fastest:  Σ_c t_c x_c ≤ (1 + slack) T*
-    objective 2:       minimize Σ_c s_c x_c
+    objective 2:       minimize Σ_c (N s_c + r_c) x_c
 
 The second solve keeps the simplest of the plans within `slack` (5%) of the fastest, so
 plain data parallelism stays when nothing is measurably faster: correct first, then
-fast. The solver runs on one worker with a fixed seed, so it is deterministic, and logs
-the problem size and solve time.
+fast; among equally simple plans, the fastest, so the choice does not depend on the
+order in which candidates are enumerated. The solver runs on one worker with a fixed
+seed, so it is deterministic, and logs the problem size and solve time.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ortools.sat.python import cp_model
 from torch import fx
 
 from autopart.cost_models import Choices, GraphSummary, predict
+from autopart.degrees import Axis, Degrees
 from autopart.mesh import Mesh
 from autopart.plan import Predicted
 from autopart.plan_format import format_bytes
@@ -51,6 +56,9 @@ log = logging.getLogger("autopart.solver")
 
 SLACK = 0.05
 SEED = 0
+# What each doubling of an axis's degree adds to a plan's complexity (3 where not named):
+# data parallelism adds none, so it is preferred among near-equal plans.
+AXIS_COMPLEXITY = {Axis.DP: 0}
 
 
 class NoPlanFits(ValueError):
@@ -65,10 +73,10 @@ class Candidate:
     @property
     def simplicity(self) -> int:
         c = self.choices
+        axes = sum(AXIS_COMPLEXITY.get(a, 3) * int(math.log2(n)) for a, n in c.degrees.items())
         return (
             c.zero
-            + 3 * int(math.log2(c.tp))
-            + 3 * int(math.log2(c.pp))
+            + axes
             + 2 * bool(c.recompute)
             + (c.virtual_stages > 1)
             + int(math.log2(c.microbatches))
@@ -101,14 +109,20 @@ def search(
 def _solve(candidates: list[Candidate], memory: int) -> Candidate:
     start = time.perf_counter()
     model = cp_model.CpModel()
-    x = [model.NewBoolVar(f"x{i}") for i in range(len(candidates))]
+    x = [model.new_bool_var(f"x{i}") for i in range(len(candidates))]
     times = [max(1, round(c.predicted.step_time_s * 1e6)) for c in candidates]
     add_one_plan(model, x)
     add_memory(model, x, [c.predicted.peak_memory_bytes for c in candidates], memory)
-    model.Minimize(sum(t * v for t, v in zip(times, x)))
+    model.minimize(sum(t * v for t, v in zip(times, x)))
     fastest = _run(model, x, candidates, memory)
     add_near_fastest(model, x, times, times[candidates.index(fastest)])
-    model.Minimize(sum(c.simplicity * v for c, v in zip(candidates, x)))
+    # The simplest; among equally simple plans the fastest, whatever the candidates' order.
+    order = sorted(range(len(candidates)), key=lambda i: (times[i], i))
+    rank = {i: r for r, i in enumerate(order)}
+    n = len(candidates)
+    model.minimize(
+        sum((c.simplicity * n + rank[i]) * v for i, (c, v) in enumerate(zip(candidates, x)))
+    )
     chosen = _run(model, x, candidates, memory)
     log.info(
         "solver: %d candidate plans, %.3fs; chose %s",
@@ -120,26 +134,26 @@ def _solve(candidates: list[Candidate], memory: int) -> Candidate:
 
 
 def add_one_plan(model: cp_model.CpModel, x: list) -> None:
-    model.AddExactlyOne(x)
+    model.add_exactly_one(x)
 
 
 def add_memory(model: cp_model.CpModel, x: list, peaks: list[int], memory: int) -> None:
     # Candidates that cannot fit are fixed off; the sum form keeps the model general.
-    model.Add(sum(min(p, memory + 1) * v for p, v in zip(peaks, x)) <= memory)
+    model.add(sum(min(p, memory + 1) * v for p, v in zip(peaks, x)) <= memory)
 
 
 def add_near_fastest(model: cp_model.CpModel, x: list, times: list[int], best: int) -> None:
-    model.Add(sum(t * v for t, v in zip(times, x)) <= int(best * (1 + SLACK)))
+    model.add(sum(t * v for t, v in zip(times, x)) <= int(best * (1 + SLACK)))
 
 
 def _run(model: cp_model.CpModel, x: list, candidates: list[Candidate], memory: int):
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = SEED
-    status = solver.Solve(model)
+    status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise NoPlanFits(_no_fit_message(candidates, memory))
-    return next(c for c, v in zip(candidates, x) if solver.Value(v))
+    return next(c for c, v in zip(candidates, x) if solver.value(v))
 
 
 def _no_fit_message(candidates: list[Candidate], memory: int) -> str:
@@ -148,7 +162,7 @@ def _no_fit_message(candidates: list[Candidate], memory: int) -> str:
     c = smallest.choices
     return (
         f"no plan fits the device's {format_bytes(memory)}: the smallest the pins allow "
-        f"(dp={c.dp} tp={c.tp} pp={c.pp} zero={c.zero} microbatches={c.microbatches}"
+        f"({c.degrees} zero={c.zero} microbatches={c.microbatches}"
         f"{' with recomputation' if c.recompute else ''}) needs {format_bytes(need)} per "
         f"rank, {format_bytes(need - memory)} too much. Unpin axes, use more devices, "
         "or a smaller batch"
@@ -164,34 +178,37 @@ def _choices(
     blocks: tuple[str, ...],
 ) -> Iterator[Choices]:
     has_layout = {1: True}
-    for dp, tp, pp in _factorizations(mesh, pins, len(blocks)):
-        if batch % dp:
+    for degrees in Degrees.factorizations(mesh.world_size, pins.degrees):
+        if not _admissible(degrees, mesh, pins, batch, len(blocks)):
             continue
+        tp, pp, dp = degrees[Axis.TP], degrees[Axis.PP], degrees[Axis.DP]
         if tp not in has_layout:
             has_layout[tp] = bool(choose_tp_placements(gm, param_names, tp))
-        if not has_layout[tp] and pins.tp is None:  # a pinned tp may replicate all
+        if not has_layout[tp] and pins.degree(Axis.TP) is None:  # a pinned tp may replicate all
             continue
         for schedule, virtual, m in _pipelines(pp, batch // dp, pins, len(blocks)):
             for zero in _zero_stages(dp, pins):
                 for recompute in _recompute_sets(blocks, zero, pins):
                     yield Choices(
-                        batch, dp, tp, pp, zero, m, schedule, virtual, pins.precision, recompute
+                        batch, degrees, zero, m, schedule, virtual, pins.precision, recompute
                     )
 
 
-def _factorizations(mesh: Mesh, pins: Pins, blocks: int) -> Iterator[tuple[int, int, int]]:
-    world = mesh.world_size
-    for tp in _divisors(world):
-        if (pins.tp or tp) != tp or (pins.tp is None and tp > mesh.per_node):
-            continue
-        if pins.sequence_parallel and tp == 1:
-            continue
-        for pp in _divisors(world // tp):
-            if (pins.pp or pp) != pp or (pins.pp is None and pp > max(1, blocks)):
-                continue
-            dp = world // (tp * pp)
-            if (pins.dp or dp) == dp:
-                yield dp, tp, pp
+def _admissible(degrees: Degrees, mesh: Mesh, pins: Pins, batch: int, blocks: int) -> bool:
+    """What each axis's degree must respect; a pinned degree passes where the rule is a
+    preference (`solver.pipeline` and the passes explain what cannot run). An axis with
+    no rule here is admissible at every degree."""
+
+    def free(axis: Axis) -> bool:
+        return pins.degree(axis) is None
+
+    tp, pp = degrees[Axis.TP], degrees[Axis.PP]
+    return not (
+        batch % degrees[Axis.DP]  # each replica takes an equal share of the batch
+        or (free(Axis.TP) and tp > mesh.per_node)  # tensor parallelism on a node's links
+        or (pins.sequence_parallel and tp == 1)
+        or (free(Axis.PP) and pp > max(1, blocks))  # a stage holds a block at least
+    )
 
 
 def _pipelines(pp: int, replica_batch: int, pins: Pins, blocks: int):
@@ -230,7 +247,3 @@ def _recompute_sets(blocks: tuple[str, ...], zero: int, pins: Pins) -> list[tupl
     if pins.recompute is not None:
         return [tuple(pins.recompute)]
     return [()] if zero == 3 or not blocks else [(), blocks]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

@@ -43,11 +43,11 @@ def choose_tp_placements(
             if bias:
                 trial[bias] = Shard(0)
         else:
-            trial = _with_row_partners(gm, param_names, trial, tp)
-            if trial is not None:
-                fallbacks = len(propagate(gm, param_names, trial, tp).fallbacks)
+            paired = _with_row_partners(gm, param_names, trial, tp)
+            if paired is not None:
+                fallbacks = len(propagate(gm, param_names, paired, tp).fallbacks)
                 if fallbacks <= baseline:
-                    places, baseline = trial, fallbacks
+                    places, baseline = paired, fallbacks
     places = _copy_to_repeated_blocks(gm, places)
     log.info("tp=%d shards %d parameters", tp, len(places))
     return places

@@ -11,6 +11,7 @@ import torch
 from autopart.capture import capture
 from autopart.cost_models.predict import Choices, predict
 from autopart.cost_models.summary import GraphSummary
+from autopart.degrees import Degrees
 from autopart.mesh import Mesh
 from autopart.passes import analyze
 from autopart.plan import MeshSpec, Plan
@@ -28,7 +29,11 @@ def _parts_add_up(p):
 
 
 def test_llama3_8b_data_parallel_on_one_node(llama3_8b_graph):
-    p = predict(llama3_8b_graph, NODE, Choices(global_batch=8, dp=8, precision="bf16-mixed"))
+    p = predict(
+        llama3_8b_graph,
+        NODE,
+        Choices(global_batch=8, precision="bf16-mixed", degrees=Degrees(dp=8)),
+    )
     _parts_add_up(p)
     mfu = p.model_flops_per_device / BF16_PEAK
     assert 0.1 < mfu < 0.8
@@ -39,28 +44,42 @@ def test_llama3_8b_data_parallel_on_one_node(llama3_8b_graph):
 
 
 def test_llama3_8b_fp32_adam_does_not_fit_plain_data_parallel(llama3_8b_graph):
-    p = predict(llama3_8b_graph, NODE, Choices(global_batch=8, dp=8, precision="fp32"))
+    p = predict(
+        llama3_8b_graph, NODE, Choices(global_batch=8, precision="fp32", degrees=Degrees(dp=8))
+    )
     _parts_add_up(p)
     assert p.peak_memory_bytes > 16 * GB
     assert p.memory["parameters"] + p.memory["gradients"] + p.memory["optimizer"] == (
         pytest.approx(16 * 8.03e9, rel=0.01)
     )
-    zero3 = predict(llama3_8b_graph, NODE, Choices(global_batch=8, dp=8, zero=3))
+    zero3 = predict(llama3_8b_graph, NODE, Choices(global_batch=8, zero=3, degrees=Degrees(dp=8)))
     assert zero3.memory["optimizer"] == pytest.approx(p.memory["optimizer"] / 8, rel=0.01)
     assert zero3.peak_memory_bytes < p.peak_memory_bytes / 3
 
 
 def test_tensor_parallel_shards_weights_and_pays_all_reduces(llama3_8b_graph):
-    dp = predict(llama3_8b_graph, NODE, Choices(global_batch=8, dp=8, precision="bf16-mixed"))
-    tp = predict(llama3_8b_graph, NODE, Choices(global_batch=8, tp=8, precision="bf16-mixed"))
+    dp = predict(
+        llama3_8b_graph,
+        NODE,
+        Choices(global_batch=8, precision="bf16-mixed", degrees=Degrees(dp=8)),
+    )
+    tp = predict(
+        llama3_8b_graph,
+        NODE,
+        Choices(global_batch=8, precision="bf16-mixed", degrees=Degrees(tp=8)),
+    )
     assert tp.memory["parameters"] == pytest.approx(dp.memory["parameters"] / 8, rel=0.02)
     assert tp.exposed_comm_s > dp.exposed_comm_s
 
 
 def test_recomputation_trades_activations_for_time(llama3_8b_graph):
-    plain = Choices(global_batch=16, dp=8, zero=3, precision="bf16-mixed")
+    plain = Choices(global_batch=16, zero=3, precision="bf16-mixed", degrees=Degrees(dp=8))
     recompute = Choices(
-        global_batch=16, dp=8, zero=3, precision="bf16-mixed", recompute=("model.layers",)
+        global_batch=16,
+        zero=3,
+        precision="bf16-mixed",
+        recompute=("model.layers",),
+        degrees=Degrees(dp=8),
     )
     a, b = predict(llama3_8b_graph, NODE, plain), predict(llama3_8b_graph, NODE, recompute)
     assert b.memory["activations"] < a.memory["activations"] / 5
@@ -71,9 +90,7 @@ def test_pipelines_on_a_thousand_devices(llama3_8b_graph):
     summary = GraphSummary(llama3_8b_graph)
     base = {
         "global_batch": 1024,
-        "dp": 32,
-        "tp": 8,
-        "pp": 4,
+        "degrees": Degrees(dp=32, tp=8, pp=4),
         "microbatches": 8,
         "precision": "bf16-mixed",
     }
@@ -92,13 +109,18 @@ def test_pipelines_on_a_thousand_devices(llama3_8b_graph):
 
 def test_prediction_is_fast_for_an_8b_model(llama3_8b_graph):
     start = time.perf_counter()
-    predict(llama3_8b_graph, CLUSTER, Choices(global_batch=1024, dp=128, tp=8))
+    predict(llama3_8b_graph, CLUSTER, Choices(global_batch=1024, degrees=Degrees(dp=128, tp=8)))
     assert time.perf_counter() - start < 1.0
 
 
 def test_stage_cuts_place_the_boundary(llama3_8b_graph):
     summary = GraphSummary(llama3_8b_graph)
-    choices = {"global_batch": 64, "dp": 4, "pp": 2, "microbatches": 4, "schedule": "1f1b"}
+    choices = {
+        "global_batch": 64,
+        "degrees": Degrees(dp=4, pp=2),
+        "microbatches": 4,
+        "schedule": "1f1b",
+    }
     even = predict(summary, NODE, Choices(**choices, stage_cuts=("model.layers.16",)))
     uneven = predict(summary, NODE, Choices(**choices, stage_cuts=("model.layers.4",)))
     assert uneven.step_time_s > even.step_time_s
@@ -108,9 +130,19 @@ def test_stage_cuts_place_the_boundary(llama3_8b_graph):
 
 
 def test_choices_of_a_plan(llama3_8b_graph):
-    plan = Plan(MeshSpec("h100-80g", 1, 8), "f", global_batch=8, dp=8, precision="bf16-mixed")
+    plan = Plan(
+        MeshSpec("h100-80g", 1, 8),
+        "f",
+        global_batch=8,
+        precision="bf16-mixed",
+        degrees=Degrees(dp=8),
+    )
     p = predict(llama3_8b_graph, NODE, Choices.of(plan))
-    q = predict(llama3_8b_graph, NODE, Choices(global_batch=8, dp=8, precision="bf16-mixed"))
+    q = predict(
+        llama3_8b_graph,
+        NODE,
+        Choices(global_batch=8, precision="bf16-mixed", degrees=Degrees(dp=8)),
+    )
     assert p == q
 
 
@@ -124,7 +156,7 @@ def test_a_static_batch_graph_is_scaled_to_the_microbatch():
         graphs[dynamic] = captured.gm
     mesh = Mesh.cluster("cpu", nodes=1, per_node=2)
     dynamic, static = (
-        predict(graphs[d], mesh, Choices(global_batch=8, dp=2, microbatches=2))
+        predict(graphs[d], mesh, Choices(global_batch=8, microbatches=2, degrees=Degrees(dp=2)))
         for d in (True, False)
     )
     assert static.compute_s == pytest.approx(dynamic.compute_s, rel=0.05)

@@ -12,6 +12,7 @@ from torch.distributed.tensor import Shard
 from autopart.capture import capture
 from autopart.cost_models.predict import Choices, predict
 from autopart.cost_models.summary import GraphSummary, TpLayout
+from autopart.degrees import Degrees
 from autopart.mesh import PRESETS, Mesh
 from autopart.ops.aten import op_name
 from autopart.passes import MODULE_PATH, analyze
@@ -28,7 +29,7 @@ def gpt2():
 
 def test_tensor_parallel_parameters_are_those_the_placements_shard(gpt2):
     mesh = Mesh.cluster("cpu", nodes=1, per_node=2)
-    plan = make_plan(gpt2, mesh, Pins(tp=2))
+    plan = make_plan(gpt2, mesh, Pins.of(tp=2))
     held = sum(
         p.numel() / (2 if isinstance(plan.placement(fqn, "tp"), Shard) else 1)
         for fqn, p in gpt2.gm.named_parameters()
@@ -39,7 +40,7 @@ def test_tensor_parallel_parameters_are_those_the_placements_shard(gpt2):
 
 
 def test_column_parallel_products_save_their_whole_input(gpt2):
-    plan = make_plan(gpt2, Mesh.cluster("cpu", nodes=1, per_node=2), Pins(tp=2))
+    plan = make_plan(gpt2, Mesh.cluster("cpu", nodes=1, per_node=2), Pins.of(tp=2))
     layout = Choices.of(plan).tp_layout(gpt2.gm)
     column = _node(gpt2.gm, "transformer.h.0.attn.c_attn", "addmm")
     row = _node(gpt2.gm, "transformer.h.0.attn.c_proj", "addmm")
@@ -58,7 +59,10 @@ def test_zero3_pays_a_gather_per_bucket_in_each_pass_and_the_last_scatter(gpt2):
     slow = {"alpha": 1.0, "beta": 1e-15}
     spec = replace(PRESETS["cpu"], collectives={"all_gather": slow, "reduce_scatter": slow})
     mesh = Mesh.cluster(spec, nodes=1, per_node=2)
-    zero2, zero3 = (predict(gpt2.gm, mesh, Choices(global_batch=8, dp=2, zero=z)) for z in (2, 3))
+    zero2, zero3 = (
+        predict(gpt2.gm, mesh, Choices(global_batch=8, zero=z, degrees=Degrees(dp=2)))
+        for z in (2, 3)
+    )
     layout = TpLayout.of(gpt2.gm, {}, tp=1)
     assert not layout.split
     # The embeddings, two blocks and the final norm: four buckets, gathered in forward

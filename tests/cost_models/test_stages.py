@@ -7,6 +7,7 @@ import pytest
 from autopart.cost_models.predict import Choices
 from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
 from autopart.cost_models.summary import Segment, SegmentWork
+from autopart.degrees import Degrees
 
 
 def _segments(keys):
@@ -39,4 +40,4 @@ def test_chunks_at_cuts():
 
 def test_a_pipeline_needs_a_schedule():
     with pytest.raises(ValueError, match="needs a schedule"):
-        Choices(global_batch=8, pp=2)
+        Choices(global_batch=8, degrees=Degrees(pp=2))

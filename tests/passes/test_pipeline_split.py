@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autopart.capture import capture
-from autopart.mesh import Axis
+from autopart.degrees import Axis
 from autopart.ops.stage_info import SharedParameter, pipeline_info
 from autopart.passes import MODULE_PATH, PARAMS, analyze
 from autopart.passes.pipeline_split import assign_stages, pipeline_stages, split_stages

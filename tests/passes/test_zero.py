@@ -44,7 +44,7 @@ def _rewritten(model_name: str, groups: MeshGroups, disabled: frozenset[str] = f
     captured = capture(model, (ids,))
     analyze(captured.gm, captured.context())
     mesh = autopart.Mesh.cluster("cpu", nodes=1, per_node=DP)
-    plan = make_plan(captured, mesh, Pins(dp=DP, zero=3))
+    plan = make_plan(captured, mesh, Pins.of(dp=DP, zero=3))
     ctx = captured.context(target=RankTarget(plan, groups))
     ctx.disabled = disabled
     return model, zero3_pass(drop_capture_assertions_pass(captured.gm, ctx), ctx)

@@ -8,22 +8,17 @@ import functools
 import pytest
 import torch
 
-import autopart
-from autopart.mesh import Axis
+from autopart.degrees import Axis
 from autopart.ops.zero3 import sharded_parameters
 from autopart.testing import run_world
-from tests.models import (
-    LM_FACTORIES,
-    assert_matches,
-    lm_loss,
-    make_optimizer,
-    token_batch,
-    train_single_device,
-)
+from tests.harness import assert_every_rank_matches, case_key, train_case
+from tests.models import LM_FACTORIES, token_batch, train_single_device
 
 STEPS = 5
 WORLD = 4
 BATCH = token_batch(batch=8)
+# The pure ZeRO-3 cases also report what each rank holds and which gathers it runs.
+ZERO3 = {"dp": 4, "zero": 3}
 DP4 = [(m, {"dp": 4, "zero": z}) for m in ("gpt2", "llama") for z in (1, 2, 3)]
 # A pipeline's tied embedding stays whole under ZeRO-3 and is trained as under ZeRO-2,
 # with one reduce-scatter per microbatch.
@@ -31,30 +26,17 @@ COMPOSED = [("gpt2", {"dp": 2, "pp": 2, "zero": 3, "schedule": "1f1b", "microbat
 CASES = DP4 + COMPOSED
 
 
-def _key(case) -> tuple:
-    model_name, pins = case
-    return model_name, tuple(sorted(pins.items()))
-
-
 def _train(cases, batch) -> dict:
-    ids, target = batch
-    results = {}
-    for model_name, pins in cases:
-        pm = autopart.parallelize(
+    return {
+        case_key(model_name, pins): train_case(
             LM_FACTORIES[model_name](),
-            autopart.Mesh.local(),
-            (ids,),
-            loss_fn=lm_loss,
-            optimizer=make_optimizer("adamw"),
+            batch,
+            STEPS,
+            inspect=_zero3_report if pins == ZERO3 else None,
             **pins,
         )
-        losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
-        result = {"losses": losses, "params": pm.full_state_dict()}
-        if pins == {"dp": 4, "zero": 3}:
-            result.update(_zero3_report(pm))
-        pm.close()
-        results[_key((model_name, pins))] = result
-    return results
+        for model_name, pins in cases
+    }
 
 
 def _zero3_report(pm) -> dict:
@@ -89,11 +71,7 @@ def _reference(model_name: str) -> dict:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_zero_matches_single_device(case):
-    for rank, results in enumerate(_world()):
-        try:
-            assert_matches(results[_key(case)], _reference(case[0]))
-        except AssertionError as e:
-            raise AssertionError(f"{case} rank {rank}: {e}") from e
+    assert_every_rank_matches(_world(), case_key(*case), _reference(case[0]), label=case)
 
 
 @pytest.mark.parametrize("model_name", ["gpt2", "llama"])
@@ -103,7 +81,7 @@ def test_zero3_holds_a_quarter_of_the_model_states(model_name):
     reference = _reference(model_name)["params"]
     full = 4 * sum(p.numel() * p.element_size() for p in reference.values())
     for results in _world():
-        report = results[_key((model_name, {"dp": 4, "zero": 3}))]
+        report = results[case_key(model_name, ZERO3)]
         assert full / WORLD <= report["held_bytes"] <= full / WORLD + report["bucket_bytes"]
         # The stage holds nothing else: its only parameters are the shards.
         assert [n for n, _ in report["stage_parameters"]] == [
@@ -116,7 +94,7 @@ def test_zero3_holds_a_quarter_of_the_model_states(model_name):
 
 @pytest.mark.parametrize("model_name", ["gpt2", "llama"])
 def test_zero3_graph_lists_its_gathers(model_name):
-    report = _world()[0][_key((model_name, {"dp": 4, "zero": 3}))]
+    report = _world()[0][case_key(model_name, ZERO3)]
     gathers = [(name, info) for name, info in report["collectives"] if info.kind == "all_gather"]
     scatters = [info for _, info in report["collectives"] if info.kind.startswith("reduce_scatter")]
     # One gather per bucket; GPT-2's tied embedding is gathered again for the head.

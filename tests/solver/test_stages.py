@@ -52,7 +52,7 @@ def test_more_stages_than_block_boundaries_is_a_clear_error():
 
 def _plan(**pins):
     mesh = autopart.Mesh.cluster("cpu", nodes=1, per_node=2)
-    return make_plan(_captured(), mesh, Pins(**pins))
+    return make_plan(_captured(), mesh, Pins.of(**pins))
 
 
 def test_autopart_plan_takes_pipeline_pins():

@@ -12,18 +12,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from autopart.mesh import Axis
+from autopart.degrees import Axis
+from autopart.ops import zero3
 from autopart.ops.shards import unshard
-from autopart.ops.zero3 import whole_parameters
 
 if TYPE_CHECKING:
     from autopart.runtime.parallel_module import ParallelModule
 
 
-def gather_full_parameters(pm: ParallelModule) -> dict[str, torch.Tensor]:
+def full_state_dict(pm: ParallelModule) -> dict[str, torch.Tensor]:
     full: dict[str, torch.Tensor] = {}
     for stage in pm.stages:
-        full.update(whole_parameters(stage))
+        full.update(zero3.full_state_dict(stage))
     return _gather_pipeline_stages(pm, _undo_tensor_parallel(pm, full))
 
 

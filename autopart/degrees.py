@@ -1,0 +1,173 @@
+"""The mesh axes, and how many ways each one splits the world.
+
+`Degrees` is the one type that knows the axes: it checks their product against the
+world, gives each axis's stride in the device mesh, lists the axes in use, enumerates
+every factorization of a world, and builds the named `DeviceMesh`. Plans, pins, the
+cost models and the search hold a `Degrees` and iterate its axes, so an axis added to
+`MESH_AXES` (and to `Axis`) is planned without changes elsewhere; only the passes,
+cost terms and runtime that implement what the axis does are new.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+class Axis(str, Enum):
+    """The mesh axes. "axis" always means one of these; "dim" means a tensor dimension."""
+
+    DP = "dp"
+    TP = "tp"
+    PP = "pp"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# The axes of a DeviceMesh, outermost first: pp outermost, tp innermost, so that tensor
+# parallel groups are consecutive ranks and land inside one node.
+MESH_AXES: tuple[Axis, ...] = (Axis.PP, Axis.DP, Axis.TP)
+
+
+class MeshError(ValueError):
+    """A mesh that does not match the world it is used in, or a bad factorization."""
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Degrees:
+    """How many ways each axis splits the world, in `MESH_AXES` order; an axis not
+    given has degree 1. `Degrees(dp=2, tp=4)` or `Degrees({Axis.DP: 2, Axis.TP: 4})`."""
+
+    axes: tuple[Axis, ...]
+    sizes: tuple[int, ...]
+
+    def __init__(self, sizes: Mapping[Any, int] | None = None, /, **by_name: int) -> None:
+        axes = MESH_AXES
+        names = axis_names()
+        given = {str(a): n for a, n in {**(sizes or {}), **by_name}.items()}
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise MeshError(f"unknown mesh axes {unknown}: the axes are {names}")
+        for name, n in given.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise MeshError(f"the degree of {name} must be a positive integer, not {n!r}")
+        object.__setattr__(self, "axes", axes)
+        object.__setattr__(self, "sizes", tuple(given.get(name, 1) for name in names))
+
+    # -- reading ----------------------------------------------------------------------
+
+    def __getitem__(self, axis: Axis | str) -> int:
+        return self.sizes[self._index(axis)]
+
+    def items(self) -> tuple[tuple[Axis, int], ...]:
+        return tuple(zip(self.axes, self.sizes))
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def enabled(self) -> tuple[Axis, ...]:
+        """The axes that split the world (degree > 1), in mesh order."""
+        return tuple(a for a, n in self.items() if n > 1)
+
+    def stride(self, axis: Axis | str) -> int:
+        """The rank distance between neighbours on `axis`: the product of the degrees of
+        the axes inside it in the mesh."""
+        return math.prod(self.sizes[self._index(axis) + 1 :])
+
+    def replace(self, **changes: int) -> Degrees:
+        return Degrees({**dict(self.items()), **changes})
+
+    def _index(self, axis: Axis | str) -> int:
+        try:
+            return [str(a) for a in self.axes].index(str(axis))
+        except ValueError:
+            raise MeshError(f"unknown mesh axis {str(axis)!r}: the axes are {self.names}") from None
+
+    @property
+    def names(self) -> list[str]:
+        return [str(a) for a in self.axes]
+
+    # -- checking and enumerating -----------------------------------------------------
+
+    def check_covers(self, world_size: int, where: str) -> None:
+        """Fail clearly unless the degrees multiply to the `world_size` devices of `where`."""
+        if self.world_size != world_size:
+            raise MeshError(
+                f"{self.product()} = {self.world_size} devices, but the mesh {where} has "
+                f"{world_size}: choose axes whose product is {world_size}"
+            )
+
+    @classmethod
+    def factorizations(
+        cls, world_size: int, pinned: Mapping[Any, int] | None = None
+    ) -> Iterator[Degrees]:
+        """Every `Degrees` whose product is `world_size`, with the `pinned` axes fixed."""
+        pinned = {str(a): n for a, n in (pinned or {}).items()}
+        names = axis_names()
+
+        def split(rest: int, i: int) -> Iterator[dict[str, int]]:
+            if i == len(names) - 1:
+                if pinned.get(names[i], rest) == rest:
+                    yield {names[i]: rest}
+                return
+            for d in _divisors(rest):
+                if pinned.get(names[i], d) == d:
+                    for inner in split(rest // d, i + 1):
+                        yield {names[i]: d, **inner}
+
+        for sizes in split(world_size, 0):
+            yield cls(sizes)
+
+    # -- the device mesh --------------------------------------------------------------
+
+    def device_mesh(self, device_type: str) -> DeviceMesh:
+        """The named DeviceMesh of the running world, one dim per axis in mesh order."""
+        return init_device_mesh(device_type, self.sizes, mesh_dim_names=tuple(self.names))
+
+    # -- text and JSON ----------------------------------------------------------------
+
+    def product(self) -> str:
+        """The factorization as text: `pp×dp×tp = 2×4×2`."""
+        return f"{'×'.join(self.names)} = {'×'.join(str(n) for n in self.sizes)}"
+
+    def __str__(self) -> str:
+        return " ".join(f"{a}={n}" for a, n in self.items())
+
+    def __repr__(self) -> str:
+        return f"Degrees({', '.join(f'{a}={n}' for a, n in self.items())})"
+
+    def to_json(self) -> dict[str, int]:
+        return dict(zip(self.names, self.sizes))
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, int]) -> Degrees:
+        return cls(data)
+
+
+def axis_names() -> list[str]:
+    """The names of the mesh axes, in mesh order."""
+    return [str(a) for a in MESH_AXES]
+
+
+class AxisAttributes:
+    """`x.dp`, `x.tp`, ...: the degree of each mesh axis of `x.degrees`, by name."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> int:
+        if name in axis_names():
+            degrees: Degrees = object.__getattribute__(self, "degrees")
+            return degrees[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

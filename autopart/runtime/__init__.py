@@ -1,0 +1,16 @@
+"""Running a rank's program: `ParallelModule` and what it drives.
+
+    parallel_module.py   train_step, collectives(), full_state_dict()
+    executor.py          one stage: microbatches through forward and backward
+    pipeline.py          several stages: torch.distributed.pipelining schedules
+    shared_params.py     weights tied across pipeline stages, kept in step
+    data_parallel.py     gradient sync and the optimizer over the dp axis
+    grad_sync.py         bucketed gradient all-reduce overlapped with backward
+    zero.py              ZeRO-1/2/3 optimizer state on flat shards
+    zero_replicas.py     ZeRO-1/2 shards of replicated parameters
+    precision.py         autocast and fp16 loss scaling
+    full_state.py        whole parameters from this rank's pieces
+    weights.py           meta-device models and distributed checkpoints
+
+The runtime imports `ops` and never `passes`: the graphs it runs arrive rewritten.
+"""

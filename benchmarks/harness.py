@@ -1,0 +1,216 @@
+"""What the side-by-side benchmarks share: the tiny Llama models and their batch, a local
+Gloo world per comparison, autopart and its PyTorch-native baseline timed against each
+other in alternating rounds, and the one JSON line each benchmark prints.
+
+A comparison script keeps only what is its own: the model's sizes, autopart's pins, the
+native baseline and its command-line defaults. For instance:
+
+    def _bench(args):  # on every rank
+        return time_against_native(args, build_model, sgd, ddp_baseline, dp=args.world)
+
+    args = comparison_options(__doc__, steps=30, rounds=3, batch=8, seq=64).parse_args()
+    run_comparison(_bench, args, "dp_vs_ddp", target_ratio=1.05)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import autopart
+from autopart.testing import run_world
+
+T = TypeVar("T")
+Step = Callable[[], float]  # one training step on this rank; returns its loss as this rank sees it
+# Builds the native baseline's step on this rank, given autopart's program (whose plan
+# it may follow) and the batch both train on.
+NativeBaseline = Callable[[autopart.ParallelModule, torch.Tensor, torch.Tensor], Step]
+
+
+# -- the models and their batch -------------------------------------------------------
+
+
+def tiny_llama(
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    positions: int,
+) -> LlamaForCausalLM:
+    """A Llama-style causal LM of these sizes. The seed is fixed, so every copy a
+    benchmark builds (autopart's and the baseline's) starts from the same weights."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a Hugging Face causal LM's output."""
+    return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+
+def token_batch(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids and targets, the same on every rank (its own seeded generator)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return ids, torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def sgd(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """What the DP, TP and PP comparisons train with on both sides: plain SGD, so that
+    the step compared is the parallelism's, not an optimizer's."""
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+# -- on every rank ---------------------------------------------------------------------
+
+
+def time_against_native(
+    args: argparse.Namespace,
+    build_model: Callable[[], LlamaForCausalLM],
+    optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer],
+    native_baseline: NativeBaseline,
+    **pins: Any,
+) -> dict[str, Any]:
+    """autopart's program of `build_model()` under `pins` against `native_baseline`, both
+    training on the global batch of `args.batch` × `args.seq` (see `compare`)."""
+    model = build_model()
+    ids, target = token_batch(args.batch, args.seq, model.config.vocab_size)
+    pm = autopart.parallelize(
+        model, autopart.Mesh.local(), (ids,), loss_fn=lm_loss, optimizer=optimizer, **pins
+    )
+
+    def autopart_step() -> float:
+        return pm.train_step(ids, target).item()
+
+    result = compare(autopart_step, native_baseline(pm, ids, target), args.steps, args.rounds)
+    pm.close()
+    return result
+
+
+def this_ranks_rows(batch: int) -> slice:
+    """This rank's share of a global batch split evenly over the world, as data
+    parallelism splits it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return slice(rank * batch // world, (rank + 1) * batch // world)
+
+
+def global_mean_loss(loss: torch.Tensor) -> float:
+    """The mean of every rank's loss on its share: the global batch's loss, as autopart's
+    step returns it, so that the first losses of both sides can be compared."""
+    mean = loss.detach() / dist.get_world_size()
+    dist.all_reduce(mean)
+    return mean.item()
+
+
+def compare(autopart_step: Step, native_step: Step, steps: int, rounds: int) -> dict[str, Any]:
+    """Warm both up (their first losses, from the same weights and batch, should agree),
+    then time them against each other: each one's median seconds per step over `steps`
+    steps, run in `rounds` alternating runs so that drift in machine load hits both alike."""
+    first = {"autopart": autopart_step(), "native": native_step()}
+    autopart_step()
+    native_step()
+    times: dict[str, list[float]] = {"autopart": [], "native": []}
+    for _ in range(rounds):
+        for name, step in (("autopart", autopart_step), ("native", native_step)):
+            times[name] += [world_step_seconds(step) for _ in range(steps // rounds)]
+    return {name: statistics.median(t) for name, t in times.items()} | {"first": first}
+
+
+def world_step_seconds(step: Callable[[], object]) -> float:
+    """Seconds of one step. It starts after a barrier, so it times the whole world's step."""
+    dist.barrier()
+    return timed(step)[1]
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """`fn()`'s result and the seconds it took."""
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+# -- in the launching process ----------------------------------------------------------
+
+
+def comparison_options(
+    doc: str, *, steps: int, rounds: int, batch: int, seq: int
+) -> argparse.ArgumentParser:
+    """The options every comparison takes, with the script's defaults; the first line of
+    its docstring `doc` describes it."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--seq", type=int, default=seq)
+    return parser
+
+
+def run_comparison(
+    bench: Callable[[argparse.Namespace], dict[str, Any]],
+    args: argparse.Namespace,
+    benchmark: str,
+    target_ratio: float,
+    *,
+    settings: Sequence[str] = ("world", "batch", "seq"),
+    loss_rank: int = 0,
+) -> None:
+    """Run `bench(args)` (which returns `compare`'s result) on every rank of a local Gloo
+    world of `args.world` processes and print the comparison's JSON line: `benchmark`,
+    the `settings` of `args`, each median (a step is as slow as its slowest rank),
+    autopart / native, the target ratio, and both first losses as `loss_rank` saw them."""
+    per_rank = run_world(bench, args.world, args)
+    autopart_s = max(r["autopart"] for r in per_rank)
+    native_s = max(r["native"] for r in per_rank)
+    first = per_rank[loss_rank]["first"]
+    print_json_line(
+        {
+            "benchmark": benchmark,
+            **{name: getattr(args, name) for name in settings},
+            **median_fields(autopart_s, native_s),
+            "target_ratio": target_ratio,
+            "first_loss_autopart": round(first["autopart"], 6),
+            "first_loss_native": round(first["native"], 6),
+        }
+    )
+
+
+def median_fields(
+    autopart_s: float, baseline_s: float, baseline: str = "native"
+) -> dict[str, float]:
+    """The JSON fields of two median step times and their ratio, autopart / baseline."""
+    return {
+        "autopart_median_s": round(autopart_s, 5),
+        f"{baseline}_median_s": round(baseline_s, 5),
+        "ratio": round(autopart_s / baseline_s, 3),
+    }
+
+
+def print_json_line(record: dict[str, Any]) -> None:
+    """Print `record` as one JSON line, flushed at once: a benchmark that prints several
+    (cost_model_fidelity.py) shows each as it comes even when its output is piped."""
+    print(json.dumps(record), flush=True)
