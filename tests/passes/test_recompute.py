@@ -3,19 +3,15 @@ same losses and parameters as one device."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from torch.autograd.graph import saved_tensors_hooks
 
 import autopart
 from autopart.testing import run_world
-from tests.models import (
-    LM_FACTORIES,
-    assert_matches,
-    lm_loss,
-    make_optimizer,
-    token_batch,
-    train_single_device,
-)
+from tests.harness import case_key, train_case
+from tests.models import LM_FACTORIES, assert_matches, lm_loss, token_batch, train_single_device
 
 STEPS = 5
 EVERY_LAYER = {
@@ -40,39 +36,34 @@ def _saved_bytes(pm, ids) -> int:
     return total
 
 
+def _recompute_report(ids, pm) -> dict:
+    # Activation sizes depend on shapes only, so measuring after training is as good as
+    # before it.
+    return {
+        "saved": _saved_bytes(pm, ids),
+        "outlined": sum(1 for n, _ in pm.graph.named_children() if "recompute" in n),
+    }
+
+
 def _train(batch):
-    ids, target = batch
-    out = {}
-    for name, pins in CASES:
-        results = {}
-        for recompute in ((), EVERY_LAYER[name]):
-            pm = autopart.parallelize(
-                LM_FACTORIES[name](),
-                autopart.Mesh.local(),
-                (ids,),
-                loss_fn=lm_loss,
-                optimizer=make_optimizer("adamw"),
-                recompute=recompute,
-                **pins,
+    report = functools.partial(_recompute_report, batch[0])
+    return {
+        case_key(name, pins): {
+            bool(recompute): train_case(
+                LM_FACTORIES[name](), batch, STEPS, inspect=report, recompute=recompute, **pins
             )
-            saved = _saved_bytes(pm, ids)
-            losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
-            results[bool(recompute)] = {
-                "losses": losses,
-                "params": pm.full_state_dict(),
-                "saved": saved,
-                "outlined": sum(1 for n, _ in pm.graph.named_children() if "recompute" in n),
-            }
-            pm.close()
-        out[(name, tuple(pins))] = results
-    return out
+            for recompute in ((), EVERY_LAYER[name])
+        }
+        for name, pins in CASES
+    }
 
 
 def test_recomputed_blocks_save_less_and_train_the_same():
     batch = token_batch(8)
     results = run_world(_train, 2, batch)[0]
     for name, pins in CASES:
-        plain, recomputed = results[(name, tuple(pins))][False], results[(name, tuple(pins))][True]
+        by_recompute = results[case_key(name, pins)]
+        plain, recomputed = by_recompute[False], by_recompute[True]
         assert recomputed["outlined"] == 2 and plain["outlined"] == 0
         # Two of the model's blocks keep only their inputs; the head's logits remain.
         assert recomputed["saved"] < 0.6 * plain["saved"], (

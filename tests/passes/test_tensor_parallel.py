@@ -16,10 +16,10 @@ from autopart.passes import analyze
 from autopart.passes.tp_propagate import propagate
 from autopart.solver.tensor_parallel import choose_tp_placements
 from autopart.testing import run_world
+from tests.harness import assert_every_rank_matches, case_key, train_case
 from tests.models import (
     LM_FACTORIES,
     assert_matches,
-    lm_loss,
     make_optimizer,
     snapshot,
     tiny_gpt2,
@@ -64,28 +64,24 @@ def test_llama_attention_stays_whole_when_kv_heads_do_not_divide():
     assert places["model.layers.1.self_attn.o_proj.weight"] == Shard(1)
 
 
+def _collectives_and_local_size(pm) -> dict:
+    return {
+        "collectives": [(kind.kind, kind.axis) for _, kind in pm.collectives()],
+        "local_numel": sum(p.numel() for p in pm.parameters()),
+    }
+
+
 def _train(cases, batch):
-    ids, target = batch
-    out = {}
-    for model_name, pins in cases:
-        model = LM_FACTORIES[model_name]()
-        pm = autopart.parallelize(
-            model,
-            autopart.Mesh.local(),
-            (ids,),
-            loss_fn=lm_loss,
-            optimizer=make_optimizer("adamw"),
+    return {
+        case_key(model_name, pins): train_case(
+            LM_FACTORIES[model_name](),
+            batch,
+            STEPS,
+            inspect=_collectives_and_local_size,
             **pins,
         )
-        losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
-        out[(model_name, tuple(sorted(pins.items())))] = {
-            "losses": losses,
-            "params": pm.full_state_dict(),
-            "collectives": [(kind.kind, kind.axis) for _, kind in pm.collectives()],
-            "local_numel": sum(p.numel() for p in pm.parameters()),
-        }
-        pm.close()
-    return out
+        for model_name, pins in cases
+    }
 
 
 @pytest.mark.parametrize(
@@ -101,12 +97,8 @@ def test_tensor_parallel_matches_single_device(world, pins):
         reference = train_single_device(model_name, "adamw", STEPS, batch)
         full = sum(v.numel() for v in reference["params"].values())
         for p in pins:
-            key = (model_name, tuple(sorted(p.items())))
-            for rank, results in enumerate(per_rank):
-                try:
-                    assert_matches(results[key], reference)
-                except AssertionError as e:
-                    raise AssertionError(f"{key} rank {rank}: {e}") from e
+            key = case_key(model_name, p)
+            assert_every_rank_matches(per_rank, key, reference)
             result = per_rank[0][key]
             assert result["local_numel"] < full  # this rank holds only its shards
             kinds = {k for k, _ in result["collectives"]}
@@ -169,9 +161,8 @@ def test_an_op_without_a_rule_falls_back_to_replication_and_stays_correct():
 
 def test_sequence_parallel_matches_single_device_and_reduce_scatters():
     batch = token_batch(batch=8)
-    cases = [("llama", {"tp": 2, "sequence_parallel": True})]
-    key = ("llama", (("sequence_parallel", True), ("tp", 2)))
-    result = run_world(_train, 2, cases, batch)[0][key]
+    pins = {"tp": 2, "sequence_parallel": True}
+    result = run_world(_train, 2, [("llama", pins)], batch)[0][case_key("llama", pins)]
     assert_matches(result, train_single_device("llama", "adamw", STEPS, batch))
     kinds = [k for k, _ in result["collectives"]]
     assert "reduce_scatter" in kinds and "all_reduce" not in kinds

@@ -3,42 +3,26 @@ GPT-2 and Llama to the single-device losses and parameters (fp32, 5 AdamW steps)
 
 from __future__ import annotations
 
-import autopart
 from autopart.testing import run_world
-from tests.models import (
-    LM_FACTORIES,
-    assert_matches,
-    lm_loss,
-    make_optimizer,
-    token_batch,
-    train_single_device,
-)
+from tests.harness import assert_every_rank_matches, train_case
+from tests.models import LM_FACTORIES, token_batch, train_single_device
 
 STEPS = 5
 LAYERS = 4
 PINS = {"dp": 2, "tp": 2, "pp": 2, "zero": 2, "schedule": "1f1b", "microbatches": 2}
 
 
+def _collective_axes(pm) -> dict:
+    return {"axes": {info.axis for _, info in pm.collectives()}}
+
+
 def _train(batch):
-    ids, target = batch
-    out = {}
-    for name in ("gpt2", "llama"):
-        pm = autopart.parallelize(
-            LM_FACTORIES[name](layers=LAYERS),
-            autopart.Mesh.local(),
-            (ids,),
-            loss_fn=lm_loss,
-            optimizer=make_optimizer("adamw"),
-            **PINS,
+    return {
+        name: train_case(
+            LM_FACTORIES[name](layers=LAYERS), batch, STEPS, inspect=_collective_axes, **PINS
         )
-        losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
-        out[name] = {
-            "losses": losses,
-            "params": pm.full_state_dict(),
-            "axes": {info.axis for _, info in pm.collectives()},
-        }
-        pm.close()
-    return out
+        for name in ("gpt2", "llama")
+    }
 
 
 def test_dp2_tp2_pp2_zero2_matches_single_device():
@@ -46,9 +30,5 @@ def test_dp2_tp2_pp2_zero2_matches_single_device():
     per_rank = run_world(_train, 8, batch)
     for name in ("gpt2", "llama"):
         reference = train_single_device(name, "adamw", STEPS, batch, layers=LAYERS)
-        for rank, results in enumerate(per_rank):
-            try:
-                assert_matches(results[name], reference)
-            except AssertionError as e:
-                raise AssertionError(f"{name} rank {rank}: {e}") from e
+        assert_every_rank_matches(per_rank, name, reference)
         assert "tp" in per_rank[0][name]["axes"]

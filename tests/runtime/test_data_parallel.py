@@ -7,40 +7,22 @@ import torch
 
 import autopart
 from autopart.testing import run_world
-from tests.models import (
-    LM_FACTORIES,
-    assert_matches,
-    lm_loss,
-    make_optimizer,
-    snapshot,
-    token_batch,
-    train_single_device,
-)
+from tests.harness import assert_every_rank_matches, parallelize_lm, train_losses
+from tests.models import LM_FACTORIES, snapshot, token_batch, train_single_device
 
 STEPS = 5
 CASES = [(m, o) for m in ("gpt2", "llama") for o in ("sgd", "adamw")]
 
 
 def _train_dp(cases, batch) -> dict:
-    ids, target = batch
     results = {}
     for model_name, optimizer in cases:
         model = LM_FACTORIES[model_name]()
-        pm = autopart.parallelize(
-            model,
-            autopart.Mesh.local(),
-            (ids,),
-            loss_fn=lm_loss,
-            optimizer=make_optimizer(optimizer),
-            dp=torch.distributed.get_world_size(),
-            zero=0,
-        )
-        losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
+        pm = parallelize_lm(model, batch, optimizer, dp=torch.distributed.get_world_size(), zero=0)
+        losses = train_losses(pm, batch, STEPS)
         pm.close()
-        results[(model_name, optimizer)] = {
-            "losses": losses,
-            "params": snapshot(model),
-        }
+        # Replicated parameters are trained in place: the user's model is the result.
+        results[(model_name, optimizer)] = {"losses": losses, "params": snapshot(model)}
     return results
 
 
@@ -49,12 +31,7 @@ def test_dp_matches_single_device(world):
     batch = token_batch(batch=8)
     per_rank = run_world(_train_dp, world, CASES, batch)
     for case in CASES:
-        reference = train_single_device(*case, STEPS, batch)
-        for rank, results in enumerate(per_rank):
-            try:
-                assert_matches(results[case], reference)
-            except AssertionError as e:
-                raise AssertionError(f"{case} rank {rank} of {world}: {e}") from e
+        assert_every_rank_matches(per_rank, case, train_single_device(*case, STEPS, batch))
 
 
 def test_batch_not_divisible_by_dp_is_a_clear_error():

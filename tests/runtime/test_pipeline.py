@@ -7,17 +7,9 @@ different ranks): that exercises the replica exchange.
 
 from __future__ import annotations
 
-import autopart
 from autopart.testing import run_world
-from tests.models import (
-    LM_FACTORIES,
-    assert_matches,
-    lm_loss,
-    make_optimizer,
-    snapshot,
-    token_batch,
-    train_single_device,
-)
+from tests.harness import assert_every_rank_matches, train_case
+from tests.models import LM_FACTORIES, token_batch, train_single_device
 
 STEPS = 5
 
@@ -39,26 +31,10 @@ WORLD_4 = [
 
 
 def _train_pipelined(cases, batch) -> dict:
-    ids, target = batch
-    results = {}
-    for name, model_name, layers, pins in cases:
-        model = LM_FACTORIES[model_name](layers=layers)
-        pm = autopart.parallelize(
-            model,
-            autopart.Mesh.local(),
-            (ids,),
-            loss_fn=lm_loss,
-            optimizer=make_optimizer("adamw"),
-            **pins,
-        )
-        losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
-        full = pm.full_state_dict()
-        pm.close()
-        assert full.keys() == dict(model.named_parameters()).keys(), name
-        trained = LM_FACTORIES[model_name](layers=layers)
-        trained.load_state_dict(full, strict=False)  # tied and non-persistent ones aside
-        results[name] = {"losses": losses, "params": snapshot(trained)}
-    return results
+    return {
+        name: train_case(LM_FACTORIES[model_name](layers=layers), batch, STEPS, **pins)
+        for name, model_name, layers, pins in cases
+    }
 
 
 def _check(cases, world: int) -> None:
@@ -66,11 +42,9 @@ def _check(cases, world: int) -> None:
     per_rank = run_world(_train_pipelined, world, cases, batch)
     for name, model_name, layers, _ in cases:
         reference = train_single_device(model_name, "adamw", STEPS, batch, layers=layers)
-        for rank, results in enumerate(per_rank):
-            try:
-                assert_matches(results[name], reference)
-            except AssertionError as e:
-                raise AssertionError(f"{name}, rank {rank} of {world}: {e}") from e
+        # This also checks that the gathered parameters carry exactly the model's names,
+        # tied ones once, as the reference's do.
+        assert_every_rank_matches(per_rank, name, reference)
 
 
 def test_two_stage_schedules_match_single_device():

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import autopart
 from autopart.runtime.precision import LossScaler
 from autopart.testing import run_world
+from tests.harness import parallelize_lm, train_losses
 from tests.models import LM_FACTORIES, lm_loss, make_optimizer, token_batch
 
 STEPS = 5
@@ -21,19 +21,10 @@ CASES = [
 
 
 def _train(batch):
-    ids, target = batch
     out = {}
     for name, pins, precision in CASES:
-        pm = autopart.parallelize(
-            LM_FACTORIES[name](),
-            autopart.Mesh.local(),
-            (ids,),
-            loss_fn=lm_loss,
-            optimizer=make_optimizer("adamw"),
-            precision=precision,
-            **pins,
-        )
-        losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
+        pm = parallelize_lm(LM_FACTORIES[name](), batch, precision=precision, **pins)
+        losses = train_losses(pm, batch, STEPS)
         out[(name, precision, tuple(pins))] = (losses, [p.dtype for p in pm.parameters()])
         pm.close()
     return out

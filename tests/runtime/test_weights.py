@@ -8,13 +8,14 @@ import pytest
 import autopart
 from autopart.passes.materialize import WeightsError
 from autopart.testing import run_world
-from tests.models import lm_loss, make_optimizer, tiny_llama, token_batch, train_single_device
+from tests.harness import parallelize_lm, train_losses
+from tests.models import tiny_llama, token_batch, train_single_device
 
 STEPS = 3
 
 
 def _from_meta(source, checkpoint_dir, batch):
-    ids, target = batch
+    ids, _ = batch
     reference = tiny_llama()
     if source == "checkpoint":  # write the real model's weights as a checkpoint first
         pm = autopart.parallelize(reference, autopart.Mesh.local(), (ids,))
@@ -25,17 +26,9 @@ def _from_meta(source, checkpoint_dir, batch):
     with autopart.init_empty_weights():
         model = tiny_llama()
     assert all(p.is_meta for p in model.parameters())
-    pm = autopart.parallelize(
-        model,
-        autopart.Mesh.local(),
-        (ids,),
-        loss_fn=lm_loss,
-        optimizer=make_optimizer("adamw"),
-        tp=2,
-        weights=weights,
-    )
+    pm = parallelize_lm(model, batch, tp=2, weights=weights)
     local = {n: tuple(p.shape) for n, p in pm.named_parameters()}
-    losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
+    losses = train_losses(pm, batch, STEPS)
     return losses, local
 
 

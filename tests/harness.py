@@ -1,0 +1,78 @@
+"""The shared plumbing of the multi-process numerics tests: train a tiny language model
+on every rank of a world started by `autopart.testing.run_world`, then check each rank
+against the same model trained on one device (`tests.models.train_single_device`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+import autopart
+from tests.models import assert_matches, lm_loss, make_optimizer
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def parallelize_lm(
+    model: nn.Module, batch: Batch, optimizer: str = "adamw", **pins: Any
+) -> autopart.ParallelModule:
+    """`model` parallelized over the running world for training on `batch` with the
+    language-model loss. Runs on every rank; `pins` go to `autopart.parallelize`."""
+    ids, _ = batch
+    return autopart.parallelize(
+        model,
+        autopart.Mesh.local(),
+        (ids,),
+        loss_fn=lm_loss,
+        optimizer=make_optimizer(optimizer),
+        **pins,
+    )
+
+
+def train_losses(pm: autopart.ParallelModule, batch: Batch, steps: int) -> list[float]:
+    """The global loss of each of `steps` training steps on the whole `batch`."""
+    ids, target = batch
+    return [pm.train_step(ids, target).item() for _ in range(steps)]
+
+
+def train_case(
+    model: nn.Module,
+    batch: Batch,
+    steps: int,
+    optimizer: str = "adamw",
+    inspect: Callable[[autopart.ParallelModule], dict[str, Any]] | None = None,
+    **pins: Any,
+) -> dict[str, Any]:
+    """Train one case on every rank: {"losses", "params"}, the form `assert_matches`
+    compares, with the parameters whole (gathered from every rank's pieces). `inspect`
+    adds a test's own measurements of the trained module; it runs on every rank before
+    the module is closed, since some of what it reads (collectives, the gathered
+    `full_state_dict`) needs all ranks or the live module."""
+    pm = parallelize_lm(model, batch, optimizer, **pins)
+    result = {"losses": train_losses(pm, batch, steps), "params": pm.full_state_dict()}
+    if inspect is not None:
+        result.update(inspect(pm))
+    pm.close()
+    return result
+
+
+def case_key(model_name: str, pins: Mapping[str, Any]) -> tuple:
+    """A hashable, order-independent name for a (model, pins) case, to key results by."""
+    return model_name, tuple(sorted(pins.items()))
+
+
+def assert_every_rank_matches(
+    per_rank: list[dict], key: Hashable, reference: dict[str, Any], label: object = None
+) -> None:
+    """Every rank's result under `key` matches the single-device `reference`
+    (`assert_matches`'s tolerances). A failure names the case (`label`, else `key`) and
+    the rank, since one run holds several cases and a layout bug may hit one rank only."""
+    for rank, results in enumerate(per_rank):
+        try:
+            assert_matches(results[key], reference)
+        except AssertionError as e:
+            name = key if label is None else label
+            raise AssertionError(f"{name}: rank {rank} of {len(per_rank)}: {e}") from e
