@@ -66,7 +66,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -458,7 +458,8 @@ def _profile(
     collectives: dict[str, dict[str, float]],
 ) -> DeviceSpec:
     base = _base_spec(device)
-    links = {}
+    # Float fields of DeviceSpec by computed name, which mypy cannot match to a field.
+    links: dict[str, Any] = {}
     if "all_reduce" in collectives:
         measured = collectives["all_reduce"]
         level = "inter" if world > int(os.environ.get("LOCAL_WORLD_SIZE", world)) else "intra"
@@ -494,6 +495,7 @@ def _memory_bytes(device: torch.device) -> int:
 
 
 def _report(spec: DeviceSpec, half_dims: dict[str, float], path: str | os.PathLike) -> None:
+    assert spec.optimizer_tensor_s is not None, "calibrate measures it"
     rates = ", ".join(f"{fn} {rate / 1e9:.2f}" for fn, rate in spec.function_rates.items())
     peaks = ", ".join(
         f"{k} {v / 1e9:.1f} GFLOP/s (half at n≈{half_dims[k]:.0f})"

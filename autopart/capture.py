@@ -57,7 +57,7 @@ class Captured:
     @property
     def dim_sizes(self) -> dict[str, int]:
         """The size each named dim has in the example inputs."""
-        sizes = {}
+        sizes: dict[str, int] = {}
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         for node, arg in zip(placeholders, pytree.tree_leaves(self.example_args)):
             val = node.meta.get("val")

@@ -59,8 +59,10 @@ class AutopartBackend:
         key = tuple(id(p) for p in params)
         if key not in self._synced:
             # Placeholders follow first use in forward; backward runs the other way.
+            world = dist.group.WORLD
+            assert world is not None, "only called once torch.distributed is initialized"
             self._synced[key] = GradientSync(
-                list(reversed(params)), dist.group.WORLD, finish_with_backward=True
+                list(reversed(params)), world, finish_with_backward=True
             )
         return self._synced[key]
 

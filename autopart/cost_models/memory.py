@@ -47,12 +47,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopart.policy import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES
+from autopart.policy import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES, Precision, Schedule
 
 # Bytes per parameter: (parameters, gradients, optimizer state) for Adam.
 FP32_WEIGHTS = (4, 4, 8)
 HALF_WEIGHTS = (2, 2, 12)
-STATE_BYTES = {"fp32": FP32_WEIGHTS, "bf16-mixed": FP32_WEIGHTS, "fp16-mixed": FP32_WEIGHTS}
+# autopart keeps fp32 weights, gradients and optimizer state under every precision.
+STATE_BYTES: dict[str, tuple[int, int, int]] = {p: FP32_WEIGHTS for p in Precision}
 PARTS = (
     "parameters",
     "gradients",
@@ -97,11 +98,11 @@ def in_flight_microbatches(
     """
     if schedule is None or stages == 1:
         return 1.0
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return float(microbatches)
-    if schedule == "1f1b":
+    if schedule == Schedule.ONE_F_ONE_B:
         return float(min(microbatches, stages - stage))
-    if schedule == "interleaved-1f1b":
+    if schedule == Schedule.INTERLEAVED_1F1B:
         v = virtual_stages
         chunks = min(microbatches * v, 2 * (stages - stage - 1) + (v - 1) * stages + 1)
         return chunks / v

@@ -68,7 +68,7 @@ from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork, TpLay
 from autopart.degrees import Axis, AxisAttributes, Degrees
 from autopart.mesh import Mesh
 from autopart.plan import Plan, Predicted
-from autopart.policy import SCHEDULES, ZERO3_BUCKET_BYTES
+from autopart.policy import SCHEDULES, ZERO3_BUCKET_BYTES, Precision
 
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
 TP_ALL_REDUCES_BACKWARD = 2
@@ -293,7 +293,7 @@ def _tp_comm(own: list[SegmentWork], choices: Choices, comm: CommModel) -> float
     precision)."""
     if choices.tp == 1:
         return 0.0
-    scale = 1.0 if choices.precision == "fp32" else 0.5
+    scale = 1.0 if choices.precision == Precision.FP32 else 0.5
     seconds = 0.0
     for seg in own:
         if seg.is_block:

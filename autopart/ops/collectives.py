@@ -26,33 +26,34 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.autograd import Function
+from torch.distributed import GroupName
 
 
-def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: GroupName) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
-def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, group))
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
     return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group))
 
 
-def _own_slice(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def _own_slice(x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
     pg = _resolve(group)
     size, rank = dist.get_world_size(pg), dist.get_rank(pg)
     return x.chunk(size, dim)[rank].contiguous()
 
 
-def _resolve(group: str) -> dist.ProcessGroup:
+def _resolve(group: GroupName) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group)
 
 
 class _CopyToGroup(Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: GroupName) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
@@ -63,7 +64,7 @@ class _CopyToGroup(Function):
 
 class _AllReduce(Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: GroupName) -> torch.Tensor:
         return _all_reduce(x, group)
 
     @staticmethod
@@ -73,7 +74,7 @@ class _AllReduce(Function):
 
 class _AllGather(Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _all_gather(x, dim, group)
 
@@ -84,7 +85,7 @@ class _AllGather(Function):
 
 class _Shard(Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _own_slice(x, dim, group)
 
@@ -95,7 +96,7 @@ class _Shard(Function):
 
 class _ReduceScatter(Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _reduce_scatter(x, dim, group)
 
@@ -106,7 +107,7 @@ class _ReduceScatter(Function):
 
 class _GatherForGrad(Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _all_gather(x, dim, group)
 
@@ -117,7 +118,7 @@ class _GatherForGrad(Function):
 
 class _AllToAll(Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, split_dim: int, cat_dim: int, group: str):
+    def forward(ctx: Any, x: torch.Tensor, split_dim: int, cat_dim: int, group: GroupName):
         ctx.split_dim, ctx.cat_dim, ctx.group = split_dim, cat_dim, group
         return _all_to_all(x, split_dim, cat_dim, group)
 
@@ -126,7 +127,7 @@ class _AllToAll(Function):
         return _all_to_all(grad, ctx.cat_dim, ctx.split_dim, ctx.group), None, None, None
 
 
-def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group: str) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group: GroupName) -> torch.Tensor:
     """Split `x` along split_dim into one piece per rank, exchange, and concatenate the
     received pieces along cat_dim: S(cat_dim) -> S(split_dim)."""
     size = dist.get_world_size(_resolve(group))
@@ -135,31 +136,31 @@ def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group: str) -> to
     return torch.cat(received.unbind(0), dim=cat_dim)
 
 
-def copy_to_group(x: torch.Tensor, group: str) -> torch.Tensor:
+def copy_to_group(x: torch.Tensor, group: GroupName) -> torch.Tensor:
     return _CopyToGroup.apply(x, group)
 
 
-def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: GroupName) -> torch.Tensor:
     return _AllReduce.apply(x, group)
 
 
-def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
     return _AllGather.apply(x, dim, group)
 
 
-def shard(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def shard(x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
     return _Shard.apply(x, dim, group)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
     return _ReduceScatter.apply(x, dim, group)
 
 
-def gather_for_grad(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def gather_for_grad(x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
     return _GatherForGrad.apply(x, dim, group)
 
 
-def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group: str) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group: GroupName) -> torch.Tensor:
     return _AllToAll.apply(x, split_dim, cat_dim, group)
 
 

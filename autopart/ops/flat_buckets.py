@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,21 @@ class FlatLayout:
             flat[offset : offset + shape.numel()].view(shape)
             for offset, shape in zip(self.offsets, self.shapes)
         )
+
+
+@overload
+def all_gather_flat(
+    shard: torch.Tensor,
+    layout: FlatLayout,
+    group: dist.ProcessGroup,
+    async_op: Literal[False] = False,
+) -> tuple[torch.Tensor, None]: ...
+
+
+@overload
+def all_gather_flat(
+    shard: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup, async_op: Literal[True]
+) -> tuple[torch.Tensor, dist.Work]: ...
 
 
 def all_gather_flat(

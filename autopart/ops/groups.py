@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed import GroupName
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopart.degrees import Axis
@@ -31,14 +32,20 @@ class MeshGroups:
             return self.device_mesh.get_group(str(axes[0]))
         return self.mesh(*axes).get_group()
 
-    def group_name(self, *axes: Axis) -> str:
+    def group_name(self, *axes: Axis) -> GroupName:
         return self.group(*axes).group_name
 
     def rank(self, axis: Axis) -> int:
         return self.device_mesh.get_local_rank(str(axis))
 
     def size(self, axis: Axis) -> int:
-        return self.device_mesh.size(self.device_mesh.mesh_dim_names.index(str(axis)))
+        return self.device_mesh.size(self.mesh_dim(axis))
+
+    def mesh_dim(self, axis: Axis) -> int:
+        """The dim of the device mesh that `axis` names."""
+        names = self.device_mesh.mesh_dim_names
+        assert names is not None, "the device mesh names its dims (Degrees.device_mesh)"
+        return names.index(str(axis))
 
     @property
     def device_type(self) -> str:

@@ -9,7 +9,7 @@ unless the caller gives a default.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import sympy
 import torch
@@ -109,8 +109,12 @@ class CollectiveInfo:
         return f"{self.kind} over {self.axis} (group {self.group}): {self.bytes} bytes"
 
 
-# One key per analysis. The value is None for nodes that produce no tensor.
-SHAPE: MetaKey[TensorInfo | tuple[TensorInfo | None, ...] | None] = MetaKey("shape", "shape_pass")
+# What SHAPE holds for a node: one tensor, a tuple of them (None for a non-tensor item)
+# for a multi-output op, or None for a node that produces no tensor.
+NodeShape: TypeAlias = TensorInfo | tuple[TensorInfo | None, ...] | None
+
+# One key per analysis.
+SHAPE: MetaKey[NodeShape] = MetaKey("shape", "shape_pass")
 MODULE_PATH: MetaKey[str] = MetaKey("module_path", "module_path_pass")
 FLOPS: MetaKey[sympy.Expr] = MetaKey("flops", "flops_pass")
 TRAFFIC: MetaKey[Traffic] = MetaKey("traffic", "traffic_pass")
@@ -132,6 +136,14 @@ def inherit(node: fx.Node, source: fx.Node, shape: Any = _REQUIRED) -> None:
     PARAMS.set(node, ())
     if shape is not _REQUIRED:
         SHAPE.set(node, shape)
+
+
+def tensor_info(node: fx.Node) -> TensorInfo:
+    """The one tensor a node produces."""
+    info = SHAPE.get(node)
+    if not isinstance(info, TensorInfo):
+        raise TypeError(f"{node.name} does not produce a single tensor")
+    return info
 
 
 def tensor_infos(node: fx.Node) -> tuple[TensorInfo, ...]:

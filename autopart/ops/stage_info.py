@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autopart.ops.meta import AnalysisMissing, TensorInfo
+from autopart.ops.meta import AnalysisMissing, NodeShape
 
 PIPELINE_KEY = "autopart.pipeline"
 
@@ -33,7 +33,7 @@ class PipelineInfo:
     stages: int
     # The model's (flattened) inputs: binding their named dims to a microbatch's sizes
     # gives every stage's input and output shapes.
-    model_inputs: tuple[TensorInfo | None, ...]
+    model_inputs: tuple[NodeShape, ...]
     input_grads: tuple[bool, ...]  # which inputs carry a gradient back to the previous stage
     output_grads: tuple[bool, ...]  # which (flattened) outputs receive one
     shared: tuple[SharedParameter, ...]  # of the whole pipeline, the same in every stage

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed import GroupName
 
 from autopart.ops.flat_buckets import FlatLayout, GradientReducer, all_gather_flat
 
@@ -55,7 +56,7 @@ class _Saved:
     """A tensor saved for backward that lies in a gathered bucket: where, not what."""
 
     bucket: int
-    offset: int
+    offset: int | torch.SymInt
     size: torch.Size
     stride: tuple[int, ...]
 
@@ -67,7 +68,7 @@ class ShardedParameters(nn.Module):
         self,
         names: Sequence[Sequence[str]],
         params: Sequence[Sequence[torch.Tensor]],
-        group_name: str,
+        group_name: GroupName,
         rank: int,
         size: int,
     ) -> None:
@@ -137,7 +138,7 @@ class ShardedParameters(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, under its FQN (collective over the dp group)."""
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for b, (names, layout) in enumerate(zip(self.names, self.layouts)):
             flat, _ = all_gather_flat(self.shards[b], layout, self.group)
             out.update((n, v.clone()) for n, v in zip(names, layout.views(flat)))
@@ -192,10 +193,12 @@ class ShardedParameters(nn.Module):
             entry = self._gathered.get(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # a tensor without storage
             return t
-        flat = entry[1]() if entry else None
+        if entry is None:
+            return t
+        bucket, ref = entry
+        flat = ref()
         if flat is None or t.dtype != flat.dtype:
             return t
-        bucket = entry[0]
         if self._last_packed is not None and self._last_packed != bucket:
             # Backward runs forward's buckets in reverse: after `bucket`, the previous one.
             self._next_in_backward.setdefault(bucket, self._last_packed)

@@ -97,8 +97,8 @@ def tensor_operands(node: fx.Node, gm: fx.GraphModule, ctx: PassContext) -> list
     """Tensor inputs in argument order; a leaf module's own weight and bias come last."""
     infos: list[TensorInfo] = []
     for arg in pytree.tree_leaves((node.args, node.kwargs)):
-        if isinstance(arg, fx.Node) and isinstance(SHAPE.get(arg), TensorInfo):
-            infos.append(SHAPE.get(arg))
+        if isinstance(arg, fx.Node) and isinstance(info := SHAPE.get(arg), TensorInfo):
+            infos.append(info)
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
         for p in module.parameters(recurse=False):

@@ -18,6 +18,8 @@ placement for interleaved schedules; one stage per rank otherwise).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
@@ -134,7 +136,7 @@ def _draws_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
-def _canonical_copy(gm: fx.GraphModule, params: dict[str, str]) -> fx.GraphModule:
+def _canonical_copy(gm: fx.GraphModule, params: Mapping[str, str]) -> fx.GraphModule:
     """A copy of `gm` whose attribute reads name each parameter by its canonical FQN, so
     tied weights are one parameter under one name in every stage."""
     graph = fx.Graph()

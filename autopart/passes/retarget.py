@@ -26,7 +26,7 @@ def retarget_devices_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     move the stage's tensors there."""
     device = ctx.rank.groups.device
 
-    def retarget(value: object) -> object:
+    def retarget(value: fx.node.Argument) -> fx.node.Argument:
         if isinstance(value, torch.device) and value != device:
             return device
         return value

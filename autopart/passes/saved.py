@@ -66,7 +66,7 @@ class _SavedTensorTracker(fx.Interpreter):
             return _fused_attention(*args, **kwargs)
         return super().call_function(target, args, kwargs)
 
-    def get_attr(self, target: str, args: Any, kwargs: Any) -> Any:
+    def get_attr(self, target: fx.node.Target, args: Any, kwargs: Any) -> Any:
         value = super().get_attr(target, args, kwargs)
         if not isinstance(value, torch.Tensor):
             return value
@@ -75,7 +75,7 @@ class _SavedTensorTracker(fx.Interpreter):
         return fake.detach().requires_grad_(value.requires_grad)
 
     def _new_bytes(self, packed: list[torch.Tensor]) -> list[int | torch.SymInt]:
-        sizes = []
+        sizes: list[int | torch.SymInt] = []
         for t in packed:
             base = t._base if t._base is not None else t
             if base.requires_grad and base.grad_fn is None:  # a parameter, or a view of one

@@ -47,6 +47,7 @@ def build_stage_modules(
     stages = []
     for k in range(count):
         part = split.get_submodule(f"submod_{k}")
+        assert isinstance(part, fx.GraphModule), "split_module makes each partition a GraphModule"
         outputs = live[k + 1] if k + 1 < count else None
         stages.append(_stage_module(work, part, live[k], outputs, k, pytree_info))
     shared = _share_parameters(stages)

@@ -17,22 +17,24 @@ Operators with no rule replicate their inputs and warn once per operator.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import sympy
 import torch
 from torch import fx, nn
+from torch.distributed import GroupName
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopart.degrees import Axis
 from autopart.ops import collectives as c
 from autopart.ops.aten import op_name
-from autopart.ops.meta import COLLECTIVE, SHAPE, TP_LAYOUT, CollectiveInfo, TensorInfo, inherit
+from autopart.ops.meta import COLLECTIVE, SHAPE, TP_LAYOUT, CollectiveInfo, inherit, tensor_info
 from autopart.ops.shards import local_shard
 from autopart.passes.runner import PassContext
 from autopart.passes.tp_propagate import Propagation, propagate
-from autopart.passes.tp_rules import flatten_args
+from autopart.passes.tp_rules import NodePlacement, flatten_args
 
 
 def tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -68,7 +70,7 @@ def _warn_fallbacks(gm: fx.GraphModule, result: Propagation) -> None:
 
 
 class _Rewriter:
-    def __init__(self, gm: fx.GraphModule, result: Propagation, group: str, tp: int) -> None:
+    def __init__(self, gm: fx.GraphModule, result: Propagation, group: GroupName, tp: int) -> None:
         self.gm, self.graph = gm, gm.graph
         self.result, self.group, self.tp = result, group, tp
         self.converted: dict[tuple, fx.Node] = {}
@@ -93,25 +95,29 @@ class _Rewriter:
     def convert(
         self,
         src: fx.Node,
-        have: Placement,
+        have: NodePlacement,
         want: Placement,
         user: fx.Node,
         backward_scatter: bool = False,
     ) -> fx.Node:
-        rank = len(_info(src).shape)
+        rank = len(tensor_info(src).shape)
+        assert isinstance(have, Placement), "a single tensor has a single placement"
         have, want = _normalize(have, rank), _normalize(want, rank)
         if have == want:
             return src
         key = (src, str(want), backward_scatter)
         if key not in self.converted:
             if backward_scatter:  # sequence parallel: gather forward, reduce-scatter back
+                assert isinstance(have, Shard), "only a sharded operand is gathered for grad"
                 fn, args, kind = c.gather_for_grad, (src, have.dim, self.group), "all_gather"
             else:
                 fn, args, kind = self._collective_for(src, have, want)
             self.converted[key] = self._insert(fn, args, kind, src, user, have)
         return self.converted[key]
 
-    def _collective_for(self, src: fx.Node, have: Placement, want: Placement):
+    def _collective_for(
+        self, src: fx.Node, have: Placement, want: Placement
+    ) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...], str]:
         g = self.group
         if isinstance(have, Replicate) and isinstance(want, Shard):
             return c.shard, (src, want.dim, g), "slice"
@@ -144,8 +150,8 @@ class _Rewriter:
         COLLECTIVE.set(node, info)
         return node
 
-    def _bytes(self, src: fx.Node, have: Placement) -> Any:
-        info = _info(src)
+    def _bytes(self, src: fx.Node, have: Placement) -> sympy.Expr:
+        info = tensor_info(src)
         local = info.nbytes / self.tp if isinstance(have, Shard) else info.nbytes
         return local
 
@@ -179,7 +185,7 @@ class _Rewriter:
             user.replace_input_with(node, last)
         reduced.name = f"tp_{kind}_{node.name}"
         inherit(reduced, node, SHAPE.get(node))
-        info = CollectiveInfo(kind, Axis.TP.value, self.group, _info(node).nbytes)
+        info = CollectiveInfo(kind, Axis.TP.value, self.group, tensor_info(node).nbytes)
         COLLECTIVE.set(reduced, info)
 
 
@@ -187,18 +193,11 @@ def _normalize(p: Placement, rank: int) -> Placement:
     return Shard(p.dim + rank) if isinstance(p, Shard) and p.dim < 0 else p
 
 
-def _info(node: fx.Node) -> TensorInfo:
-    info = SHAPE.get(node)
-    if not isinstance(info, TensorInfo):
-        raise TypeError(f"{node.name} does not produce a single tensor")
-    return info
-
-
 def shard_parameters(
     gm: fx.GraphModule,
-    names: dict[str, str],
-    places: dict[str, Placement],
-    fused: dict[str, int],
+    names: Mapping[str, str],
+    places: Mapping[str, Placement],
+    fused: Mapping[str, int],
     tp: int,
     rank: int,
 ) -> None:

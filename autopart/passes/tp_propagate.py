@@ -17,7 +17,14 @@ from torch.distributed.tensor import Placement, Shard
 
 from autopart.ops.aten import VIEW_OPS, op_name
 from autopart.ops.meta import SHAPE, TensorInfo
-from autopart.passes.tp_rules import Decision, Operands, R, decide, flatten_args
+from autopart.passes.tp_rules import (
+    Decision,
+    NodePlacement,
+    Operands,
+    R,
+    decide,
+    flatten_args,
+)
 
 log = logging.getLogger("autopart.tp")
 
@@ -26,7 +33,7 @@ log = logging.getLogger("autopart.tp")
 class Propagation:
     """The outcome of one walk."""
 
-    places: dict[fx.Node, object] = field(default_factory=dict)  # output placement(s)
+    places: dict[fx.Node, NodePlacement] = field(default_factory=dict)  # output placement(s)
     decisions: dict[fx.Node, Decision] = field(default_factory=dict)
     grads: dict[fx.Node, bool] = field(default_factory=dict)
     # Column-parallel weights whose output is later split into equal parts (fused q/k/v):
@@ -39,7 +46,7 @@ class Propagation:
     def fallbacks(self) -> list[tuple[fx.Node, str]]:
         return [(n, d.fallback) for n, d in self.decisions.items() if d.fallback]
 
-    def operand_place(self, node: fx.Node) -> object:
+    def operand_place(self, node: fx.Node) -> NodePlacement:
         return self.places.get(node, R)
 
 
@@ -85,7 +92,9 @@ def propagate(
 
 def _operands(node: fx.Node, result: Propagation, tp: int) -> Operands:
     flat, _ = flatten_args(node)
-    places, shapes, grads = [], [], []
+    places: list[NodePlacement | None] = []
+    shapes: list[TensorInfo | None] = []
+    grads: list[bool] = []
     for leaf in flat:
         info = SHAPE.get(leaf, None) if isinstance(leaf, fx.Node) else None
         is_tensor = isinstance(leaf, fx.Node) and (
@@ -97,7 +106,14 @@ def _operands(node: fx.Node, result: Propagation, tp: int) -> Operands:
     return Operands(node, flat, places, shapes, grads, tp)
 
 
-def _track_origins(node, ops, decision, origin, result, gm) -> None:
+def _track_origins(
+    node: fx.Node,
+    ops: Operands,
+    decision: Decision,
+    origin: dict[fx.Node, tuple[str, ...]],
+    result: Propagation,
+    gm: fx.GraphModule,
+) -> None:
     """Remember which column-parallel weights produced a sharded value, through views,
     so a split of the sharded dim can mark those weights as fused."""
     name = op_name(node, gm)

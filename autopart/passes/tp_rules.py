@@ -18,8 +18,9 @@ Rules are pure: the same code plans (dry run) and rewrites.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsInt, TypeAlias, cast
 
 import sympy
 import torch
@@ -28,10 +29,13 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopart.ops.aten import ATTENTION_OPS, VIEW_OPS, op_name
-from autopart.ops.meta import SHAPE, TensorInfo
+from autopart.ops.meta import SHAPE, TensorInfo, tensor_info
 
 R = Replicate()
 P = Partial()
+
+# A node's placement: one, or one per output of a multi-output op (split, chunk).
+NodePlacement: TypeAlias = Placement | tuple[Placement, ...]
 
 # Needed on top of the `pointwise` tag: ops that act elementwise without carrying it.
 _ELEMENTWISE = frozenset(
@@ -65,7 +69,7 @@ class Decision:
     """What a rule decided for one node. Indices refer to the node's flattened
     (args, kwargs) leaves."""
 
-    output: Any  # Placement, or a tuple of them for multi-output ops
+    output: NodePlacement
     inputs: dict[int, Placement] = field(default_factory=dict)
     copy_to_group: set[int] = field(default_factory=set)  # R operands with partial grads
     updates: dict[int, Any] = field(default_factory=dict)  # new values of size leaves
@@ -85,7 +89,7 @@ class Operands:
 
     node: fx.Node
     flat: list[Any]
-    places: list[Placement | None]  # None where the leaf is not a tensor node
+    places: list[NodePlacement | None]  # None where the leaf is not a tensor node
     shapes: list[TensorInfo | None]
     grads: list[bool]  # whether the leaf requires grad
     tp: int
@@ -112,7 +116,7 @@ def decide(ops: Operands, gm: fx.GraphModule) -> Decision:
     return rule(ops)
 
 
-def _rule_for(name: str, node: fx.Node):
+def _rule_for(name: str, node: fx.Node) -> Callable[[Operands], Decision] | None:
     if name in _CONTRACTIONS:
         return _contraction
     if name in ATTENTION_OPS:
@@ -144,7 +148,7 @@ def _is_pointwise(node: fx.Node) -> bool:
     return torch.Tag.pointwise in getattr(node.target, "tags", ())
 
 
-def _replicated_output(node: fx.Node) -> Any:
+def _replicated_output(node: fx.Node) -> NodePlacement:
     info = SHAPE.get(node)
     return tuple(R for _ in info) if isinstance(info, tuple) else R
 
@@ -168,11 +172,17 @@ def _reduce_partials_first(ops: Operands, gm: fx.GraphModule) -> Decision:
 
 
 # ---------------------------------------------------------------------------------------
-# Helpers on shapes
+# Helpers on shapes and arguments
+
+
+def _shape(ops: Operands, i: int) -> tuple[sympy.Expr, ...]:
+    info = ops.shapes[i]
+    assert info is not None, "a tensor operand with one placement has a TensorInfo"
+    return info.shape
 
 
 def _rank(ops: Operands, i: int) -> int:
-    return len(ops.shapes[i].shape)
+    return len(_shape(ops, i))
 
 
 def _norm_dim(dim: int, rank: int) -> int:
@@ -188,6 +198,23 @@ def _out_rank(node: fx.Node) -> int:
     return len(info.shape) if isinstance(info, TensorInfo) else 0
 
 
+# fx types every argument as `Argument`, the union of all a graph can hold; the op's
+# schema is what makes a dim or a size an int, and a list of them a sequence.
+
+
+def _int(arg: fx.node.Argument) -> int:
+    return int(cast(SupportsInt, arg))
+
+
+def _seq(arg: fx.node.Argument) -> Sequence[fx.node.Argument]:
+    return cast(Sequence[fx.node.Argument], arg)
+
+
+def _dims(arg: fx.node.Argument) -> list[int]:
+    """A dim argument that is one dim or a list of them."""
+    return [arg] if isinstance(arg, int) else [_int(k) for k in _seq(arg)]
+
+
 # ---------------------------------------------------------------------------------------
 # Rules
 
@@ -198,9 +225,9 @@ def _elementwise(ops: Operands) -> Decision:
     those that broadcast over it keep their values but their gradient is partial."""
     out_rank = _out_rank(ops.node)
     sharded = {
-        _norm_dim(ops.places[i].dim, _rank(ops, i)) + out_rank - _rank(ops, i)
+        _norm_dim(p.dim, _rank(ops, i)) + out_rank - _rank(ops, i)
         for i in ops.tensors
-        if isinstance(ops.places[i], Shard)
+        if isinstance(p := ops.places[i], Shard)
     }
     if len(sharded) != 1 or out_rank == 0:
         return fallback(ops, "operands sharded on different dims")
@@ -211,7 +238,7 @@ def _elementwise(ops: Operands) -> Decision:
             continue
         rank = _rank(ops, i)
         own_dim = out_dim - (out_rank - rank)
-        if own_dim >= 0 and ops.shapes[i].shape[own_dim] != 1:
+        if own_dim >= 0 and _shape(ops, i)[own_dim] != 1:
             decision.inputs[i] = Shard(own_dim)
         elif ops.grads[i]:
             decision.copy_to_group.add(i)
@@ -237,19 +264,18 @@ def _dim_shuffle(ops: Operands) -> Decision:
     if name == "t":
         return Decision(output=Shard(1 - d))
     if name == "transpose":
-        a, b = (_norm_dim(int(v), rank) for v in args[1:3])
+        a, b = (_norm_dim(_int(v), rank) for v in args[1:3])
         return Decision(output=Shard(b if d == a else a if d == b else d))
     if name == "permute":
-        dims = [_norm_dim(int(v), rank) for v in args[1]]
+        dims = [_norm_dim(_int(v), rank) for v in _seq(args[1])]
         return Decision(output=Shard(dims.index(d)))
     if name == "unsqueeze":
-        k = _norm_dim(int(args[1]), rank + 1)
+        k = _norm_dim(_int(args[1]), rank + 1)
         return Decision(output=Shard(d + (k <= d)))
     if name == "squeeze":
-        shape = ops.shapes[0].shape
-        dims = args[1] if len(args) > 1 else [i for i, size in enumerate(shape) if size == 1]
-        dims = [dims] if isinstance(dims, int) else dims
-        removed = [_norm_dim(int(k), rank) for k in dims if ops.shapes[0].shape[int(k)] == 1]
+        shape = _shape(ops, 0)
+        squeezed = args[1] if len(args) > 1 else [i for i, size in enumerate(shape) if size == 1]
+        removed = [_norm_dim(k, rank) for k in _dims(squeezed) if shape[k] == 1]
         return Decision(output=Shard(d - sum(k < d for k in removed)))
     if name == "expand":
         return _expand(ops, d)
@@ -282,8 +308,8 @@ def _reshape(ops: Operands) -> Decision:
     x = ops.places[0]
     if not isinstance(x, Shard):
         return fallback(ops, "expected a sharded input")
-    in_shape = list(ops.shapes[0].shape)
-    out_shape = list(SHAPE.get(ops.node).shape)
+    in_shape = list(_shape(ops, 0))
+    out_shape = list(tensor_info(ops.node).shape)
     d = _norm_dim(x.dim, len(in_shape))
     run = _run_of(in_shape, out_shape, d)
     if run is None:
@@ -301,7 +327,9 @@ def _reshape(ops: Operands) -> Decision:
     return decision
 
 
-def _run_of(in_shape: list, out_shape: list, d: int):
+def _run_of(
+    in_shape: list[sympy.Expr], out_shape: list[sympy.Expr], d: int
+) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """The (in_start, in_end), (out_start, out_end) runs of equal product containing
     input dim d, skipping size-1 dims at the run edges."""
     i = j = 0
@@ -336,15 +364,17 @@ def _split(ops: Operands) -> Decision:
     rank = _rank(ops, 0)
     d = _norm_dim(x.dim, rank)
     name = op_name(node)
-    dim = _norm_dim(int(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)), rank)
-    parts = len(SHAPE.get(node))
+    dim = _norm_dim(_int(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)), rank)
+    info = SHAPE.get(node)
+    assert isinstance(info, tuple), "a split has one output per part"
+    parts = len(info)
     outputs = tuple(Shard(d) for _ in range(parts))
     if dim != d:
         return Decision(output=outputs)
     # Splitting the sharded dim itself: valid when the weight that produced it was
     # sharded part by part (a fused q/k/v projection); the rewriter arranges that.
     if name == "split" and isinstance(node.args[1], int) and node.args[1] % ops.tp == 0:
-        total = ops.shapes[0].shape[d]
+        total = _shape(ops, 0)[d]
         if total == node.args[1] * parts:
             return Decision(output=outputs, updates={1: node.args[1] // ops.tp}, fused_split=parts)
     if name == "chunk":
@@ -358,7 +388,7 @@ def _slice(ops: Operands) -> Decision:
         return fallback(ops, "expected a sharded input")
     rank = _rank(ops, 0)
     d = _norm_dim(x.dim, rank)
-    dim = _norm_dim(int(node.args[1]) if len(node.args) > 1 else 0, rank)
+    dim = _norm_dim(_int(node.args[1]) if len(node.args) > 1 else 0, rank)
     if dim == d:
         return fallback(ops, "slicing the sharded dim")
     if op_name(node) == "select":
@@ -367,9 +397,12 @@ def _slice(ops: Operands) -> Decision:
 
 
 def _cat(ops: Operands) -> Decision:
-    dim = int(ops.node.args[1]) if len(ops.node.args) > 1 else 0
+    dim = _int(ops.node.args[1]) if len(ops.node.args) > 1 else 0
     decision = _elementwise(ops)
-    if decision.fallback or decision.output.dim == _norm_dim(dim, _out_rank(ops.node)):
+    if decision.fallback:
+        return fallback(ops, "concatenating along the sharded dim")
+    assert isinstance(decision.output, Shard), "without a fallback, the output is sharded"
+    if decision.output.dim == _norm_dim(dim, _out_rank(ops.node)):
         return fallback(ops, "concatenating along the sharded dim")
     decision.copy_to_group.clear()  # cat never broadcasts
     return decision
@@ -381,11 +414,10 @@ def _reduction(ops: Operands) -> Decision:
         return fallback(ops, "expected a sharded input")
     rank = _rank(ops, 0)
     d = _norm_dim(x.dim, rank)
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    if dims is None:
+    reduced = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if reduced is None:
         return fallback(ops, "reduction over every dim")
-    dims = [dims] if isinstance(dims, int) else list(dims)
-    dims = [_norm_dim(int(k), rank) for k in dims]
+    dims = [_norm_dim(k, rank) for k in _dims(reduced)]
     if d in dims:
         return fallback(ops, "reduction over the sharded dim")
     keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
@@ -397,7 +429,7 @@ def _softmax(ops: Operands) -> Decision:
     if not isinstance(x, Shard):
         return fallback(ops, "expected a sharded input")
     rank = _rank(ops, 0)
-    if _norm_dim(x.dim, rank) == _norm_dim(int(ops.node.args[1]), rank):
+    if _norm_dim(x.dim, rank) == _norm_dim(_int(ops.node.args[1]), rank):
         return fallback(ops, "softmax over the sharded dim")
     return Decision(output=x)
 
@@ -405,7 +437,7 @@ def _softmax(ops: Operands) -> Decision:
 def _layer_norm(ops: Operands) -> Decision:
     x = ops.places[0]
     rank = _rank(ops, 0)
-    normalized = len(ops.node.args[1])
+    normalized = len(_seq(ops.node.args[1]))
     if not isinstance(x, Shard) or _norm_dim(x.dim, rank) >= rank - normalized:
         return fallback(ops, "layer norm over the sharded dim")
     decision = Decision(output=x)
@@ -437,13 +469,13 @@ def _attention(ops: Operands) -> Decision:
         return fallback(ops, "attention not sharded on heads")
     decision = Decision(output=Shard(1))
     for i in ops.tensors[3:]:
-        shape = ops.shapes[i].shape
+        shape = _shape(ops, i)
         if ops.places[i] == R and len(shape) == 4 and shape[1] != 1:
             decision.inputs[i] = Shard(1)
     return decision
 
 
-def _normalized(p: Placement | None, rank: int) -> Placement | None:
+def _normalized(p: NodePlacement | None, rank: int) -> NodePlacement | None:
     return Shard(_norm_dim(p.dim, rank)) if isinstance(p, Shard) else p
 
 
@@ -455,6 +487,7 @@ def _contraction(ops: Operands) -> Decision:
     node = ops.node
     name = op_name(node)
     t = ops.tensors
+    bias_i: int | None
     if name in ("addmm", "baddbmm"):
         bias_i, a_i, b_i = t[0], t[1], t[2]
     else:
@@ -477,7 +510,7 @@ def _contraction(ops: Operands) -> Decision:
         elif ops.grads[a_i]:
             decision.copy_to_group.add(a_i)
         if bias_i is not None and ops.places[bias_i] == R:
-            decision.inputs[bias_i] = Shard(len(ops.shapes[bias_i].shape) - 1)
+            decision.inputs[bias_i] = Shard(len(_shape(ops, bias_i)) - 1)
         return decision
     if da == a_k and (db == b_k or (b == R and rb == 2)):
         if b == R:

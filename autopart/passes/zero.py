@@ -68,7 +68,7 @@ def zero3_shard_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 def zero3_prefetch_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     waits = sorted(
-        gm.graph.find_nodes(op="call_function", target=all_gather_wait), key=position.get
+        gm.graph.find_nodes(op="call_function", target=all_gather_wait), key=position.__getitem__
     )
     for previous, wait in zip(waits, waits[1:]):
         start = wait.args[2]
@@ -108,9 +108,9 @@ def _buckets(
 ) -> list[list[nn.Parameter]]:
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     first_use: dict[int, fx.Node | None] = {}
-    for key, (_, nodes) in reads.items():
+    for k, (_, nodes) in reads.items():
         users = [user for node in nodes for user in node.users]
-        first_use[key] = min(users, key=position.get) if users else None
+        first_use[k] = min(users, key=position.__getitem__) if users else None
     order = sorted(reads, key=lambda k: position[first_use[k]] if first_use[k] else len(position))
     buckets: list[list[nn.Parameter]] = []
     last_key, size = None, 0

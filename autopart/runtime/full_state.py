@@ -54,4 +54,8 @@ def _gather_pipeline_stages(
     pieces: list[dict[str, torch.Tensor] | None] = [None] * pm.plan.pp
     dist.all_gather_object(pieces, {k: v.cpu() for k, v in params.items()}, group=group)
     device = next(iter(params.values())).device if params else torch.device("cpu")
-    return {k: v.to(device) for piece in pieces for k, v in piece.items()}
+    gathered: dict[str, torch.Tensor] = {}
+    for piece in pieces:
+        assert piece is not None, "all_gather_object fills every entry"
+        gathered.update((k, v.to(device)) for k, v in piece.items())
+    return gathered

@@ -84,6 +84,7 @@ class GradientSync:
             if bucket.work is None:
                 self._launch(bucket)
         for bucket in self.buckets:
+            assert bucket.work is not None, "every bucket was launched above"
             bucket.work.wait()
             for p in bucket.params:
                 if id(p) not in bucket.arrivals:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,11 @@ class ParallelModule(nn.Module):
     def graph(self) -> fx.GraphModule:
         """This rank's graph (its first stage's, under a pipeline):
         `pm.graph.print_readable()` shows every inserted collective."""
-        return self.stages[0]
+        return self._stage_graphs()[0]
+
+    def _stage_graphs(self) -> list[fx.GraphModule]:
+        # nn.ModuleList types its items as Module; these are the program's GraphModules.
+        return [cast(fx.GraphModule, stage) for stage in self.stages]
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -108,7 +112,7 @@ class ParallelModule(nn.Module):
         (node name, what it is, axis, process group, bytes per rank)."""
         return [
             (node.name, COLLECTIVE.get(node))
-            for stage in self.stages
+            for stage in self._stage_graphs()
             for node in stage.graph.nodes
             if COLLECTIVE.has(node)
         ]

@@ -16,7 +16,7 @@ after the data-parallel all-reduce has started on them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import chain
 from typing import Any
 
@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from autopart.batch import split_batch
 from autopart.degrees import Axis
 from autopart.ops.groups import MeshGroups
-from autopart.ops.meta import SHAPE, TensorInfo
+from autopart.ops.meta import NodeShape, TensorInfo, tensor_info
 from autopart.ops.program import RankProgram
 from autopart.ops.stage_info import PipelineInfo, output_values, pipeline_info
 from autopart.plan import Plan
@@ -106,7 +106,9 @@ class PipelineExecutor:
         return sum(self._losses, torch.zeros((), device=self.device))
 
     def _microbatch_loss(self, outputs: tuple, index: torch.Tensor) -> torch.Tensor:
-        output = pytree.tree_unflatten(list(outputs), self.modules[-1].out_spec)
+        out_spec = self.modules[-1].out_spec
+        assert out_spec is not None, "the loss follows the last stage's forward"
+        output = pytree.tree_unflatten(list(outputs), out_spec)
         with self.precision.autocast():
             loss = self.loss_fn(output, self._targets[int(index)]) / self.microbatches
         self._losses.append(loss.detach().float())
@@ -133,11 +135,11 @@ class PipelineExecutor:
         else:
             placeholders = graph.find_nodes(op="placeholder")
             inputs = tuple(
-                _example(SHAPE.get(n), sizes, grad, self.device)
+                _example(tensor_info(n), sizes, grad, self.device)
                 for n, grad in zip(placeholders, info.input_grads)
             )
         outputs = tuple(
-            _example(SHAPE.get(v), sizes, grad, self.device)
+            _example(tensor_info(v), sizes, grad, self.device)
             for v, grad in zip(output_values(graph), info.output_grads)
         )
         return PipelineStage(
@@ -150,16 +152,18 @@ class PipelineExecutor:
             group=self.group,
         )
 
-    def _make_schedule(self, stages: list[PipelineStage]):
-        kwargs = {"loss_fn": self._microbatch_loss, "scale_grads": False}
+    def _make_schedule(self, stages: Sequence[PipelineStage]):
+        loss_fn = self._microbatch_loss
         if self.schedule_type is ScheduleInterleaved1F1B:
-            return ScheduleInterleaved1F1B(stages, self.microbatches, **kwargs)
+            return ScheduleInterleaved1F1B(
+                list(stages), self.microbatches, loss_fn=loss_fn, scale_grads=False
+            )
         if len(stages) > 1:
             raise ValueError(
                 f"the {self.schedule_type.__name__} schedule runs one stage per rank, not "
                 f"{len(stages)}: use schedule='interleaved-1f1b' with virtual stages"
             )
-        return self.schedule_type(stages[0], self.microbatches, **kwargs)
+        return self.schedule_type(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 class _StageOutputs(nn.Module):
@@ -174,7 +178,7 @@ class _StageOutputs(nn.Module):
         self.precision = precision
         info = pipeline_info(stage)
         self.sent_dtypes = (
-            [SHAPE.get(v).dtype for v in output_values(stage.graph)]
+            [tensor_info(v).dtype for v in output_values(stage.graph)]
             if info.stage < info.stages - 1
             else None
         )
@@ -189,7 +193,7 @@ class _StageOutputs(nn.Module):
         return tuple(x.contiguous() for x in leaves)
 
 
-def _bind_dims(model_inputs: tuple[TensorInfo | None, ...], leaves: list) -> dict:
+def _bind_dims(model_inputs: tuple[NodeShape, ...], leaves: list) -> dict:
     """The named dims ("batch", ...) of the model's inputs, at this microbatch's sizes."""
     sizes: dict[sympy.Symbol, int] = {}
     for info, leaf in zip(model_inputs, leaves):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch.utils.hooks import RemovableHandle
 
 from autopart.degrees import Axis
 from autopart.ops.groups import MeshGroups
@@ -56,7 +57,7 @@ class SharedParameters:
         self.microbatches = microbatches
         self.active = False
         self.works: list[dist.Work] = []
-        self.hooks = []
+        self.hooks: list[RemovableHandle] = []
         pp_group = groups.group(Axis.PP)
         pp = groups.size(Axis.PP)
         ranks = [dist.get_global_rank(pp_group, i) for i in range(pp)]
@@ -105,7 +106,7 @@ class SharedParameters:
                 for replica in entry.replicas.values():
                     replica.detach().copy_(value)
                 for _, rank in entry.remote_readers:
-                    self.works.append(dist.isend(value, rank, group=entry.group))
+                    self.works.append(_isend(value, rank, entry.group))
         for entry in self.shared:
             if entry.param is None:
                 for _, replica in sorted(entry.replicas.items()):
@@ -129,9 +130,11 @@ class SharedParameters:
 
     def _replica_grad(self, entry: _Shared, replica: torch.Tensor) -> None:
         if self._last_arrival(entry, replica):
-            self.works.append(dist.isend(replica.grad, entry.owner_rank, group=entry.group))
+            assert replica.grad is not None, "a post-accumulate-grad hook sees the grad"
+            self.works.append(_isend(replica.grad, entry.owner_rank, entry.group))
 
     def _owner_grad(self, entry: _Shared, grad: torch.Tensor) -> torch.Tensor:
+        assert entry.param is not None, "the hook is on the owner's parameter"
         if not self._last_arrival(entry, entry.param):
             return grad
         # Later stages finish their backward first: receive in decreasing stage order,
@@ -146,15 +149,22 @@ class SharedParameters:
         return grad
 
 
+def _isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> dist.Work:
+    work = dist.isend(tensor, dst, group=group)
+    assert work is not None, "this rank is in the group"  # isend returns None only outside it
+    return work
+
+
 def _pp_groups_like(groups: MeshGroups) -> dist.ProcessGroup:
     """A new process group over this rank's pp ranks. Every rank creates every pp
     group, in the same order (torch.distributed requires it), and keeps its own."""
     mesh = groups.device_mesh
-    dim = mesh.mesh_dim_names.index(Axis.PP.value)
+    dim = groups.mesh_dim(Axis.PP)
     layout = mesh.mesh.movedim(dim, -1).reshape(-1, mesh.mesh.size(dim)).tolist()
-    mine = None
+    mine: dist.ProcessGroup | None = None
     for ranks in layout:
         group = dist.new_group(ranks)
         if dist.get_rank() in ranks:
             mine = group
+    assert mine is not None, "the device mesh holds every rank"
     return mine

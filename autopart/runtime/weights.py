@@ -28,11 +28,12 @@ def init_empty_weights() -> Iterator[None]:
             meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
             module._parameters[name] = meta
 
-    nn.Module.register_parameter = register_on_meta
+    # setattr: mypy rightly refuses to assign to a method; this is a deliberate patch.
+    setattr(nn.Module, "register_parameter", register_on_meta)  # noqa: B010
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        setattr(nn.Module, "register_parameter", register)  # noqa: B010
 
 
 def save_checkpoint(pm, path: str | os.PathLike) -> None:

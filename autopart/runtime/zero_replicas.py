@@ -134,6 +134,7 @@ class ReplicaShards:
                 self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
+        assert b.grads is not None, "only stage 1 reduces a whole bucket of gradients"
         b.launched = True
         self.reducer.launch(b.grads, b.shard)
 
@@ -148,4 +149,4 @@ class ReplicaShards:
 def _copy_back(b: _Bucket, flat: torch.Tensor, work: dist.Work) -> None:
     work.wait()
     with torch.no_grad():
-        torch._foreach_copy_(b.params, list(b.layout.views(flat)))
+        torch._foreach_copy_(tuple(b.params), list(b.layout.views(flat)))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from autopart.plan import PlanError
+from autopart.policy import Schedule
 from autopart.solver.stages import choose_stage_cuts
 
 
@@ -35,9 +36,11 @@ def choose_pipeline(
     """`replica_batch` is the global batch over dp; the other arguments are pins."""
     if pp == 1:
         return PipelineChoice(schedule, virtual_stages or 1, microbatches or 1, ())
-    virtual = virtual_stages or (2 if schedule == "interleaved-1f1b" else 1)
-    schedule = schedule or ("interleaved-1f1b" if virtual > 1 else "1f1b")
-    if virtual > 1 and schedule != "interleaved-1f1b":
+    virtual = virtual_stages or (2 if schedule == Schedule.INTERLEAVED_1F1B else 1)
+    schedule = schedule or (
+        Schedule.INTERLEAVED_1F1B.value if virtual > 1 else Schedule.ONE_F_ONE_B.value
+    )
+    if virtual > 1 and schedule != Schedule.INTERLEAVED_1F1B:
         raise PlanError(
             f"virtual_stages={virtual} needs schedule='interleaved-1f1b' (the {schedule} "
             "schedule runs one stage per rank)"
@@ -45,10 +48,10 @@ def choose_pipeline(
     m = microbatches or next(
         (d for d in range(pp, replica_batch + 1) if replica_batch % d == 0), replica_batch
     )
-    if schedule == "1f1b" and m < pp:
+    if schedule == Schedule.ONE_F_ONE_B and m < pp:
         raise PlanError(f"1F1B needs at least pp={pp} microbatches, not {m}")
     rounds = max(1, m // pp)
-    if schedule == "interleaved-1f1b" and m % rounds:
+    if schedule == Schedule.INTERLEAVED_1F1B and m % rounds:
         raise PlanError(
             f"interleaved 1F1B runs microbatches in rounds of pp={pp}: {m} microbatches "
             f"do not split into {rounds} equal rounds; use a multiple of {pp}"

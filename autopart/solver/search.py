@@ -47,6 +47,7 @@ from autopart.degrees import Axis, Degrees
 from autopart.mesh import Mesh
 from autopart.plan import Predicted
 from autopart.plan_format import format_bytes
+from autopart.policy import Schedule
 from autopart.solver.tensor_parallel import choose_tp_placements
 
 if TYPE_CHECKING:
@@ -220,11 +221,11 @@ def _pipelines(pp: int, replica_batch: int, pins: Pins, blocks: int):
     if pins.schedule:
         schedules = [pins.schedule]
     elif (pins.virtual_stages or 1) > 1:
-        schedules = ["interleaved-1f1b"]
+        schedules = [Schedule.INTERLEAVED_1F1B.value]
     else:
-        schedules = ["1f1b", "interleaved-1f1b"]
+        schedules = [Schedule.ONE_F_ONE_B.value, Schedule.INTERLEAVED_1F1B.value]
     for schedule in schedules:
-        virtual = pins.virtual_stages or (2 if schedule == "interleaved-1f1b" else 1)
+        virtual = pins.virtual_stages or (2 if schedule == Schedule.INTERLEAVED_1F1B else 1)
         if virtual > 1 and pp * virtual > blocks and not pins.virtual_stages:
             continue
         if pins.microbatches:
