@@ -13,21 +13,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
-class Axis(str, Enum):
+class Axis(StrEnum):
     """The mesh axes. "axis" always means one of these; "dim" means a tensor dimension."""
 
     DP = "dp"
     TP = "tp"
     PP = "pp"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # The axes of a DeviceMesh, outermost first: pp outermost, tp innermost, so that tensor

@@ -6,33 +6,27 @@ predicts it; both import it from here, so the two cannot drift apart.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, StrEnum
 
 import torch
 
 MiB = 1024**2
 
 
-class Precision(str, Enum):
+class Precision(StrEnum):
     """How a plan computes: fp32, or autocast to 16 bits over fp32 master weights."""
 
     FP32 = "fp32"
     BF16_MIXED = "bf16-mixed"
     FP16_MIXED = "fp16-mixed"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Schedule(str, Enum):
+class Schedule(StrEnum):
     """A pipeline schedule (torch.distributed.pipelining's)."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved-1f1b"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 PRECISIONS: tuple[str, ...] = tuple(p.value for p in Precision)

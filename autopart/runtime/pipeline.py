@@ -65,6 +65,7 @@ class PipelineExecutor:
         self.infos = [pipeline_info(gm) for gm in program.stages]
         self.stage_ids = program.stage_ids
         self.num_stages = self.infos[0].stages
+        assert plan.schedule is not None, "a plan with pp > 1 has a schedule (Plan checks it)"
         self.schedule_type = SCHEDULE_CLASSES[Schedule(plan.schedule)]
         self.microbatches = plan.microbatches
         self.group = groups.group(Axis.PP)
