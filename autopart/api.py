@@ -18,8 +18,8 @@ from autopart.passes import analyze
 from autopart.passes.materialize import Weights
 from autopart.passes.rewrite import rank_program
 from autopart.passes.runner import RankTarget
-from autopart.plan import Plan
-from autopart.policy import LOW_DTYPES
+from autopart.plan import Plan, PlanError
+from autopart.policy import LOW_DTYPES, optimizer_class, zero_refusal
 from autopart.runtime.parallel_module import LossFn, OptimizerFactory, ParallelModule
 from autopart.solver import Pins, make_plan
 
@@ -58,11 +58,15 @@ def parallelize(
     a state dict of whole tensors or a torch.distributed.checkpoint directory; each
     rank loads only its own pieces."""
     captured = _captured(model, example_inputs, example_kwargs)
+    kind = optimizer_class(optimizer) if optimizer else None
     if plan is None:
-        plan = make_plan(captured, mesh, Pins.of(**pins))
+        plan = make_plan(captured, mesh, Pins.of(optimizer_class=kind, **pins))
     elif pins:
         raise TypeError(f"pass either a plan or pins, not both (got pins {sorted(pins)})")
     plan.check_compatible(captured.fingerprint, mesh)
+    refusal = zero_refusal(plan.zero, kind)
+    if refusal:
+        raise PlanError(refusal)
     groups = MeshGroups(mesh.device_mesh(plan.degrees))
     captured = _program_capture(model, captured, plan, example_kwargs, groups.device)
     program = rank_program(captured.gm, captured.context(target=RankTarget(plan, groups, weights)))

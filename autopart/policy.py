@@ -6,6 +6,7 @@ predicts it; both import it from here, so the two cannot drift apart.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum, StrEnum
 
 import torch
@@ -49,6 +50,49 @@ FIRST_GRAD_BUCKET_BYTES = 1 * MiB
 ZERO3_BUCKET_BYTES = 128 * MiB
 # A bucket read again after this many other buckets were gathered is gathered again.
 ZERO3_REGATHER_AFTER = 2
+
+
+# Optimizers whose update of each element reads only that element's gradient and state
+# (besides scalars: the step, the learning rate). ZeRO steps the optimizer on flat shards
+# of the parameters, which gives exactly what these do on whole tensors; an optimizer
+# that reads a whole tensor (Adafactor's row and column statistics, LBFGS's line
+# search over every parameter) would compute something else.
+ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.RMSprop,
+        torch.optim.Rprop,
+        torch.optim.ASGD,
+    }
+)
+
+
+def optimizer_class(
+    factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+) -> type[torch.optim.Optimizer]:
+    """The class of optimizer `factory` builds, from one built over a one-element
+    parameter (cheap, and independent of the model)."""
+    return type(factory([torch.nn.Parameter(torch.zeros(1))]))
+
+
+def zero_refusal(zero: int, optimizer: type[torch.optim.Optimizer] | None) -> str | None:
+    """Why ZeRO stage `zero` cannot run `optimizer` exactly; None when it can (or no
+    optimizer is known)."""
+    if zero == 0 or optimizer is None or optimizer in ELEMENTWISE_OPTIMIZERS:
+        return None
+    known = ", ".join(sorted(o.__name__ for o in ELEMENTWISE_OPTIMIZERS))
+    return (
+        f"ZeRO-{zero} steps the optimizer on flat shards of the parameters, which is exact "
+        f"only for elementwise optimizers ({known}); {optimizer.__name__} is not known to "
+        "be one, so its updates would change. Use zero=0, or one of those optimizers"
+    )
 
 
 def check_choice(kind: type[Enum], value: object, what: str) -> str | None:

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from autopart.batch import batch_size, check_divisible
@@ -19,6 +20,7 @@ from autopart.degrees import Axis, Degrees, axis_names
 from autopart.mesh import Mesh
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
+from autopart.policy import zero_refusal
 from autopart.solver.pipeline import choose_pipeline
 from autopart.solver.search import Candidate, NoPlanFits, search
 from autopart.solver.tensor_parallel import choose_tp_placements
@@ -36,6 +38,9 @@ class Pins:
     recompute: tuple[str, ...] | None = None
     precision: str = "fp32"
     sequence_parallel: bool = False
+    # The optimizer the plan will run, where known: ZeRO is left out unless it is exact
+    # for it (policy.zero_refusal).
+    optimizer_class: type[torch.optim.Optimizer] | None = None
 
     @classmethod
     def of(cls, **pins: Any) -> Pins:
@@ -58,6 +63,9 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     """The plan for `captured` on `mesh`: the search's choice among what `pins` allow,
     with its tensor-parallel layout, pipeline cuts, predictions and runners-up."""
     batch = batch_size((captured.example_args, captured.example_kwargs))
+    refusal = zero_refusal(pins.zero or 0, pins.optimizer_class)
+    if refusal:
+        raise PlanError(refusal)
     if pins.degree(Axis.DP) is not None:
         check_divisible(batch, pins.degrees[Axis.DP], "dp")
     if set(pins.degrees) == set(axis_names()):

@@ -47,7 +47,7 @@ from autopart.degrees import Axis, Degrees
 from autopart.mesh import Mesh
 from autopart.plan import Predicted
 from autopart.plan_format import format_bytes
-from autopart.policy import Schedule
+from autopart.policy import Schedule, zero_refusal
 from autopart.solver.tensor_parallel import choose_tp_placements
 
 if TYPE_CHECKING:
@@ -239,7 +239,7 @@ def _pipelines(pp: int, replica_batch: int, pins: Pins, blocks: int):
 def _zero_stages(dp: int, pins: Pins) -> list[int]:
     if pins.zero is not None:
         return [pins.zero]
-    if dp == 1:
+    if dp == 1 or zero_refusal(1, pins.optimizer_class):  # ZeRO would change its updates
         return [0]
     return [0, 1, 2] if pins.recompute else [0, 1, 2, 3]  # recomputation excludes ZeRO-3
 
