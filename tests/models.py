@@ -99,10 +99,10 @@ LM_FACTORIES = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
 
 def train_single_device(
-    model_name: str, optimizer: str, steps: int, batch, layers: int = 2
+    model_name: str, optimizer: str, steps: int, batch, layers: int = 2, seed: int = 0
 ) -> dict:
     """The reference: the unmodified model on one device, on the whole global batch."""
-    model = LM_FACTORIES[model_name](layers=layers)
+    model = LM_FACTORIES[model_name](seed=seed, layers=layers)
     opt = make_optimizer(optimizer)(model.parameters())
     ids, target = batch
     losses = []

@@ -1,5 +1,6 @@
-"""Real memory for a model built on the meta device: each rank materializes only its
-own pieces of each stage, from either
+"""Weights for each rank's pieces of each stage. A model built on the meta device gets
+real memory for them; a real model given `weights` has its parameters overwritten.
+Each rank reads only its own pieces, from either
 
 - a state dict of whole tensors (`torch.load(path, mmap=True)` keeps it on disk): each
   rank copies its slice of each parameter; or
@@ -7,7 +8,7 @@ own pieces of each stage, from either
   as a DTensor with its placement, so the reader fetches only this rank's slice
   (a fused q/k/v weight, sharded part by part, is read whole and sliced).
 
-A model with real weights passes through untouched.
+Without `weights`, a real model passes through untouched and a meta one is an error.
 """
 
 from __future__ import annotations
@@ -32,12 +33,19 @@ class WeightsError(ValueError):
 
 
 def materialize_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Replace every meta parameter and buffer of the stage by real memory on this
-    rank's device holding this rank's piece of the target's weights."""
-    tensors = [(gm, name, t) for name, t in _tensors(gm) if t.is_meta]
+    """Give the stage this rank's piece of the target's weights, on this rank's device:
+    every meta parameter and buffer is replaced by real memory, and, when weights are
+    given, every real parameter is overwritten in place (a real buffer keeps the value
+    the model computed). Without weights, a real model passes through untouched."""
+    weights, groups = ctx.rank.weights, ctx.rank.groups
+    tensors = [
+        (gm, name, t)
+        for name, t in _tensors(gm)
+        # Trainable buffers are a later pipeline stage's replicas of tied weights.
+        if t.is_meta or (weights is not None and (isinstance(t, nn.Parameter) or t.requires_grad))
+    ]
     if not tensors:
         return gm
-    weights, groups = ctx.rank.weights, ctx.rank.groups
     tp_layout, tp_mesh = TP_LAYOUT.get(gm, {}), groups.tp_mesh
     if weights is None:
         raise WeightsError(
@@ -49,7 +57,11 @@ def materialize_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     else:
         loaded = _load_checkpoint(str(weights), tensors, tp_layout, tp_mesh)
     for gm, name, t in tensors:
-        _replace(gm, name, loaded[name].to(groups.device), t)
+        if t.is_meta:
+            _replace(gm, name, loaded[name].to(groups.device), t)
+        else:  # the model's own parameter (or this rank's shard of it): keep the object
+            with torch.no_grad():
+                t.copy_(loaded[name])
     return gm
 
 

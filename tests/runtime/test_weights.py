@@ -53,3 +53,27 @@ def _without_weights(batch):
 def test_meta_model_without_weights_is_a_clear_error():
     message = run_world(_without_weights, 2, token_batch(8))[0]
     assert "meta device" in message and "weights=" in message
+
+
+def _real_model_with_weights(batch):
+    """A real model (seed 0) given the weights of another (seed 1): it must train as
+    the other does, never silently keep its own."""
+    ids, _ = batch
+    weights = tiny_llama(seed=1).state_dict()
+    losses = {}
+    for pins in ({"dp": 2}, {"tp": 2}):
+        pm = parallelize_lm(tiny_llama(seed=0), batch, weights=weights, **pins)
+        losses[tuple(pins)] = train_losses(pm, batch, STEPS)
+        pm.close()
+    return losses
+
+
+def test_weights_given_to_a_real_model_are_loaded():
+    batch = token_batch(8)
+    per_rank = run_world(_real_model_with_weights, 2, batch)
+    reference = train_single_device("llama", "adamw", STEPS, batch, seed=1)["losses"]
+    own = train_single_device("llama", "adamw", STEPS, batch)["losses"]
+    assert reference[0] != pytest.approx(own[0], rel=1e-3)  # the two models differ
+    for rank, losses in enumerate(per_rank):
+        for pins, got in losses.items():
+            assert got == pytest.approx(reference, rel=1e-5), (pins, rank)
