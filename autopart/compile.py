@@ -7,10 +7,17 @@ data-parallel: every backward through the graph all-reduces them in buckets, ove
 with backward, and averages them over the world, as DistributedDataParallel would. Each
 process feeds its own slice of the batch. Tensor and pipeline parallelism rewrite the
 model itself and go through `autopart.parallelize`.
+
+Averaging is right only if every rank runs the same graph: ranks whose data sends
+them down different branches would sum the gradients of different parameters, silently
+(DistributedDataParallel hangs or raises). So before each forward that will need
+gradients, the ranks compare the graph they are about to run, with one all-reduce of
+two integers, and all of them raise together if any differs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,9 +54,11 @@ class AutopartBackend:
         if not (params and dist.is_initialized() and dist.get_world_size() > 1):
             return gm.forward
         sync = self._sync_for(params)
+        signature = _signature(gm)
 
         def forward(*args: Any) -> Any:
             if torch.is_grad_enabled():
+                _check_same_graph(signature, params[0].device)
                 sync.begin()
             return gm.forward(*args)
 
@@ -65,6 +74,26 @@ class AutopartBackend:
                 list(reversed(params)), world, finish_with_backward=True
             )
         return self._synced[key]
+
+
+def _signature(gm: fx.GraphModule) -> int:
+    """The same integer on every rank for the same graph (its generated code), below
+    2**62 so that it and its negation fit an int64."""
+    return int.from_bytes(hashlib.sha256(gm.code.encode()).digest()[:8], "big") >> 2
+
+
+def _check_same_graph(signature: int, device: torch.device) -> None:
+    """Every rank about to run the graph `signature`, or all raise: the all-reduced
+    maxima of (s, -s) give the largest and smallest signature of the world."""
+    both = torch.tensor([signature, -signature], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if both[0].item() != signature or -both[1].item() != signature:
+        raise RuntimeError(
+            "autopart: the ranks are running different compiled graphs (the model's "
+            "control flow depends on each rank's data), so their gradients cannot be "
+            "averaged. Make every rank take the same branches, or use a model without "
+            "data-dependent control flow"
+        )
 
 
 autopart_backend = AutopartBackend()

@@ -46,3 +46,31 @@ def test_gradients_are_averaged_over_the_world():
     for rank_grads in grads:
         for name, p in reference.named_parameters():
             torch.testing.assert_close(rank_grads[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+class _Branchy(torch.nn.Module):
+    """Control flow on the data: each rank's slice picks its own branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x) if x.sum() > 0 else self.down(x)
+
+
+def _divergent_step() -> str:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled = torch.compile(_Branchy(), backend="autopart")
+    sign = 1.0 if dist.get_rank() == 0 else -1.0
+    try:
+        compiled(sign * torch.ones(2, 8)).square().mean().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_running_different_graphs_all_raise():
+    messages = run_world(_divergent_step, 2)
+    assert all("running different compiled graphs" in m for m in messages), messages
