@@ -5,7 +5,8 @@
 The model (32 layers, hidden 4096, 32 heads, 8 KV heads, FFN 14336, vocabulary 128256)
 is built on the meta device, so nothing is allocated. Prints one JSON line: seconds for
 torch.export (non-strict, the same dynamic batch), for autopart.capture, for the
-analysis passes, and capture / export.
+analysis passes, capture / export, and the seconds to price one plan of it on 1024
+H100s (dp=128, tp=8), which the solver does for every candidate.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from harness import print_json_line, timed
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from autopart.capture import capture
+from autopart.cost_models import Choices, predict
+from autopart.degrees import Degrees
+from autopart.mesh import Mesh
 from autopart.passes import analyze
 
 
@@ -44,6 +48,9 @@ def main() -> None:
     )
     captured, capture_s = timed(lambda: capture(model, (ids,)))
     _, analyze_s = timed(lambda: analyze(captured.gm, captured.context()))
+    cluster = Mesh.cluster("h100-80g", nodes=128, per_node=8)
+    choices = Choices(global_batch=1024, degrees=Degrees(dp=128, tp=8))
+    _, predict_s = timed(lambda: predict(captured.gm, cluster, choices))
     print_json_line(
         {
             "benchmark": "capture_llama3_8b_meta",
@@ -54,6 +61,8 @@ def main() -> None:
             "analysis_s": round(analyze_s, 2),
             "ratio": round(capture_s / export_s, 3),
             "target_capture_s": 15,
+            "predict_plan_s": round(predict_s, 2),
+            "target_predict_plan_s": 1.0,
         }
     )
 
