@@ -19,7 +19,7 @@ from autopart.passes.materialize import Weights
 from autopart.passes.rewrite import rank_program
 from autopart.passes.runner import RankTarget
 from autopart.plan import Plan, PlanError
-from autopart.policy import LOW_DTYPES, optimizer_class, zero_refusal
+from autopart.policy import LOW_DTYPES, optimizer_class, optimizer_refusal, zero_refusal
 from autopart.runtime.parallel_module import LossFn, OptimizerFactory, ParallelModule
 from autopart.solver import Pins, make_plan
 
@@ -59,6 +59,9 @@ def parallelize(
     rank loads only its own pieces."""
     captured = _captured(model, example_inputs, example_kwargs)
     kind = optimizer_class(optimizer) if optimizer else None
+    refusal = optimizer_refusal(kind)
+    if refusal:
+        raise TypeError(refusal)
     if plan is None:
         plan = make_plan(captured, mesh, Pins.of(optimizer_class=kind, **pins))
     elif pins:

@@ -232,6 +232,8 @@ class Plan(AxisAttributes):
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
+        if not Path(path).is_file():
+            raise PlanError(f"no plan file at {path}: write one with plan.save(path)")
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as e:

@@ -6,6 +6,7 @@ predicts it; both import it from here, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from enum import Enum, StrEnum
 
@@ -80,6 +81,18 @@ def optimizer_class(
     """The class of optimizer `factory` builds, from one built over a one-element
     parameter (cheap, and independent of the model)."""
     return type(factory([torch.nn.Parameter(torch.zeros(1))]))
+
+
+def optimizer_refusal(optimizer: type[torch.optim.Optimizer] | None) -> str | None:
+    """Why `train_step` cannot run `optimizer` at all; None when it can."""
+    closure = inspect.signature(optimizer.step).parameters.get("closure") if optimizer else None
+    if optimizer is None or closure is None or closure.default is not inspect.Parameter.empty:
+        return None
+    return (
+        f"{optimizer.__name__}.step needs a closure that runs the model again, but "
+        "train_step runs one forward and backward per step: use an optimizer whose step "
+        "takes the gradients as they are (SGD, AdamW, ...)"
+    )
 
 
 def zero_refusal(zero: int, optimizer: type[torch.optim.Optimizer] | None) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import autopart
@@ -85,3 +86,34 @@ def test_a_file_of_another_version_is_refused(tmp_path):
     path.write_text(json.dumps(_plan().to_json() | {"version": 99}))
     with pytest.raises(PlanError, match="version 99 is not supported"):
         Plan.load(path)
+
+
+def test_bad_plan_files_and_pins_say_what_is_wrong(tmp_path):
+    with pytest.raises(PlanError, match="no plan file at"):
+        Plan.load(tmp_path / "missing.json")
+    data = _plan().to_json() | {"dp": "4"}
+    with pytest.raises(PlanError, match="degree of dp must be a positive integer, not '4'"):
+        Plan.from_json(data)
+    ids = token_batch(4)[0]
+    mesh = Mesh.cluster("cpu", nodes=1, per_node=2)
+    with pytest.raises(PlanError, match="degree of tp must be a positive integer, not 0"):
+        autopart.plan(tiny_gpt2(), mesh, (ids,), tp=0)
+    with pytest.raises(PlanError, match="pinned tp=3 = 3 devices do not divide the 2"):
+        autopart.plan(tiny_gpt2(), mesh, (ids,), tp=3)
+    with pytest.raises(TypeError, match="LBFGS.step needs a closure"):
+        autopart.parallelize(tiny_gpt2(), mesh, (ids,), optimizer=torch.optim.LBFGS)
+
+
+def test_explain_says_which_sums_change_order():
+    assert "Sums in another order than on one device" in _plan().explain()
+    alone = _plan(
+        mesh=MeshSpec("h100-80g", 1, 1),
+        global_batch=1,
+        dp=1,
+        tp=1,
+        pp=1,
+        microbatches=1,
+        schedule=None,
+        stage_cuts=(),
+    )
+    assert "Every sum runs in the order it runs on one device" in alone.explain()

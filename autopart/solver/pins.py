@@ -16,7 +16,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from autopart.batch import batch_size, check_divisible
 from autopart.capture import BATCH, Captured
 from autopart.cost_models import Choices, predict
-from autopart.degrees import Axis, Degrees, axis_names
+from autopart.degrees import Axis, Degrees, MeshError, axis_names
 from autopart.mesh import Mesh
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
@@ -51,8 +51,12 @@ class Pins:
         unknown = sorted(set(pins) - set(known))
         if unknown:
             raise TypeError(f"unknown pins {unknown}: autopart pins {', '.join(known)}")
-        degrees = {k: pins.pop(k) for k in axes if k in pins}
-        return cls(degrees={k: v for k, v in degrees.items() if v is not None}, **pins)
+        pinned = {k: pins.pop(k) for k in axes if k in pins and pins[k] is not None}
+        try:
+            Degrees(pinned)  # positive integers, or a clear error
+        except MeshError as e:
+            raise PlanError(f"pin {e}") from None
+        return cls(degrees=pinned, **pins)
 
     def degree(self, axis: Axis | str) -> int | None:
         """The pinned degree of `axis`, or None where the solver chooses."""
@@ -68,8 +72,15 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         raise PlanError(refusal)
     if pins.degree(Axis.DP) is not None:
         check_divisible(batch, pins.degrees[Axis.DP], "dp")
+    pinned = Degrees(pins.degrees)
     if set(pins.degrees) == set(axis_names()):
-        mesh.check_covered(Degrees(pins.degrees))
+        mesh.check_covered(pinned)
+    elif mesh.world_size % pinned.world_size:
+        raise PlanError(
+            f"the pinned {' × '.join(f'{a}={n}' for a, n in pins.degrees.items())} = "
+            f"{pinned.world_size} devices do not divide the {mesh.world_size} of "
+            f"{mesh.describe()}: pin degrees whose product divides {mesh.world_size}"
+        )
     dims = {k: v for k, v in captured.dim_sizes.items() if k != BATCH}
     try:
         found = search(captured.gm, captured.parameter_names, mesh, pins, batch, dims)

@@ -29,7 +29,8 @@ def choose_stage_cuts(gm: fx.GraphModule, stages: int) -> tuple[str, ...]:
         raise PlanError(
             f"{stages} pipeline stages need {stages - 1} cuts between repeated blocks, but "
             f"the model has {len(names)} block boundaries: use fewer stages (pp × "
-            "virtual_stages) or give stage_cuts by hand"
+            "virtual_stages), or plan with pp=1 and set the cuts yourself with "
+            "plan.with_changes(pp=..., schedule=..., stage_cuts=(module paths ...))"
         )
     return tuple(names[i] for i in _balanced_cuts(before, total, stages))
 
