@@ -71,9 +71,9 @@ def parallelize(
     if refusal:
         raise PlanError(refusal)
     groups = MeshGroups(mesh.device_mesh(plan.degrees))
-    captured = _program_capture(model, captured, plan, example_kwargs, groups.device)
-    program = rank_program(captured.gm, captured.context(target=RankTarget(plan, groups, weights)))
-    return ParallelModule(program, plan, groups, loss_fn, optimizer)
+    runs = _program_capture(model, captured, plan, example_kwargs, groups.device)
+    program = rank_program(runs.gm, runs.context(target=RankTarget(plan, groups, weights)))
+    return ParallelModule(program, plan, groups, loss_fn, optimizer, captured.input_shapes())
 
 
 def _captured(

@@ -28,6 +28,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from autopart.batch import batch_size
+from autopart.ops.meta import SHAPE, TensorInfo
 from autopart.passes.runner import PassContext
 
 log = logging.getLogger("autopart.capture")
@@ -67,6 +68,12 @@ class Captured:
                 if isinstance(size, torch.SymInt) and size.node.expr in self.symbols:
                     sizes[self.symbols[size.node.expr].name] = int(example)
         return sizes
+
+    def input_shapes(self) -> tuple[TensorInfo | None, ...]:
+        """The model's (flattened) inputs as captured: shapes in the named dims (needs
+        the shape analysis)."""
+        shapes = (SHAPE.get(n, None) for n in self.gm.graph.find_nodes(op="placeholder"))
+        return tuple(s if isinstance(s, TensorInfo) else None for s in shapes)
 
     def admits_batch(self, size: int) -> bool:
         """Whether the program runs unchanged on a batch (dim 0) of `size`."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -13,12 +13,13 @@ from torch.utils import _pytree as pytree
 from autopart.batch import split_batch
 from autopart.degrees import Axis
 from autopart.ops.groups import MeshGroups
-from autopart.ops.meta import COLLECTIVE, CollectiveInfo
+from autopart.ops.meta import COLLECTIVE, CollectiveInfo, TensorInfo
 from autopart.ops.program import RankProgram
 from autopart.plan import Plan
 from autopart.runtime.data_parallel import OptimizerFactory, build_data_parallel_state
 from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.full_state import full_state_dict
+from autopart.runtime.inputs import check_inputs
 from autopart.runtime.precision import Precision
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -34,9 +35,13 @@ class ParallelModule(nn.Module):
         groups: MeshGroups,
         loss_fn: LossFn | None,
         optimizer: OptimizerFactory | None,
+        input_shapes: Sequence[TensorInfo | None] = (),
     ) -> None:
+        """`input_shapes`: the model's (flattened) inputs at the global batch, as
+        captured; each step's inputs are checked against them."""
         super().__init__()
         self.stages = nn.ModuleList(program.stages)
+        self.input_shapes = tuple(input_shapes)
         self.stage_ids = program.stage_ids
         self.tp_layout = program.tp_layout
         self.plan = plan
@@ -90,6 +95,7 @@ class ParallelModule(nn.Module):
         if self.executor is None or self.state is None:
             raise ValueError("train_step needs parallelize(..., loss_fn=..., optimizer=...)")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
+        check_inputs(args, self.input_shapes)
         self.state.begin()
         local_loss = self.executor.run(self.local_batch(args), self.local_batch(target))
         self.state.finish()

@@ -7,8 +7,9 @@ different ranks): that exercises the replica exchange.
 
 from __future__ import annotations
 
+import autopart
 from autopart.testing import run_world
-from tests.harness import assert_every_rank_matches, train_case
+from tests.harness import assert_every_rank_matches, parallelize_lm, train_case
 from tests.models import LM_FACTORIES, token_batch, train_single_device
 
 STEPS = 5
@@ -53,3 +54,28 @@ def test_two_stage_schedules_match_single_device():
 
 def test_interleaved_and_composed_pipelines_match_single_device():
     _check(WORLD_4, 4)
+
+
+def _batch_of_another_shape(batch) -> dict:
+    """A step whose sequence is longer than the example's: every rank raises the same
+    error before the step's first collective, under a pipeline and without one."""
+    ids, target = batch
+    longer = (ids.repeat(1, 2), target.repeat(1, 2))
+    messages = {}
+    for pins in ({"pp": 2, "schedule": "1f1b", "microbatches": 2}, {"dp": 2}):
+        pm = parallelize_lm(LM_FACTORIES["llama"](layers=4), batch, **pins)
+        try:
+            pm.train_step(*longer)
+            messages[tuple(pins)] = "no error"
+        except autopart.BatchError as e:
+            messages[tuple(pins)] = str(e)
+        pm.close()
+    return messages
+
+
+def test_a_batch_of_another_shape_fails_on_every_rank_at_once():
+    per_rank = run_world(_batch_of_another_shape, 2, token_batch(batch=8))
+    assert per_rank[0] == per_rank[1]
+    for message in per_rank[0].values():
+        assert "input 0 of train_step has shape (8, 32)" in message, message
+        assert "dim 1 is fixed at 16" in message, message
