@@ -83,10 +83,10 @@ class Degrees:
         return Degrees({**dict(self.items()), **changes})
 
     def _index(self, axis: Axis | str) -> int:
-        try:
-            return [str(a) for a in self.axes].index(str(axis))
-        except ValueError:
-            raise MeshError(f"unknown mesh axis {str(axis)!r}: the axes are {self.names}") from None
+        for i, a in enumerate(self.axes):
+            if a == axis:  # an Axis compares equal to its name
+                return i
+        raise MeshError(f"unknown mesh axis {str(axis)!r}: the axes are {self.names}")
 
     @property
     def names(self) -> list[str]:
@@ -160,10 +160,13 @@ class AxisAttributes:
     __slots__ = ()
 
     def __getattr__(self, name: str) -> int:
-        if name in axis_names():
-            degrees: Degrees = object.__getattribute__(self, "degrees")
+        degrees: Degrees = object.__getattribute__(self, "degrees")
+        try:
             return degrees[name]
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        except MeshError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}"
+            ) from None
 
 
 def _divisors(n: int) -> list[int]:

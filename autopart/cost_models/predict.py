@@ -182,8 +182,9 @@ def predict(
     )
     mesh.check_covered(choices.degrees)
     models = models or CostModels.of(mesh, choices.precision)
-    full = summary.evaluate({**(dims or {}), BATCH: choices.microbatch_size})
-    segments = [s.sharded(choices.tp) for s in full]
+    at = {**(dims or {}), BATCH: choices.microbatch_size}
+    full = summary.evaluate(at)
+    segments = list(summary.sharded(at, choices.tp))
     times = _segment_times(segments, choices, models.compute)
     chunk_of = (
         chunks_at_cuts(segments, choices.stage_cuts)

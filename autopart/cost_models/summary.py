@@ -26,18 +26,19 @@ parameter is sharded if a contraction or an embedding reads it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import sympy
 from torch import fx
 from torch.distributed.tensor import Placement
 
-from autopart.cost_models.precision import bytes_scale
+from autopart.cost_models.precision import bytes_scale, is_mixed
 from autopart.cost_models.work import OTHER, NodeWork, evaluate, node_work, op_kind
 from autopart.ops.aten import op_name
 from autopart.ops.meta import BLOCK, MODULE_PATH, PARAMS, SHAPE, TensorInfo
 from autopart.passes.tp_propagate import propagate
 from autopart.passes.tp_rules import R
+from autopart.policy import Precision
 
 BATCH = "batch"
 _NO_WORK = ("placeholder", "get_attr", "output")
@@ -64,6 +65,16 @@ class SegmentWork:
     segment: Segment
     nodes: tuple[NodeWork, ...]
     output_bytes: float  # the activation handed to the next segment (as captured)
+    # Bytes saved for backward in fp32 and under mixed precision, summed once: the
+    # search reads them for every candidate plan.
+    _saved: tuple[float, float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        saved = tuple(
+            sum(w.saved_bytes * bytes_scale(w, p) for w in self.nodes)
+            for p in (Precision.FP32, Precision.BF16_MIXED)
+        )
+        object.__setattr__(self, "_saved", saved)
 
     @property
     def key(self) -> str:
@@ -75,7 +86,7 @@ class SegmentWork:
 
     def saved_bytes(self, precision: str = "fp32") -> float:
         """Bytes saved for backward per microbatch at `precision` (`precision.py`)."""
-        return sum(w.saved_bytes * bytes_scale(w, precision) for w in self.nodes)
+        return self._saved[is_mixed(precision)]
 
     @property
     def flops(self) -> float:
@@ -157,6 +168,14 @@ class GraphSummary:
         self.segments = _segments(gm, {k: p.numel() for k, p in params.items()}, layout)
         self.captured_batch = _static_batch(gm)
         self._cache: dict[tuple, tuple[SegmentWork, ...]] = {}
+        self._sharded: dict[tuple, tuple[SegmentWork, ...]] = {}
+
+    def sharded(self, dims: Mapping[str, int], tp: int) -> tuple[SegmentWork, ...]:
+        """`evaluate(dims)` on one rank of a `tp`-way tensor-parallel group (cached)."""
+        key = (tuple(sorted(dims.items())), tp)
+        if key not in self._sharded:
+            self._sharded[key] = tuple(s.sharded(tp) for s in self.evaluate(dims))
+        return self._sharded[key]
 
     def evaluate(self, dims: Mapping[str, int]) -> tuple[SegmentWork, ...]:
         """Every segment's work at `dims` ({"batch": microbatch, "seq": ...}). A graph
