@@ -16,7 +16,7 @@ from autopart.ops.groups import MeshGroups
 from autopart.passes import analyze
 from autopart.plan import Plan
 from autopart.solver import Pins, make_plan
-from autopart.solver.search import _choices
+from autopart.solver.search import TpLayouts, _choices
 from tests.models import tiny_gpt2, token_batch
 
 
@@ -61,8 +61,8 @@ def test_an_axis_added_to_degrees_alone_is_planned(monkeypatch):
     analyze(captured.gm, captured.context())
     mesh = Mesh.cluster("cpu", nodes=1, per_node=8)
     blocks = ("transformer.h.0", "transformer.h.1")
-    names = captured.parameter_names
-    seen = {c.degrees["cp"] for c in _choices(captured.gm, names, mesh, Pins.of(), 8, blocks)}
+    layouts = TpLayouts(captured.gm, captured.parameter_names, sequence_parallel=False)
+    seen = {c.degrees["cp"] for c in _choices(layouts, mesh, Pins.of(), 8, blocks)}
     assert seen == {1, 2, 4, 8}
     plan = make_plan(captured, mesh, Pins.of(cp=2, tp=1, pp=1))
     assert (plan.cp, plan.dp, plan.tp, plan.pp) == (2, 4, 1, 1)

@@ -14,7 +14,7 @@ from autopart.cost_models.memory import (
     model_state_bytes,
 )
 from autopart.cost_models.pipeline import bubble_fraction, exposed_sync, pipeline_step
-from autopart.cost_models.predict import Choices, CostModels, predict
+from autopart.cost_models.predict import Choices, CostModels, predict, step_time_lower_bound
 from autopart.cost_models.summary import GraphSummary
 from autopart.cost_models.work import NodeWork, node_work
 
@@ -37,5 +37,6 @@ __all__ = [
     "predict",
     "ring_steps",
     "ring_volume",
+    "step_time_lower_bound",
     "training_flops",
 ]

@@ -225,6 +225,19 @@ def predict(
     )
 
 
+def step_time_lower_bound(
+    summary: GraphSummary, choices: Choices, dims: Mapping[str, int], models: CostModels
+) -> float:
+    """A floor under `predict(...).step_time_s` from the compute alone: every pipeline
+    rank busy with an even share of it, with no bubble, communication or optimizer step
+    (`pipeline_step` charges the slowest rank's compute, which is at least the mean).
+    The search does not price a plan whose floor is slower than a plan it has."""
+    at = {**dims, BATCH: choices.microbatch_size}
+    segments = list(summary.sharded(at, choices.tp))
+    compute = sum(t.total for t in _segment_times(segments, choices, models.compute))
+    return compute * choices.microbatches / choices.pp
+
+
 def _segment_times(
     segments: list[SegmentWork], choices: Choices, compute: ComputeModel
 ) -> list[PhaseCost]:

@@ -86,34 +86,48 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         found = search(captured.gm, captured.parameter_names, mesh, pins, batch, dims)
     except NoPlanFits as e:
         raise PlanError(f"{e}{_what_fits(captured, mesh, pins, batch, dims)}") from None
-    best = found[0].choices
+    # The plan as it will run (its own stage cuts) is priced again; should it no longer
+    # fit, the next plan that fits takes its place.
+    for candidate in found:
+        plan = _plan_of(candidate.choices, captured, mesh, pins, batch)
+        predicted = predict(captured.gm, mesh, Choices.of(plan), dims=dims)
+        if predicted.peak_memory_bytes <= mesh.device.memory_bytes:
+            break
+    else:
+        raise PlanError(
+            "no plan fits once its pipeline stages are cut: the closest needs "
+            f"{format_bytes(predicted.peak_memory_bytes)} per rank; use more devices or a "
+            "smaller batch"
+        )
+    others = [c for c in found if c is not candidate]
+    alternatives = tuple(_alternative(c) for c in others[:MAX_ALTERNATIVES])
+    return plan.with_changes(predicted=predicted, alternatives=alternatives)
+
+
+def _plan_of(choices: Choices, captured: Captured, mesh: Mesh, pins: Pins, batch: int) -> Plan:
+    """The plan of the search's `choices`: its pipeline cuts and tensor-parallel layout."""
     pipeline = choose_pipeline(
         captured.gm,
-        best.pp,
-        batch // best.dp,
-        best.schedule,
-        best.virtual_stages,
-        best.microbatches,
+        choices.pp,
+        batch // choices.dp,
+        choices.schedule,
+        choices.virtual_stages,
+        choices.microbatches,
     )
-    plan = Plan(
+    return Plan(
         mesh=MeshSpec.of(mesh),
         fingerprint=captured.fingerprint,
         global_batch=batch,
-        degrees=best.degrees,
-        zero=best.zero,
+        degrees=choices.degrees,
+        zero=choices.zero,
         microbatches=pipeline.microbatches,
         schedule=pipeline.schedule,
         virtual_stages=pipeline.virtual_stages,
         stage_cuts=pipeline.stage_cuts,
         precision=pins.precision,
         sequence_parallel=pins.sequence_parallel,
-        recompute=best.recompute,
-        placements=_placements(captured, best.tp, best.zero),
-    )
-    alternatives = tuple(_alternative(c) for c in found[1 : MAX_ALTERNATIVES + 1])
-    return plan.with_changes(
-        predicted=predict(captured.gm, mesh, Choices.of(plan), dims=dims),
-        alternatives=alternatives,
+        recompute=choices.recompute,
+        placements=_placements(captured, choices.tp, choices.zero),
     )
 
 

@@ -48,12 +48,20 @@ def choose_pipeline(
     m = microbatches or next(
         (d for d in range(pp, replica_batch + 1) if replica_batch % d == 0), replica_batch
     )
-    if schedule == Schedule.ONE_F_ONE_B and m < pp:
-        raise PlanError(f"1F1B needs at least pp={pp} microbatches, not {m}")
+    problem = microbatches_problem(schedule, pp, m)
+    if problem:
+        raise PlanError(problem)
+    return PipelineChoice(schedule, virtual, m, choose_stage_cuts(gm, pp * virtual))
+
+
+def microbatches_problem(schedule: str, pp: int, m: int) -> str | None:
+    """Why `schedule` cannot run `m` microbatches over `pp` stages, or None."""
+    if schedule in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B) and m < pp:
+        return f"{schedule} needs at least pp={pp} microbatches, not {m}"
     rounds = max(1, m // pp)
     if schedule == Schedule.INTERLEAVED_1F1B and m % rounds:
-        raise PlanError(
+        return (
             f"interleaved 1F1B runs microbatches in rounds of pp={pp}: {m} microbatches "
             f"do not split into {rounds} equal rounds; use a multiple of {pp}"
         )
-    return PipelineChoice(schedule, virtual, m, choose_stage_cuts(gm, pp * virtual))
+    return None

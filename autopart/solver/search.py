@@ -41,13 +41,22 @@ from typing import TYPE_CHECKING
 
 from ortools.sat.python import cp_model
 from torch import fx
+from torch.distributed.tensor import Placement
 
-from autopart.cost_models import Choices, GraphSummary, predict
+from autopart.cost_models import (
+    Choices,
+    CostModels,
+    GraphSummary,
+    predict,
+    step_time_lower_bound,
+)
+from autopart.cost_models.summary import TpLayout
 from autopart.degrees import Axis, Degrees
 from autopart.mesh import Mesh
 from autopart.plan import Predicted
 from autopart.plan_format import format_bytes
 from autopart.policy import Schedule, zero_refusal
+from autopart.solver.pipeline import microbatches_problem
 from autopart.solver.tensor_parallel import choose_tp_placements
 
 if TYPE_CHECKING:
@@ -93,18 +102,78 @@ def search(
     dims: Mapping[str, int],
 ) -> list[Candidate]:
     """The chosen candidate first, then the other plans that fit, fastest first."""
-    summary = GraphSummary(gm)
-    blocks = tuple(s.key for s in summary.evaluate({**dims, "batch": 1}) if s.is_block)
-    candidates = [
-        Candidate(c, predict(summary, mesh, c, dims))
-        for c in _choices(gm, param_names, mesh, pins, global_batch, blocks)
-    ]
+    layouts = TpLayouts(gm, param_names, pins.sequence_parallel)
+    first = layouts.summary(1).evaluate({**dims, "batch": 1})
+    blocks = tuple(s.key for s in first if s.is_block)
+    choices = list(_choices(layouts, mesh, pins, global_batch, blocks))
+    candidates = _price(layouts, mesh, dims, choices)
     if not candidates:
         raise NoPlanFits("the pins leave no plan that divides the batch and the mesh")
     chosen = _solve(candidates, mesh.device.memory_bytes)
     fitting = [c for c in candidates if c.predicted.peak_memory_bytes <= mesh.device.memory_bytes]
     others = sorted((c for c in fitting if c is not chosen), key=lambda c: c.predicted.step_time_s)
     return [chosen, *others]
+
+
+class TpLayouts:
+    """Per tp degree, made once: the layout the rewrite will give the model
+    (`choose_tp_placements`), and the graph summary priced under it, so that the search
+    prices what will run."""
+
+    def __init__(
+        self, gm: fx.GraphModule, param_names: Mapping[str, str], sequence_parallel: bool
+    ) -> None:
+        self.gm, self.param_names, self.sequence_parallel = gm, param_names, sequence_parallel
+        self._placements: dict[int, dict[str, Placement]] = {1: {}}
+        self._summaries: dict[int, GraphSummary] = {}
+
+    def placements(self, tp: int) -> dict[str, Placement]:
+        if tp not in self._placements:
+            self._placements[tp] = choose_tp_placements(self.gm, self.param_names, tp)
+        return self._placements[tp]
+
+    def summary(self, tp: int) -> GraphSummary:
+        if tp not in self._summaries:
+            layout = (
+                TpLayout.of(self.gm, self.placements(tp), tp, self.sequence_parallel)
+                if tp > 1
+                else None
+            )
+            self._summaries[tp] = GraphSummary(self.gm, layout)
+        return self._summaries[tp]
+
+
+def _price(
+    layouts: TpLayouts, mesh: Mesh, dims: Mapping[str, int], choices: list[Choices]
+) -> list[Candidate]:
+    """Each choice priced by `predict`, but for those whose compute alone is slower than
+    (1 + SLACK) × the fastest fitting plan priced so far: they can be neither chosen nor
+    within the slack of the choice. The usual microbatch counts go first, so that the
+    plan to beat is a good one early."""
+    start, memory = time.perf_counter(), mesh.device.memory_bytes
+    models = CostModels.of(mesh, choices[0].precision) if choices else None
+    best, out = math.inf, []
+    for c in sorted(choices, key=lambda c: not _usual_microbatches(c)):
+        assert models is not None
+        summary = layouts.summary(c.tp)
+        floor = step_time_lower_bound(summary, c, dims, models) if best < math.inf else 0.0
+        if floor > (1 + SLACK) * best:
+            continue
+        predicted = predict(summary, mesh, c, dims, models)
+        out.append(Candidate(c, predicted))
+        if predicted.peak_memory_bytes <= memory:
+            best = min(best, predicted.step_time_s)
+    log.info(
+        "solver: priced %d of %d plans in %.3fs",
+        len(out),
+        len(choices),
+        time.perf_counter() - start,
+    )
+    return out
+
+
+def _usual_microbatches(c: Choices) -> bool:
+    return c.microbatches in ((c.pp, 2 * c.pp, 4 * c.pp) if c.pp > 1 else (1,))
 
 
 def _solve(candidates: list[Candidate], memory: int) -> Candidate:
@@ -171,22 +240,18 @@ def _no_fit_message(candidates: list[Candidate], memory: int) -> str:
 
 
 def _choices(
-    gm: fx.GraphModule,
-    param_names: Mapping[str, str],
+    layouts: TpLayouts,
     mesh: Mesh,
     pins: Pins,
     batch: int,
     blocks: tuple[str, ...],
 ) -> Iterator[Choices]:
-    has_layout = {1: True}
     for degrees in Degrees.factorizations(mesh.world_size, pins.degrees):
         if not _admissible(degrees, mesh, pins, batch, len(blocks)):
             continue
         tp, pp, dp = degrees[Axis.TP], degrees[Axis.PP], degrees[Axis.DP]
-        if tp not in has_layout:
-            has_layout[tp] = bool(choose_tp_placements(gm, param_names, tp))
-        if not has_layout[tp] and pins.degree(Axis.TP) is None:  # a pinned tp may replicate all
-            continue
+        if tp > 1 and not layouts.placements(tp) and pins.degree(Axis.TP) is None:
+            continue  # no layout shards anything at this tp (a pinned tp may replicate all)
         for schedule, virtual, m in _pipelines(pp, batch // dp, pins, len(blocks)):
             for zero in _zero_stages(dp, pins):
                 for recompute in _recompute_sets(blocks, zero, pins):
@@ -216,7 +281,8 @@ def _pipelines(pp: int, replica_batch: int, pins: Pins, blocks: int):
     """(schedule, virtual stages, microbatches) to try. Pinned values pass through as
     they are: `solver.pipeline` explains what a schedule cannot run."""
     if pp == 1:
-        yield pins.schedule, 1, pins.microbatches or 1
+        for m in [pins.microbatches] if pins.microbatches else _microbatch_counts(replica_batch):
+            yield pins.schedule, 1, m
         return
     if pins.schedule:
         schedules = [pins.schedule]
@@ -231,9 +297,21 @@ def _pipelines(pp: int, replica_batch: int, pins: Pins, blocks: int):
         if pins.microbatches:
             yield schedule, virtual, pins.microbatches
             continue
-        for m in (pp, 2 * pp, 4 * pp):
-            if replica_batch % m == 0:
+        for m in _microbatch_counts(replica_batch, pp):
+            if not microbatches_problem(schedule, pp, m):
                 yield schedule, virtual, m
+
+
+def _microbatch_counts(replica_batch: int, pp: int = 1) -> list[int]:
+    """Microbatch counts that divide the replica's batch: pp, 2pp and 4pp (1 without a
+    pipeline), then every count giving a power-of-two microbatch size (1, 2, 4, ...
+    samples): gradient accumulation without a pipeline, and the many small microbatches
+    a deep pipeline needs to keep its bubble small. The first ones are priced first, so
+    the search's pruning has a good plan to beat early."""
+    first = [m for m in ((pp, 2 * pp, 4 * pp) if pp > 1 else (1,)) if replica_batch % m == 0]
+    sizes = [2**k for k in range(replica_batch.bit_length()) if replica_batch % 2**k == 0]
+    rest = sorted({replica_batch // s for s in sizes} - set(first))
+    return first + rest
 
 
 def _zero_stages(dp: int, pins: Pins) -> list[int]:

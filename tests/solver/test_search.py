@@ -4,12 +4,16 @@ how much and what would fit; the same question gets the same answer."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.optim import Adafactor, AdamW
 
 import autopart
 from autopart.capture import capture
+from autopart.cost_models import Choices, predict
+from autopart.degrees import Degrees
 from autopart.mesh import Mesh
 from autopart.passes import analyze
 from autopart.solver import Pins, make_plan
@@ -94,3 +98,40 @@ def test_zero_is_left_out_for_an_optimizer_that_reads_whole_tensors():
     for how in ({"plan": plan}, {"dp": 2, "zero": 2}):
         with pytest.raises(autopart.PlanError, match="ZeRO-. steps the optimizer on flat"):
             autopart.parallelize(model, cpu, (ids,), optimizer=Adafactor, **how)
+
+
+def _memory_between(captured, mesh, tight: Choices, loose: Choices) -> Mesh:
+    """A mesh like `mesh` whose devices fit `loose` but not `tight`."""
+    need = [predict(captured.gm, mesh, c).peak_memory_bytes for c in (tight, loose)]
+    assert need[1] < need[0]
+    device = replace(mesh.device, memory_bytes=(need[0] + need[1]) // 2)
+    return Mesh.cluster(device, nodes=mesh.nodes, per_node=mesh.per_node)
+
+
+def test_gradient_accumulation_keeps_plain_data_parallelism_in_memory():
+    """Without a pipeline, microbatches accumulate gradients: when a replica's whole
+    batch does not fit, smaller microbatches do, without pp, ZeRO or recomputation."""
+    mesh = Mesh.cluster("h100-80g", nodes=1, per_node=8)
+    captured = capture(_gpt2_small(), (_tokens(64, 1024),))
+    analyze(captured.gm, captured.context())
+    whole, accumulated = (
+        Choices(64, Degrees(dp=8), microbatches=m, precision="bf16-mixed") for m in (1, 8)
+    )
+    tight = _memory_between(captured, mesh, whole, accumulated)
+    pins = Pins.of(dp=8, tp=1, pp=1, zero=0, recompute=(), precision="bf16-mixed")
+    plan = make_plan(captured, tight, pins)
+    assert plan.microbatches > 1 and plan.predicted.peak_memory_bytes <= tight.device.memory_bytes
+
+
+def test_a_deep_pipeline_gets_many_small_microbatches():
+    """Microbatch sizes of 1, 2, 4 ... samples, not only pp, 2pp and 4pp microbatches:
+    a pipeline that fits only with microbatches of one or two samples gets them."""
+    mesh = Mesh.cluster("a100-80g", nodes=1, per_node=4)
+    captured = capture(_llama_8b_dims(8), (_tokens(64, 2048),))
+    analyze(captured.gm, captured.context())
+    common = dict(degrees=Degrees(pp=4), schedule="1f1b", precision="bf16-mixed")
+    usual, small = (Choices(64, microbatches=m, **common) for m in (16, 64))
+    tight = _memory_between(captured, mesh, usual, small)
+    pins = Pins.of(dp=1, tp=1, pp=4, zero=0, recompute=(), schedule="1f1b", precision="bf16-mixed")
+    plan = make_plan(captured, tight, pins)
+    assert plan.microbatches in (32, 64)
