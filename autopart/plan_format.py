@@ -20,6 +20,34 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def compact_paths(paths: tuple[str, ...]) -> list[str]:
+    """Module paths with runs of numbered siblings folded: `model.layers.0-31 (32 blocks)`
+    for model.layers.0, model.layers.1, ..., model.layers.31."""
+    out: list[str] = []
+    runs: list[tuple[str, int, int]] = []  # (parent, first, last)
+    for path in paths:
+        parent, _, leaf = path.rpartition(".")
+        if leaf.isdigit() and runs and runs[-1][0] == parent and runs[-1][2] + 1 == int(leaf):
+            runs[-1] = (parent, runs[-1][1], int(leaf))
+            continue
+        _flush(runs, out)
+        if leaf.isdigit():
+            runs.append((parent, int(leaf), int(leaf)))
+        else:
+            out.append(path)
+    _flush(runs, out)
+    return out
+
+
+def _flush(runs: list[tuple[str, int, int]], out: list[str]) -> None:
+    for parent, first, last in runs:
+        count = last - first + 1
+        out.append(
+            f"{parent}.{first}" if count == 1 else f"{parent}.{first}-{last} ({count} blocks)"
+        )
+    runs.clear()
+
+
 PLACEMENT_AXES = (Axis.DP, Axis.TP)  # the order of a parameter's placements
 
 
@@ -44,7 +72,7 @@ def format_plan(plan: Plan) -> str:
         f"per-rank batch={plan.global_batch // plan.dp}",
     ]
     if plan.recompute:
-        lines.append(f"  recompute: {', '.join(plan.recompute)}")
+        lines.append(f"  recompute: {', '.join(compact_paths(plan.recompute))}")
     if plan.stage_cuts:
         lines.append(f"  stages begin at: {', '.join(plan.stage_cuts)}")
     p = plan.predicted
@@ -66,7 +94,8 @@ def format_plan(plan: Plan) -> str:
         lines += ["", "  alternatives:"]
         for a in plan.alternatives:
             lines.append(
-                f"    {a.degrees} zero={a.zero} m={a.microbatches}: "
+                f"    {a.degrees} zero={a.zero} m={a.microbatches}"
+                f"{f' {a.schedule}' if a.schedule else ''}: "
                 f"{a.step_time_s * 1e3:.2f} ms, {format_bytes(a.peak_memory_bytes)} {a.note}"
             )
     return "\n".join(lines)

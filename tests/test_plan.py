@@ -104,6 +104,11 @@ def test_bad_plan_files_and_pins_say_what_is_wrong(tmp_path):
         autopart.parallelize(tiny_gpt2(), mesh, (ids,), optimizer=torch.optim.LBFGS)
 
 
+def test_recomputed_layers_print_as_one_run():
+    plan = _plan(recompute=tuple(f"model.layers.{i}" for i in range(4)))
+    assert "recompute: model.layers.0-3 (4 blocks)" in str(plan)
+
+
 def test_explain_says_which_sums_change_order():
     assert "Sums in another order than on one device" in _plan().explain()
     alone = _plan(
