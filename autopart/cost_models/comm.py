@@ -120,6 +120,8 @@ class CommModel:
         d = mesh.device
         self.intra = Link(d.intra_node_bandwidth, d.intra_node_latency)
         self.inter = Link(d.inter_node_bandwidth, d.inter_node_latency)
+        # The search asks for the same collectives many times over.
+        self._times: dict[tuple[str, float, int, int], float] = {}
 
     @property
     def overlaps_compute(self) -> bool:
@@ -136,7 +138,10 @@ class CommModel:
     def time(self, op: str, nbytes: float, size: int, stride: int = 1) -> float:
         """Seconds for collective `op` of an `nbytes` buffer over an axis of `size`
         ranks, `stride` ranks apart: the cheapest algorithm."""
-        return min(self.algorithms(op, nbytes, size, stride).values())
+        key = (op, nbytes, size, stride)
+        if key not in self._times:
+            self._times[key] = min(self.algorithms(op, nbytes, size, stride).values())
+        return self._times[key]
 
     def algorithms(self, op: str, nbytes: float, size: int, stride: int = 1) -> dict[str, float]:
         """Seconds for each algorithm that applies."""

@@ -134,9 +134,13 @@ class Choices(AxisAttributes):
         return self.pp * self.virtual_stages
 
     def recomputes(self, segment: SegmentWork) -> bool:
-        return segment.is_block and any(
-            segment.key == r or segment.key.startswith(r + ".") for r in self.recompute
-        )
+        """Whether a block lies in (or is) one of the recomputed module paths: one set
+        look-up per prefix of its path, as the search asks it of every block."""
+        if not (segment.is_block and self.recompute):
+            return False
+        recomputed = frozenset(self.recompute)
+        parts = segment.key.split(".")
+        return any(".".join(parts[:i]) in recomputed for i in range(1, len(parts) + 1))
 
 
 @dataclass(frozen=True, slots=True)

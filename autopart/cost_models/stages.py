@@ -9,6 +9,7 @@ chunk c runs on pipeline rank c mod p (Megatron-LM's interleaving).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from autopart.cost_models.summary import SegmentWork
@@ -43,11 +44,12 @@ def balanced_chunks(
         raise ValueError(f"{chunks} pipeline chunks need at least {chunks} segments of the graph")
     bounds = [0, *starts[1:], len(segments)]  # units: [bounds[u], bounds[u + 1])
     unit_costs = [sum(costs[bounds[u] : bounds[u + 1]]) for u in range(len(bounds) - 1)]
-    unit_chunk = _linear_partition(unit_costs, chunks)
+    unit_chunk = _linear_partition(tuple(unit_costs), chunks)
     return [unit_chunk[u] for u in range(len(unit_costs)) for _ in range(bounds[u], bounds[u + 1])]
 
 
-def _linear_partition(costs: Sequence[float], parts: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)  # the search partitions the same costs many times
+def _linear_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]:
     """Contiguous non-empty parts minimizing the largest sum: best[j][i] is the best
     largest sum for the first i items in j parts."""
     n = len(costs)
@@ -69,7 +71,7 @@ def _linear_partition(costs: Sequence[float], parts: int) -> list[int]:
         t = cut[j][i]
         assignment[t:i] = [j - 1] * (i - t)
         i = t
-    return assignment
+    return tuple(assignment)
 
 
 def _inside(key: str, path: str) -> bool:

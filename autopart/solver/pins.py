@@ -22,8 +22,7 @@ from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
 from autopart.policy import zero_refusal
 from autopart.solver.pipeline import choose_pipeline
-from autopart.solver.search import Candidate, NoPlanFits, search
-from autopart.solver.tensor_parallel import choose_tp_placements
+from autopart.solver.search import Candidate, NoPlanFits, TpLayouts, search
 
 MAX_ALTERNATIVES = 4
 
@@ -83,13 +82,14 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         )
     dims = {k: v for k, v in captured.dim_sizes.items() if k != BATCH}
     try:
-        found = search(captured.gm, captured.parameter_names, mesh, pins, batch, dims)
+        layouts = TpLayouts(captured.gm, captured.parameter_names, pins.sequence_parallel)
+        found = search(layouts, mesh, pins, batch, dims)
     except NoPlanFits as e:
         raise PlanError(f"{e}{_what_fits(captured, mesh, pins, batch, dims)}") from None
     # The plan as it will run (its own stage cuts) is priced again; should it no longer
     # fit, the next plan that fits takes its place.
     for candidate in found:
-        plan = _plan_of(candidate.choices, captured, mesh, pins, batch)
+        plan = _plan_of(candidate.choices, captured, mesh, pins, batch, layouts)
         predicted = predict(captured.gm, mesh, Choices.of(plan), dims=dims)
         if predicted.peak_memory_bytes <= mesh.device.memory_bytes:
             break
@@ -104,7 +104,14 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     return plan.with_changes(predicted=predicted, alternatives=alternatives)
 
 
-def _plan_of(choices: Choices, captured: Captured, mesh: Mesh, pins: Pins, batch: int) -> Plan:
+def _plan_of(
+    choices: Choices,
+    captured: Captured,
+    mesh: Mesh,
+    pins: Pins,
+    batch: int,
+    layouts: TpLayouts,
+) -> Plan:
     """The plan of the search's `choices`: its pipeline cuts and tensor-parallel layout."""
     pipeline = choose_pipeline(
         captured.gm,
@@ -127,7 +134,7 @@ def _plan_of(choices: Choices, captured: Captured, mesh: Mesh, pins: Pins, batch
         precision=pins.precision,
         sequence_parallel=pins.sequence_parallel,
         recompute=choices.recompute,
-        placements=_placements(captured, choices.tp, choices.zero),
+        placements=_placements(captured, layouts.placements(choices.tp), choices.zero),
     )
 
 
@@ -137,7 +144,8 @@ def _what_fits(captured: Captured, mesh: Mesh, pins: Pins, batch: int, dims: dic
     if pins == open_pins:
         return ""
     try:
-        c = search(captured.gm, captured.parameter_names, mesh, open_pins, batch, dims)[0]
+        layouts = TpLayouts(captured.gm, captured.parameter_names, sequence_parallel=False)
+        c = search(layouts, mesh, open_pins, batch, dims)[0]
     except NoPlanFits:
         return ""
     what = c.choices
@@ -162,9 +170,10 @@ def _alternative(candidate: Candidate) -> Alternative:
     )
 
 
-def _placements(captured: Captured, tp: int, zero: int) -> dict[str, tuple[Placement, ...]]:
+def _placements(
+    captured: Captured, tp_places: Mapping[str, Placement], zero: int
+) -> dict[str, tuple[Placement, ...]]:
     """(dp, tp) placements per parameter: ZeRO-3 shards every parameter over dp."""
-    tp_places = choose_tp_placements(captured.gm, captured.parameter_names, tp) if tp > 1 else {}
     dp_place = Shard(0) if zero == 3 else Replicate()
     return {
         fqn: (dp_place, tp_places.get(fqn, Replicate()))

@@ -94,15 +94,9 @@ class Candidate:
 
 
 def search(
-    gm: fx.GraphModule,
-    param_names: Mapping[str, str],
-    mesh: Mesh,
-    pins: Pins,
-    global_batch: int,
-    dims: Mapping[str, int],
+    layouts: TpLayouts, mesh: Mesh, pins: Pins, global_batch: int, dims: Mapping[str, int]
 ) -> list[Candidate]:
     """The chosen candidate first, then the other plans that fit, fastest first."""
-    layouts = TpLayouts(gm, param_names, pins.sequence_parallel)
     first = layouts.summary(1).evaluate({**dims, "batch": 1})
     blocks = tuple(s.key for s in first if s.is_block)
     choices = list(_choices(layouts, mesh, pins, global_batch, blocks))
