@@ -16,12 +16,12 @@ from harness import (
     Step,
     comparison_options,
     global_mean_loss,
+    llama,
     lm_loss,
     run_comparison,
     sgd,
     this_ranks_rows,
     time_against_native,
-    tiny_llama,
 )
 from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaForCausalLM
@@ -30,7 +30,7 @@ import autopart
 
 
 def build_model() -> LlamaForCausalLM:
-    return tiny_llama(
+    return llama(
         hidden=256, intermediate=512, layers=4, heads=4, kv_heads=4, vocab=2048, positions=64
     )
 

@@ -39,7 +39,7 @@ NativeBaseline = Callable[[autopart.ParallelModule, torch.Tensor, torch.Tensor],
 # -- the models and their batch -------------------------------------------------------
 
 
-def tiny_llama(
+def llama(
     *,
     hidden: int,
     intermediate: int,

@@ -10,13 +10,14 @@ models are built on the meta device.
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from harness import print_json_line, timed
+from harness import llama, print_json_line, timed
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import autopart
 from autopart.capture import capture
@@ -35,17 +36,16 @@ class Case:
 
 
 def _llama(hidden: int, ffn: int, layers: int, heads: int, kv: int) -> Callable[[], nn.Module]:
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        use_cache=False,
+    return functools.partial(
+        llama,
+        hidden=hidden,
+        intermediate=ffn,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv,
+        vocab=128256,
+        positions=8192,
     )
-    return lambda: LlamaForCausalLM(config)
 
 
 def _gpt(hidden: int, layers: int, heads: int) -> Callable[[], nn.Module]:

@@ -19,7 +19,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import Step, comparison_options, run_comparison, sgd, time_against_native, tiny_llama
+from harness import Step, comparison_options, llama, run_comparison, sgd, time_against_native
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from transformers import LlamaForCausalLM
@@ -29,7 +29,7 @@ from autopart.runtime.pipeline import SCHEDULE_CLASSES
 
 
 def build_model() -> LlamaForCausalLM:
-    return tiny_llama(
+    return llama(
         hidden=256, intermediate=768, layers=8, heads=4, kv_heads=4, vocab=2048, positions=128
     )
 

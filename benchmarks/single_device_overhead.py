@@ -15,14 +15,14 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import compare, median_fields, print_json_line, tiny_llama, token_batch
+from harness import compare, llama, median_fields, print_json_line, token_batch
 from transformers import LlamaForCausalLM
 
 import autopart
 
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
-    return tiny_llama(
+    return llama(
         hidden=args.hidden,
         intermediate=int(args.hidden * 8 / 3) // 64 * 64,
         layers=args.layers,

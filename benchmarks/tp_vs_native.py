@@ -17,11 +17,11 @@ import torch.distributed as dist
 from harness import (
     Step,
     comparison_options,
+    llama,
     lm_loss,
     run_comparison,
     sgd,
     time_against_native,
-    tiny_llama,
 )
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -36,7 +36,7 @@ import autopart
 
 
 def build_model() -> LlamaForCausalLM:
-    return tiny_llama(
+    return llama(
         hidden=512, intermediate=1536, layers=4, heads=8, kv_heads=8, vocab=2048, positions=128
     )
 
