@@ -21,6 +21,7 @@ from autopart.ops.params import parameter_attributes
 from autopart.ops.zero3 import all_gather_start, all_gather_wait, sharded_parameters
 from autopart.passes import analyze
 from autopart.passes.retarget import drop_capture_assertions_pass
+from autopart.passes.rewrite import rank_program
 from autopart.passes.runner import RankTarget
 from autopart.passes.zero import zero3_pass
 from autopart.solver import Pins, make_plan
@@ -120,3 +121,21 @@ def test_a_data_parallel_axis_of_one_keeps_its_parameters(groups):
     model, gm = _rewritten("llama", alone)
     assert sharded_parameters(gm) is None
     assert sorted(n for n, _ in gm.named_parameters()) == sorted(dict(model.named_parameters()))
+
+
+@pytest.mark.parametrize("disabled", [frozenset(), frozenset({"zero3_pass"})])
+def test_rank_program_runs_the_declared_rewrites_timed_and_disableable(groups, disabled):
+    """`rank_program` applies `REWRITES` through `run_passes`: every rewrite that
+    applies is timed, and one disabled by name does not run."""
+    ids, _ = token_batch()
+    captured = capture(LM_FACTORIES["llama"](), (ids,))
+    analyze(captured.gm, captured.context())
+    mesh = autopart.Mesh.cluster("cpu", nodes=1, per_node=DP)
+    plan = make_plan(captured, mesh, Pins.of(dp=DP, zero=3))
+    ctx = captured.context(target=RankTarget(plan, groups), disabled=disabled)
+    program = rank_program(captured.gm, ctx)
+    ran = {"drop_capture_assertions_pass", "causal_attention_pass", "materialize_pass"}
+    assert ran | {"retarget_devices_pass"} <= set(ctx.timings)
+    assert "tensor_parallel_pass" not in ctx.timings  # tp = 1: it does not apply
+    assert ("zero3_pass" in ctx.timings) == (not disabled)
+    assert (sharded_parameters(program.stages[0]) is None) == bool(disabled)
