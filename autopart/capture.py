@@ -13,6 +13,7 @@ names the failing construct and source line and says what to change.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import linecache
 import logging
 import os
@@ -127,16 +128,35 @@ def capture(
     is traced under torch.autocast, as a mixed-precision program must be: the graph then
     runs under the same autocast.
     """
-    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    # A list of inputs is the positional arguments, as a tuple is.
+    args = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     if dynamic_shapes is None and dynamic_batch:
-        dynamic_shapes = tuple(
-            {0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() else None
-            for a in args
-        )
+        dynamic_shapes = _dynamic_batch(model, args, kwargs)
     device_type = _device_type(model, args)
     with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
         return _capture_either(model, args, kwargs, dynamic_shapes)
+
+
+def _dynamic_batch(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """torch.export's dynamic shapes with dim 0 of every tensor input dynamic, in the
+    structure of `forward`'s own parameters (so `*args`, `**kwargs` and keyword inputs
+    get specs of their own shape); by position where the signature cannot bind them."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return tuple(_batch_spec(a) for a in args)
+    return {name: _batch_spec(value) for name, value in bound.arguments.items()}
+
+
+def _batch_spec(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {0: torch.export.Dim.AUTO} if value.dim() else None
+    if isinstance(value, tuple | list):
+        return type(value)(_batch_spec(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _batch_spec(v) for k, v in value.items()}
+    return None
 
 
 def _capture_either(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> Captured:
@@ -161,7 +181,7 @@ def _device_type(model: nn.Module, args: tuple) -> str:
 def _capture_export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> Captured:
     ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     gm = ep.module(check_guards=False)  # input checks as a pre-hook, not a graph node
-    dims, symbols = _named_dims(gm, args, dynamic_shapes)
+    dims, symbols = _named_dims(gm, args, kwargs, dynamic_shapes)
     ranges = {
         symbols[s].name: (int(r.lower), float(r.upper))
         for s, r in ep.range_constraints.items()
@@ -196,15 +216,22 @@ def propagate_fake_values(gm: fx.GraphModule, args: tuple) -> None:
 
 
 def _named_dims(
-    gm: fx.GraphModule, args: tuple, dynamic_shapes: Any
+    gm: fx.GraphModule, args: tuple, kwargs: dict, dynamic_shapes: Any
 ) -> tuple[dict[str, sympy.Symbol], dict[sympy.Symbol, sympy.Symbol]]:
-    """Map the exporter's size symbols to symbols named after the user's Dims
-    (positional inputs; `dynamic_shapes` as a tuple aligned with them)."""
+    """Map the exporter's size symbols to symbols named after the user's Dims: a tuple
+    aligned with the positional inputs, or autopart's own dynamic batch (a dict by
+    `forward`'s parameters), whose spec of each input leaf is `_batch_spec`'s."""
     if dynamic_shapes is None:
         return {}, {}
-    specs = dynamic_shapes if isinstance(dynamic_shapes, (tuple, list)) else (dynamic_shapes,)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    flat_args = pytree.tree_leaves(args)
+    if isinstance(dynamic_shapes, dict):
+        flat_args = pytree.tree_leaves((args, kwargs))
+        specs = [_batch_spec(a) for a in flat_args]
+    else:
+        specs = (
+            list(dynamic_shapes) if isinstance(dynamic_shapes, tuple | list) else [dynamic_shapes]
+        )
+        flat_args = pytree.tree_leaves(args)
     dims: dict[str, sympy.Symbol] = {}
     symbols: dict[sympy.Symbol, sympy.Symbol] = {}
     for node, arg, spec in zip(placeholders, flat_args, specs):

@@ -137,3 +137,31 @@ def test_llama3_8b_config_captures_on_meta():
     captured = capture(model, (ids,))
     params = sum(p.numel() for p in captured.gm.parameters())
     assert 8.0e9 < params < 8.1e9
+
+
+class _VarargsWrapper(nn.Module):
+    """A common adapter for training loops: `forward(self, *args)`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = tiny_llama()
+
+    def forward(self, *args):
+        return self.model(*args).logits
+
+
+def test_the_batch_is_dynamic_in_any_signature():
+    """Dynamic-batch specs follow `forward`'s own parameters: `*args`, keyword inputs
+    given as `example_kwargs`, and inputs given as a list all capture with a dynamic
+    batch."""
+    ids = token_batch(4)[0]
+    cases = [
+        (_VarargsWrapper(), (ids,), None),
+        (tiny_llama(), (ids,), {"attention_mask": torch.ones_like(ids)}),
+        (tiny_llama(), [ids], None),
+    ]
+    for model, args, kwargs in cases:
+        captured = capture(model, args, kwargs)
+        assert captured.frontend == "export"
+        assert captured.dim_sizes == {"batch": 4}
+        assert captured.admits_batch(2)

@@ -34,7 +34,8 @@ class Pins:
     microbatches: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
-    recompute: tuple[str, ...] | None = None
+    # Module paths of the blocks to recompute; True: every repeated block; False: none.
+    recompute: tuple[str, ...] | bool | None = None
     precision: str = "fp32"
     sequence_parallel: bool = False
     # The optimizer the plan will run, where known: ZeRO is left out unless it is exact
@@ -50,6 +51,8 @@ class Pins:
         unknown = sorted(set(pins) - set(known))
         if unknown:
             raise TypeError(f"unknown pins {unknown}: autopart pins {', '.join(known)}")
+        if isinstance(pins.get("recompute"), str):  # one module path
+            pins["recompute"] = (pins["recompute"],)
         pinned = {k: pins.pop(k) for k in axes if k in pins and pins[k] is not None}
         try:
             Degrees(pinned)  # positive integers, or a clear error

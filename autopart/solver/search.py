@@ -317,6 +317,10 @@ def _zero_stages(dp: int, pins: Pins) -> list[int]:
 
 
 def _recompute_sets(blocks: tuple[str, ...], zero: int, pins: Pins) -> list[tuple[str, ...]]:
+    if pins.recompute is True:
+        return [blocks]
+    if pins.recompute is False:
+        return [()]
     if pins.recompute is not None:
         return [tuple(pins.recompute)]
     return [()] if zero == 3 or not blocks else [(), blocks]

@@ -77,3 +77,12 @@ def test_pipeline_pins_the_schedules_cannot_run_are_refused():
         _plan(pp=2, schedule="gpipe", virtual_stages=2)
     with pytest.raises(PlanError, match="at least pp=2"):
         _plan(pp=2, schedule="1f1b", microbatches=1)
+
+
+def test_recompute_takes_true_false_or_one_path():
+    """`recompute=True` recomputes every repeated block, False none, and a single
+    module path is that one block (not its characters)."""
+    blocks = tuple(f"model.layers.{i}" for i in range(LAYERS))
+    assert _plan(recompute=True).recompute == blocks
+    assert _plan(recompute=False).recompute == ()
+    assert _plan(recompute="model.layers.1").recompute == ("model.layers.1",)
