@@ -68,7 +68,7 @@ from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork, TpLay
 from autopart.degrees import Axis, AxisAttributes, Degrees
 from autopart.mesh import Mesh
 from autopart.plan import Plan, Predicted
-from autopart.policy import SCHEDULES, ZERO3_BUCKET_BYTES, Precision
+from autopart.policy import SCHEDULES, ZERO3_BUCKET_BYTES, ZERO3_REGATHER_AFTER, Precision
 
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
 TP_ALL_REDUCES_BACKWARD = 2
@@ -332,15 +332,16 @@ def _zero3_comm(
     own: list[SegmentWork], compute: PhaseCost, choices: Choices, models: CostModels
 ) -> float:
     """Per microbatch under ZeRO-3, as the runtime runs it (`ops/zero3.py`): each
-    parameter bucket is all-gathered in forward, all-gathered again in backward and its
-    gradients reduce-scattered. A gather is issued one bucket ahead and reduce-scatters
+    gather of a parameter bucket (`_gathers`: a tied weight read far from its bucket is
+    gathered again) is issued in forward, again in backward, and its gradients
+    reduce-scattered. A gather is issued one bucket ahead and reduce-scatters
     travel while backward goes on, so each pass's first gather and the last
     reduce-scatter show and the others hide behind the pass's compute while it lasts."""
     if choices.zero != 3 or choices.dp == 1:
         return 0.0
     param_bytes, grad_bytes = STATE_BYTES[choices.precision][:2]
     comm, dp, stride = models.comm, choices.dp, choices.degrees.stride(Axis.DP)
-    buckets = _parameter_buckets(own, choices.tp)
+    buckets = _gathers(own, choices.tp)
     if not buckets:
         return 0.0
     gathers = [comm.time(ALL_GATHER, b * param_bytes, dp, stride) for b in buckets]
@@ -410,21 +411,47 @@ def _parameter_buckets(own: list[SegmentWork], tp: int) -> list[float]:
     """ZeRO-3's buckets (`passes/zero.py`), as parameter counts: one per block holding
     parameters and one per run of other segments holding them, each split at the
     pass's cap on fp32 bytes."""
+    return _bucketing(own, tp)[0]
+
+
+def _bucketing(own: list[SegmentWork], tp: int) -> tuple[list[float], list[list[int]]]:
+    """The buckets, and for each segment the buckets holding the parameters it owns."""
     cap = ZERO3_BUCKET_BYTES / FP32_WEIGHTS[0]
     buckets: list[float] = []
+    of_segment: list[list[int]] = []
     in_run = False
     for seg in own:
         params = seg.param_numel(tp)
         if params and (seg.is_block or not in_run):
             buckets.append(0.0)
+        mine = [len(buckets) - 1] if params else []
         while params > 0:
             if buckets[-1] >= cap:
                 buckets.append(0.0)
+                mine.append(len(buckets) - 1)
             take = min(params, cap - buckets[-1])
             buckets[-1] += take
             params -= take
+        of_segment.append(mine)
         in_run = (in_run or seg.param_numel(tp) > 0) and not seg.is_block
-    return buckets
+    return buckets, of_segment
+
+
+def _gathers(own: list[SegmentWork], tp: int) -> list[float]:
+    """ZeRO-3's all-gathers in forward order, as parameter counts, as `passes/zero.py`
+    issues them: each bucket where it is first read, and again where it is read after
+    ZERO3_REGATHER_AFTER other gathers (a tied head reading the embedding's bucket)."""
+    buckets, of_segment = _bucketing(own, tp)
+    owner = {p: of_segment[i] for i, seg in enumerate(own) for p in seg.segment.owned}
+    last: dict[int, int] = {}
+    out: list[float] = []
+    for i, seg in enumerate(own):
+        borrowed = [b for p in seg.segment.borrowed for b in owner.get(p, [])]
+        for b in dict.fromkeys(of_segment[i] + borrowed):
+            if b not in last or len(out) - last[b] >= ZERO3_REGATHER_AFTER:
+                out.append(buckets[b])
+                last[b] = len(out)
+    return out
 
 
 def _activations(own: list[SegmentWork], choices: Choices) -> Activations:

@@ -56,6 +56,10 @@ class Segment:
     param_numel: int  # parameters first read here (tied weights counted once)
     sharded_param_numel: int  # of which split over the tensor-parallel axis
     param_tensors: int  # how many parameter tensors those are
+    # FQNs of the parameters first read here, and of those read here but first read by
+    # an earlier segment (a tied head reading the embedding).
+    owned: tuple[str, ...] = ()
+    borrowed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +243,8 @@ def _segments(
             sum(numel[p] for p in owners[i]),
             sum(numel[p] for p in owners[i] if _is_sharded_param(gm, nodes, p, layout)),
             len(owners[i]),
+            tuple(owners[i]),
+            tuple(sorted({p for n in nodes for p in PARAMS.get(n)} - set(owners[i]))),
         )
         for i, (key, block_id, nodes) in enumerate(runs)
     )
