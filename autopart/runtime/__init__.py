@@ -10,6 +10,8 @@
     zero_replicas.py     ZeRO-1/2 shards of replicated parameters
     precision.py         autocast and fp16 loss scaling
     full_state.py        whole parameters from this rank's pieces
+    inputs.py            a step's inputs checked against the captured shapes
+    faults.py            a peer lost mid-step, as an error that says how to resume
     weights.py           meta-device models and distributed checkpoints
 
 The runtime imports `ops` and never `passes`: the graphs it runs arrive rewritten.

@@ -18,6 +18,7 @@ from autopart.ops.program import RankProgram
 from autopart.plan import Plan
 from autopart.runtime.data_parallel import OptimizerFactory, build_data_parallel_state
 from autopart.runtime.executor import LocalExecutor
+from autopart.runtime.faults import peer_lost
 from autopart.runtime.full_state import full_state_dict
 from autopart.runtime.inputs import check_inputs
 from autopart.runtime.precision import Precision
@@ -42,6 +43,7 @@ class ParallelModule(nn.Module):
         super().__init__()
         self.stages = nn.ModuleList(program.stages)
         self.input_shapes = tuple(input_shapes)
+        self.steps = 0  # training steps begun, for errors that name one
         self.stage_ids = program.stage_ids
         self.tp_layout = program.tp_layout
         self.plan = plan
@@ -96,6 +98,17 @@ class ParallelModule(nn.Module):
             raise ValueError("train_step needs parallelize(..., loss_fn=..., optimizer=...)")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         check_inputs(args, self.input_shapes)
+        self.steps += 1
+        try:
+            return self._step(args, target)
+        except RuntimeError as e:
+            lost = peer_lost(e, self.steps - 1)
+            if lost is None:
+                raise
+            raise lost from e
+
+    def _step(self, args: tuple, target: Any) -> torch.Tensor:
+        assert self.executor is not None and self.state is not None
         self.state.begin()
         local_loss = self.executor.run(self.local_batch(args), self.local_batch(target))
         self.state.finish()

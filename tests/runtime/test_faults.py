@@ -1,0 +1,31 @@
+"""Faults: a rank killed mid-training stops the others at once, with an error that says
+what happened and how to resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch.distributed as dist
+
+from autopart.testing import run_world
+from tests.harness import parallelize_lm
+from tests.models import LM_FACTORIES, token_batch
+
+
+def _killed_after_one_step(batch) -> None:
+    pm = parallelize_lm(LM_FACTORIES["llama"](), batch, dp=2)
+    pm.train_step(*batch)
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as an out-of-memory killer would
+    pm.train_step(*batch)
+
+
+def test_a_killed_rank_stops_the_others_with_a_named_error():
+    with pytest.raises(RuntimeError) as failed:
+        run_world(_killed_after_one_step, 2, token_batch(8))
+    message = str(failed.value)
+    assert "rank 1: exit -9" in message  # the killed rank
+    assert "PeerLost: autopart: a peer process left the job during training step 1" in message
+    assert "resume from the latest checkpoint" in message
