@@ -69,23 +69,10 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     """The plan for `captured` on `mesh`: the search's choice among what `pins` allow,
     with its tensor-parallel layout, pipeline cuts, predictions and runners-up."""
     batch = batch_size((captured.example_args, captured.example_kwargs))
-    refusal = zero_refusal(pins.zero or 0, pins.optimizer_class)
-    if refusal:
-        raise PlanError(refusal)
-    if pins.degree(Axis.DP) is not None:
-        check_divisible(batch, pins.degrees[Axis.DP], "dp")
-    pinned = Degrees(pins.degrees)
-    if set(pins.degrees) == set(axis_names()):
-        mesh.check_covered(pinned)
-    elif mesh.world_size % pinned.world_size:
-        raise PlanError(
-            f"the pinned {' × '.join(f'{a}={n}' for a, n in pins.degrees.items())} = "
-            f"{pinned.world_size} devices do not divide the {mesh.world_size} of "
-            f"{mesh.describe()}: pin degrees whose product divides {mesh.world_size}"
-        )
+    _check_pins(pins, mesh, batch)
     dims = {k: v for k, v in captured.dim_sizes.items() if k != BATCH}
+    layouts = TpLayouts(captured.gm, captured.parameter_names, pins.sequence_parallel)
     try:
-        layouts = TpLayouts(captured.gm, captured.parameter_names, pins.sequence_parallel)
         found = search(layouts, mesh, pins, batch, dims)
     except NoPlanFits as e:
         raise PlanError(f"{e}{_what_fits(captured, mesh, pins, batch, dims)}") from None
@@ -105,6 +92,24 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     others = [c for c in found if c is not candidate]
     alternatives = tuple(_alternative(c) for c in others[:MAX_ALTERNATIVES])
     return plan.with_changes(predicted=predicted, alternatives=alternatives)
+
+
+def _check_pins(pins: Pins, mesh: Mesh, batch: int) -> None:
+    """Refuse pins that no plan can honour, saying which and why, before searching."""
+    refusal = zero_refusal(pins.zero or 0, pins.optimizer_class)
+    if refusal:
+        raise PlanError(refusal)
+    if pins.degree(Axis.DP) is not None:
+        check_divisible(batch, pins.degrees[Axis.DP], "dp")
+    pinned = Degrees(pins.degrees)
+    if set(pins.degrees) == set(axis_names()):
+        mesh.check_covered(pinned)
+    elif mesh.world_size % pinned.world_size:
+        raise PlanError(
+            f"the pinned {' × '.join(f'{a}={n}' for a, n in pins.degrees.items())} = "
+            f"{pinned.world_size} devices do not divide the {mesh.world_size} of "
+            f"{mesh.describe()}: pin degrees whose product divides {mesh.world_size}"
+        )
 
 
 def _plan_of(
