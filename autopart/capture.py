@@ -267,7 +267,20 @@ def explain_capture_failure(model: nn.Module, export_error: Exception, fx_error:
 
 
 def _classify(export_error: Exception, fx_error: Exception) -> tuple[str, str]:
-    text = f"{type(export_error).__name__}: {export_error}\n{fx_error}"
+    """What went wrong and what to change: torch.export's own error decides where it
+    names a known cause; fx.symbolic_trace's (which fails on much that export handles,
+    `*args` among them) only where export's names none."""
+    for text in (f"{type(export_error).__name__}: {export_error}", str(fx_error)):
+        found = _known_cause(text)
+        if found is not None:
+            return found
+    return (
+        f"torch.export failed with {type(export_error).__name__}",
+        "see what torch.export said below; keep forward() to torch operations on tensors",
+    )
+
+
+def _known_cause(text: str) -> tuple[str, str] | None:
     if "data-dependent" in text or "GuardOnDataDependent" in text or "control flow" in text:
         return (
             "Python control flow depends on a tensor's values",
@@ -280,15 +293,12 @@ def _classify(export_error: Exception, fx_error: Exception) -> tuple[str, str]:
             "return plain tensors (for Hugging Face models pass use_cache=False in the config)"
             " or register the type with torch.utils._pytree.register_pytree_node",
         )
-    if "numpy" in text.lower() or ".item()" in text or "item" in text:
+    if "numpy" in text.lower() or ".item()" in text:
         return (
             "the model leaves torch for Python or NumPy values",
             "keep the computation in torch operations on tensors",
         )
-    return (
-        "an operation neither front end can trace",
-        "see the source line above; keep forward() to torch operations on tensors",
-    )
+    return None
 
 
 def _user_frame(error: BaseException) -> tuple[str, int, str] | None:

@@ -165,3 +165,19 @@ def test_the_batch_is_dynamic_in_any_signature():
         assert captured.frontend == "export"
         assert captured.dim_sizes == {"batch": 4}
         assert captured.admits_batch(2)
+
+
+class _Broken(nn.Module):
+    def forward(self, x):
+        raise TypeError("this model cannot take that input")
+
+
+def test_a_capture_failure_is_named_by_torch_exports_own_error():
+    """fx.symbolic_trace's complaint (here: iterating a Proxy) does not decide the
+    diagnosis when torch.export's own error names another cause."""
+    with pytest.raises(CaptureError) as info:
+        capture(_Broken(), (torch.randn(2, 8),))
+    message = str(info.value)
+    assert "torch.export failed with TypeError" in message
+    assert "control flow" not in message
+    assert "this model cannot take that input" in message
