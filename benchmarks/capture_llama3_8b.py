@@ -14,8 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from harness import print_json_line, timed
-from transformers import LlamaConfig, LlamaForCausalLM
+from harness import LLAMA3_8B, llama, print_json_line, timed
 
 from autopart.capture import capture
 from autopart.cost_models import Choices, predict
@@ -28,18 +27,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=8192)
     args = parser.parse_args()
-    config = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=args.seq,
-        use_cache=False,
-    )
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = llama(**LLAMA3_8B, positions=args.seq)
     ids = torch.zeros(1, args.seq, dtype=torch.long, device="meta")
 
     dynamic_batch = ({0: torch.export.Dim.AUTO},)

@@ -67,6 +67,10 @@ def llama(
     return LlamaForCausalLM(config)
 
 
+# Llama-3-8B's shape, for `llama(**LLAMA3_8B, positions=...)`.
+LLAMA3_8B = dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256)
+
+
 def lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of a Hugging Face causal LM's output."""
     return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())

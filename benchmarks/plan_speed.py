@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from harness import llama, print_json_line, timed
+from harness import LLAMA3_8B, llama, print_json_line, timed
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -62,7 +62,9 @@ def _gpt(hidden: int, layers: int, heads: int) -> Callable[[], nn.Module]:
 
 # Model shapes as published (Llama 3; the 1T GPT of Narayanan et al., 2021).
 CASES = {
-    "llama3-8b": Case(_llama(4096, 14336, 32, 32, 8), 512, 8192, "h100-80g", 8, 10.0),
+    "llama3-8b": Case(
+        functools.partial(llama, **LLAMA3_8B, positions=8192), 512, 8192, "h100-80g", 8, 10.0
+    ),
     "llama3-70b": Case(_llama(8192, 28672, 80, 64, 8), 1024, 8192, "h100-80g", 128, 20.0),
     "gpt-1t": Case(_gpt(25600, 128, 160), 3072, 2048, "a100-80g", 384, 45.0),
 }

@@ -95,6 +95,25 @@ def make_optimizer(kind: str):
     return lambda params: torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01)
 
 
+def llama3_8b_on_meta() -> nn.Module:
+    """Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336,
+    vocabulary 128256) on the meta device: nothing is allocated."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        use_cache=False,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
 LM_FACTORIES = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
 

@@ -9,7 +9,7 @@ from torch.export import Dim
 
 from autopart.capture import CaptureError, capture
 from autopart.passes import MODULE_PATH, analyze
-from tests.models import MLP, ConvNet, tiny_gpt2, tiny_llama, token_batch
+from tests.models import MLP, ConvNet, llama3_8b_on_meta, tiny_gpt2, tiny_llama, token_batch
 
 
 def _every_node_has_val(gm) -> bool:
@@ -119,20 +119,7 @@ def test_uncapturable_model_names_construct_line_and_fix():
 
 
 def test_llama3_8b_config_captures_on_meta():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        use_cache=False,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    model = llama3_8b_on_meta()
     ids = torch.zeros(1, 8192, dtype=torch.long, device="meta")
     captured = capture(model, (ids,))
     params = sum(p.numel() for p in captured.gm.parameters())

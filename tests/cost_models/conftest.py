@@ -7,6 +7,7 @@ import torch
 
 from autopart.capture import capture
 from autopart.passes import analyze
+from tests.models import llama3_8b_on_meta
 
 # Megatron-LM's FLOPs check: a GPT with h=1024, l=8, s=1024, V=50257 (tied embeddings).
 GPT = {"hidden": 1024, "layers": 8, "seq": 1024, "vocab": 50257, "batch": 2}
@@ -41,18 +42,5 @@ def gpt_graph():
 def llama3_8b_graph():
     """Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336,
     vocab 128256) at sequence 2048, batch dynamic."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        use_cache=False,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    model = llama3_8b_on_meta()
     return _analyzed_gm(model, torch.zeros(8, 2048, dtype=torch.long, device="meta"))
