@@ -7,7 +7,13 @@ import torch
 
 import autopart
 from autopart.testing import run_world
-from tests.harness import assert_every_rank_matches, parallelize_lm, train_losses
+from tests.harness import (
+    assert_every_rank_matches,
+    case_key,
+    parallelize_lm,
+    train_case,
+    train_losses,
+)
 from tests.models import LM_FACTORIES, snapshot, token_batch, train_single_device
 
 STEPS = 5
@@ -32,6 +38,27 @@ def test_dp_matches_single_device(world):
     per_rank = run_world(_train_dp, world, CASES, batch)
     for case in CASES:
         assert_every_rank_matches(per_rank, case, train_single_device(*case, STEPS, batch))
+
+
+ACCUMULATED = [("llama", {"dp": 2, "microbatches": 2, "zero": z}) for z in (0, 2)]
+
+
+def _train_accumulated(batch) -> dict:
+    return {
+        case_key(name, pins): train_case(LM_FACTORIES[name](), batch, STEPS, "sgd", **pins)
+        for name, pins in ACCUMULATED
+    }
+
+
+def test_gradient_accumulation_matches_single_device():
+    """Microbatches without a pipeline (the solver's gradient accumulation) sum the
+    microbatches' gradients into one step: SGD, whose update scales with the gradient,
+    would show a wrong scale."""
+    batch = token_batch(batch=8)
+    per_rank = run_world(_train_accumulated, 2, batch)
+    reference = train_single_device("llama", "sgd", STEPS, batch)
+    for name, pins in ACCUMULATED:
+        assert_every_rank_matches(per_rank, case_key(name, pins), reference)
 
 
 def test_batch_not_divisible_by_dp_is_a_clear_error():
