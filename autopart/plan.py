@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,19 @@ class MeshSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class StageFigures:
+    """One pipeline rank as the cost models see it (the whole model when pp = 1)."""
+
+    blocks: int  # repeated blocks it runs
+    microbatch_s: float  # compute and critical-path communication per microbatch
+    peak_memory_bytes: int
+    in_flight: float  # microbatches whose activations it holds at once
+    recomputed: int = 0  # blocks recomputed in backward
+    recompute_frees_bytes: int = 0  # activation bytes that recomputation frees
+    recompute_s: float = 0.0  # what recomputation adds to each step
+
+
+@dataclass(frozen=True, slots=True)
 class Predicted:
     """What the cost models expect of the plan, per rank (the largest where they differ)."""
 
@@ -66,6 +79,7 @@ class Predicted:
     peak_memory_bytes: int
     memory: Mapping[str, int] = field(default_factory=dict)  # parameters, gradients, ...
     model_flops_per_device: float = 0.0  # achieved model FLOP/s per device
+    stages: tuple[StageFigures, ...] = ()  # per pipeline rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +231,7 @@ class Plan(AxisAttributes):
             k: tuple(placement_from_str(p) for p in v) for k, v in d.get("placements", {}).items()
         }
         d.pop("strategies", None)  # an always-empty field that earlier plan files carry
-        d["predicted"] = Predicted(**d["predicted"]) if d.get("predicted") else None
+        d["predicted"] = _predicted(d["predicted"]) if d.get("predicted") else None
         d["alternatives"] = tuple(_alternative(a) for a in d.get("alternatives", []))
         for key in ("recompute", "stage_cuts"):
             d[key] = tuple(d.get(key, ()))
@@ -250,6 +264,12 @@ def _degrees(data: dict[str, Any]) -> Degrees:
         raise PlanError(f"invalid plan file: {e}") from None
 
 
+def _predicted(data: Mapping[str, Any]) -> Predicted:
+    rest = dict(data)
+    stages = tuple(StageFigures(**s) for s in rest.pop("stages", ()))
+    return Predicted(**rest, stages=stages)
+
+
 def _alternative(data: Mapping[str, Any]) -> Alternative:
     rest = dict(data)
     return Alternative(degrees=_degrees(rest), **rest)
@@ -270,5 +290,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return dict(value)
     if isinstance(value, tuple):
-        return list(value)
+        return [_plain(v) for v in value]
+    if is_dataclass(value) and not isinstance(value, type):
+        return _dataclass_dict(value)
     return value

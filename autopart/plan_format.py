@@ -135,6 +135,7 @@ def explain_plan(plan: Plan) -> str:
             3: "optimizer state, gradients and parameters",
         }[plan.zero]
         lines.append(f"ZeRO-{plan.zero} shards the {what} over the {plan.dp} dp ranks.")
+    lines += _stage_lines(plan)
     lines.append(_reduction_order(plan))
     if plan.predicted is not None:
         p = plan.predicted
@@ -145,6 +146,47 @@ def explain_plan(plan: Plan) -> str:
             + ")."
         )
     return "\n".join(lines)
+
+
+def _stage_lines(plan: Plan) -> list[str]:
+    """Why each pipeline stage holds its blocks, and what recomputation buys where."""
+    predicted = plan.predicted
+    if predicted is None or not predicted.stages:
+        return []
+    stages, lines = predicted.stages, []
+    if plan.pp > 1:
+        slowest = max(s.microbatch_s for s in stages)
+        last = (plan.pp * plan.virtual_stages - 1) % plan.pp
+        lines.append(
+            f"The stage cuts ({', '.join(plan.stage_cuts) or 'none given'}) make the "
+            f"slowest stage's time per microbatch, {slowest * 1e3:.2f} ms, as small as it "
+            "can be with every stage within the device's memory; a stage that holds more "
+            "microbatches in flight may take fewer blocks, or recompute some:"
+        )
+        for r, s in enumerate(stages):
+            also = (" and the embedding before the first" if r == 0 else "") + (
+                " and the head after the last" if r == last else ""
+            )
+            lines.append(
+                f"  stage {r}: {s.blocks} blocks{also}, {s.microbatch_s * 1e3:.2f} ms per "
+                f"microbatch ({s.microbatch_s / slowest:.0%} of the slowest), "
+                f"{format_bytes(s.peak_memory_bytes)} with {s.in_flight:g} "
+                f"microbatch{'' if s.in_flight == 1 else 'es'} in flight"
+                + (f", {s.recomputed} blocks recomputed" if s.recomputed else "")
+            )
+    recomputing = [(r, s) for r, s in enumerate(stages) if s.recomputed]
+    if recomputing:
+        effects = "; ".join(
+            (f"stage {r}: " if plan.pp > 1 else "")
+            + f"{s.recomputed} blocks free {format_bytes(s.recompute_frees_bytes)} of "
+            f"activations for {s.recompute_s * 1e3:.2f} ms more per step"
+            for r, s in recomputing
+        )
+        lines.append(
+            f"Recomputed in backward (each keeps only its input): "
+            f"{', '.join(compact_paths(plan.recompute))}. {effects}."
+        )
+    return lines
 
 
 # Unit roundoff of the dtype each kind of sum runs in: gradients are fp32 under every

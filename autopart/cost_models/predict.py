@@ -40,7 +40,7 @@ backward (3× forward FLOPs) without recomputation, as in MFU (Chowdhery et al.,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -67,7 +67,7 @@ from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
 from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork, TpLayout
 from autopart.degrees import Axis, AxisAttributes, Degrees
 from autopart.mesh import Mesh
-from autopart.plan import Plan, Predicted
+from autopart.plan import Plan, Predicted, StageFigures
 from autopart.policy import SCHEDULES, ZERO3_BUCKET_BYTES, ZERO3_REGATHER_AFTER, Precision
 
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
@@ -167,6 +167,7 @@ class RankCost:
     sync: float
     optimizer: float
     memory: dict[str, int]
+    figures: StageFigures
 
 
 def predict(
@@ -226,6 +227,7 @@ def predict(
         peak_memory_bytes=total(peak),
         memory=peak,
         model_flops_per_device=model_flops / mesh.world_size / step_time,
+        stages=tuple(r.figures for r in ranks),
     )
 
 
@@ -245,11 +247,17 @@ def step_time_lower_bound(
 def _segment_times(
     segments: list[SegmentWork], choices: Choices, compute: ComputeModel
 ) -> list[PhaseCost]:
-    """Each segment's seconds per microbatch; one block instance priced per block."""
+    return segment_times(segments, compute, [choices.recomputes(s) for s in segments])
+
+
+def segment_times(
+    segments: Sequence[SegmentWork], compute: ComputeModel, recomputed: Sequence[bool]
+) -> list[PhaseCost]:
+    """Each segment's seconds per microbatch, recomputed or not; one block instance
+    priced per block."""
     cache: dict[tuple[str, bool], PhaseCost] = {}
     out: list[PhaseCost] = []
-    for seg in segments:
-        recompute = choices.recomputes(seg)
+    for seg, recompute in zip(segments, recomputed):
         key = (seg.segment.block_id or f"segment {len(out)}", recompute)
         if key not in cache:
             cache[key] = compute.cost(seg.nodes, recompute)
@@ -274,7 +282,7 @@ def _rank_cost(
     gathered = max((s.param_numel(choices.tp) for s in blocks), default=params)
     comm = (
         _tp_comm(own, choices, models.comm)
-        + _p2p_comm(boundary, choices, models.comm)
+        + p2p_comm(boundary, choices, models.comm)
         + _zero3_comm(own, compute, choices, models)
     )
     in_flight = in_flight_microbatches(
@@ -287,7 +295,24 @@ def _rank_cost(
         activations=_activations(own, choices).bytes(in_flight),
         gathered_params=gathered,
         pipeline_bytes=boundary if choices.pp > 1 else 0.0,
-        output_bytes=_output_bytes(last, choices.tp) if last else 0.0,
+        output_bytes=output_bytes(last, choices.tp) if last else 0.0,
+    )
+    recomputed = [s for s in own if choices.recomputes(s)]
+    kept = Activations(kept=sum(s.saved_bytes(choices.precision) for s in own))
+    recompute_comm = sum(
+        tp_comm(s, choices, models.comm, True) - tp_comm(s, choices, models.comm, False)
+        for s in recomputed
+    )
+    figures = StageFigures(
+        blocks=len(blocks),
+        microbatch_s=compute.total + comm,
+        peak_memory_bytes=total(memory),
+        in_flight=in_flight,
+        recomputed=len(recomputed),
+        recompute_frees_bytes=round(
+            kept.bytes(in_flight) - _activations(own, choices).bytes(in_flight)
+        ),
+        recompute_s=choices.microbatches * (compute.recompute + recompute_comm),
     )
     return RankCost(
         compute=compute,
@@ -295,10 +320,11 @@ def _rank_cost(
         sync=_dp_sync(params, compute, choices, models),
         optimizer=_optimizer_time(own, choices, models),
         memory=memory,
+        figures=figures,
     )
 
 
-def _output_bytes(last: SegmentWork, tp: int) -> float:
+def output_bytes(last: SegmentWork, tp: int) -> float:
     """The model's output per microbatch on one rank: 1/tp of it where the last
     operator is split (a vocabulary-parallel LM head)."""
     split = bool(last.nodes) and last.nodes[-1].tp_sharded
@@ -306,21 +332,21 @@ def _output_bytes(last: SegmentWork, tp: int) -> float:
 
 
 def _tp_comm(own: list[SegmentWork], choices: Choices, comm: CommModel) -> float:
-    """Per microbatch: 2 forward + 2 backward (+ 2 recomputed) all-reduces over tp of a
-    block's output, as a row-parallel matmul produces it (16-bit under mixed
+    return sum(tp_comm(seg, choices, comm, choices.recomputes(seg)) for seg in own)
+
+
+def tp_comm(seg: SegmentWork, choices: Choices, comm: CommModel, recomputed: bool) -> float:
+    """Per microbatch of a block: 2 forward + 2 backward (+ 2 recomputed) all-reduces
+    over tp of its output, as a row-parallel matmul produces it (16-bit under mixed
     precision)."""
-    if choices.tp == 1:
+    if choices.tp == 1 or not seg.is_block:
         return 0.0
     scale = 1.0 if choices.precision == Precision.FP32 else 0.5
-    seconds = 0.0
-    for seg in own:
-        if seg.is_block:
-            count = TP_ALL_REDUCES_FORWARD * (1 + choices.recomputes(seg)) + TP_ALL_REDUCES_BACKWARD
-            seconds += count * comm.time(ALL_REDUCE, seg.output_bytes * scale, choices.tp)
-    return seconds
+    count = TP_ALL_REDUCES_FORWARD * (1 + recomputed) + TP_ALL_REDUCES_BACKWARD
+    return count * comm.time(ALL_REDUCE, seg.output_bytes * scale, choices.tp)
 
 
-def _p2p_comm(boundary: float, choices: Choices, comm: CommModel) -> float:
+def p2p_comm(boundary: float, choices: Choices, comm: CommModel) -> float:
     """Per microbatch: one activation and one gradient per chunk of this rank."""
     if choices.pp == 1:
         return 0.0

@@ -128,6 +128,7 @@ def _plan_of(
         choices.schedule,
         choices.virtual_stages,
         choices.microbatches,
+        choices.stage_cuts,
     )
     return Plan(
         mesh=MeshSpec.of(mesh),

@@ -32,8 +32,10 @@ def choose_pipeline(
     schedule: str | None,
     virtual_stages: int | None,
     microbatches: int | None,
+    stage_cuts: tuple[str, ...] = (),
 ) -> PipelineChoice:
-    """`replica_batch` is the global batch over dp; the other arguments are pins."""
+    """`replica_batch` is the global batch over dp; the other arguments are pins, or the
+    search's choices (its stage cuts); without cuts they are balanced in FLOPs."""
     if pp == 1:
         return PipelineChoice(schedule, virtual_stages or 1, microbatches or 1, ())
     virtual = virtual_stages or (2 if schedule == Schedule.INTERLEAVED_1F1B else 1)
@@ -51,7 +53,7 @@ def choose_pipeline(
     problem = microbatches_problem(schedule, pp, m)
     if problem:
         raise PlanError(problem)
-    return PipelineChoice(schedule, virtual, m, choose_stage_cuts(gm, pp * virtual))
+    return PipelineChoice(schedule, virtual, m, stage_cuts or choose_stage_cuts(gm, pp * virtual))
 
 
 def microbatches_problem(schedule: str, pp: int, m: int) -> str | None:

@@ -10,8 +10,11 @@ Candidates, every combination the pins allow:
   microbatches: 1 without a pipeline; pp, 2pp and 4pp (dividing the replica's batch)
     with one; schedule 1F1B, and interleaved 1F1B over 2 virtual stages where the blocks
     allow;
-  recomputation of none or every repeated block (not with ZeRO-3).
-Each is priced once by `cost_models.predict` on one `GraphSummary` of the graph.
+  no recomputation, unless pinned.
+Each is priced once by `cost_models.predict` on one `GraphSummary` of the graph. A
+pipeline's stage cuts, and the blocks to recompute when a plan does not fit otherwise
+(not with ZeRO-3), are decided per candidate by the inner CP-SAT model
+(`stage_model.py`) and the result priced again.
 
 Formulation. A boolean x_c per candidate c, with predicted step time t_c (µs), peak
 memory m_c (bytes), a simplicity rank s_c (how many mechanisms it switches on) and
@@ -36,7 +39,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ortools.sat.python import cp_model
@@ -50,6 +53,7 @@ from autopart.cost_models import (
     predict,
     step_time_lower_bound,
 )
+from autopart.cost_models.stage_costs import stage_problem_of
 from autopart.cost_models.summary import TpLayout
 from autopart.degrees import Axis, Degrees
 from autopart.mesh import Mesh
@@ -57,6 +61,7 @@ from autopart.plan import Predicted
 from autopart.plan_format import format_bytes
 from autopart.policy import Schedule, zero_refusal
 from autopart.solver.pipeline import microbatches_problem
+from autopart.solver.stage_model import solve_stages
 from autopart.solver.tensor_parallel import choose_tp_placements
 
 if TYPE_CHECKING:
@@ -65,6 +70,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("autopart.solver")
 
 SLACK = 0.05
+# How much faster the inner model's stage cuts can make a pipeline than the cuts balanced
+# by compute that the search prices first: measured on Llama-3-8B's candidates, at most
+# 1e-4; a margin, so that no plan the inner model could make the fastest is skipped.
+REBALANCE_GAIN = 0.02
 SEED = 0
 # What each doubling of an axis's degree adds to a plan's complexity (3 where not named):
 # data parallelism adds none, so it is preferred among near-equal plans.
@@ -100,10 +109,12 @@ def search(
     first = layouts.summary(1).evaluate({**dims, "batch": 1})
     blocks = tuple(s.key for s in first if s.is_block)
     choices = list(_choices(layouts, mesh, pins, global_batch, blocks))
-    candidates = _price(layouts, mesh, dims, choices)
+    candidates = _price(layouts, mesh, dims, choices, recomputable=pins.recompute is None)
     if not candidates:
         raise NoPlanFits("the pins leave no plan that divides the batch and the mesh")
     chosen = _solve(candidates, mesh.device.memory_bytes)
+    if chosen.choices.pp > 1 and not chosen.choices.stage_cuts:
+        chosen = _with_inner_cuts(layouts, mesh, chosen, dims)
     fitting = [c for c in candidates if c.predicted.peak_memory_bytes <= mesh.device.memory_bytes]
     others = sorted((c for c in fitting if c is not chosen), key=lambda c: c.predicted.step_time_s)
     return [chosen, *others]
@@ -138,12 +149,22 @@ class TpLayouts:
 
 
 def _price(
-    layouts: TpLayouts, mesh: Mesh, dims: Mapping[str, int], choices: list[Choices]
+    layouts: TpLayouts,
+    mesh: Mesh,
+    dims: Mapping[str, int],
+    choices: list[Choices],
+    recomputable: bool,
 ) -> list[Candidate]:
-    """Each choice priced by `predict`, but for those whose compute alone is slower than
+    """Each choice priced by `predict` (a pipeline cut where blocks balance its
+    compute, nothing recomputed), but for those whose compute alone is slower than
     (1 + SLACK) × the fastest fitting plan priced so far: they can be neither chosen nor
     within the slack of the choice. The usual microbatch counts go first, so that the
-    plan to beat is a good one early."""
+    plan to beat is a good one early.
+
+    Then the plans that do not fit, fastest first, go to the inner model (`_inner`),
+    which cuts the pipeline and recomputes blocks to fit memory. Both only add time
+    (the cuts but for `REBALANCE_GAIN`), so once a plan is slower than the fastest that
+    fits by more than the slack, so are the rest, and they are left as they are."""
     start, memory = time.perf_counter(), mesh.device.memory_bytes
     models = CostModels.of(mesh, choices[0].precision) if choices else None
     best, out = math.inf, []
@@ -157,13 +178,79 @@ def _price(
         out.append(Candidate(c, predicted))
         if predicted.peak_memory_bytes <= memory:
             best = min(best, predicted.step_time_s)
+    overflowing = sorted(
+        (i for i, cand in enumerate(out) if cand.predicted.peak_memory_bytes > memory),
+        key=lambda i: out[i].predicted.step_time_s,
+    )
+    inner = 0
+    for i in overflowing:
+        c, predicted = out[i].choices, out[i].predicted
+        if predicted.step_time_s * (1 - REBALANCE_GAIN) > (1 + SLACK) * best:
+            break
+        if c.pp == 1 and not recomputable:
+            continue
+        assert models is not None
+        inner += 1
+        summary = layouts.summary(c.tp)
+        may_recompute = recomputable and c.zero != 3
+        out[i] = Candidate(*_inner(summary, mesh, c, predicted, dims, models, may_recompute))
+        if out[i].predicted.peak_memory_bytes <= memory:
+            best = min(best, out[i].predicted.step_time_s)
     log.info(
-        "solver: priced %d of %d plans in %.3fs",
+        "solver: priced %d of %d plans, %d with the inner model, in %.3fs",
         len(out),
         len(choices),
+        inner,
         time.perf_counter() - start,
     )
     return out
+
+
+def _with_inner_cuts(
+    layouts: TpLayouts, mesh: Mesh, chosen: Candidate, dims: Mapping[str, int]
+) -> Candidate:
+    """The chosen pipeline with the inner model's cuts (it was priced with cuts
+    balanced by compute), where they fit."""
+    c = chosen.choices
+    models = CostModels.of(mesh, c.precision)
+    summary = layouts.summary(c.tp)
+    choices, predicted = _inner(summary, mesh, c, chosen.predicted, dims, models, False)
+    if predicted.step_time_s > chosen.predicted.step_time_s:
+        return chosen
+    return Candidate(choices, predicted)
+
+
+def _inner(
+    summary: GraphSummary,
+    mesh: Mesh,
+    c: Choices,
+    predicted: Predicted,
+    dims: Mapping[str, int],
+    models: CostModels,
+    recomputable: bool,
+) -> tuple[Choices, Predicted]:
+    """`c` with the stage cuts and recomputed blocks of the inner CP-SAT
+    (`stage_model.solve_stages`), priced. Where nothing fits, the plan that recomputes
+    every block stands for `c`, so that a refusal can say how close it came."""
+    memory = mesh.device.memory_bytes
+    problem = stage_problem_of(summary, c, dims, models, memory, recomputable)
+    solved = solve_stages(problem)
+    if solved is None:
+        if not recomputable:
+            return c, predicted
+        every = tuple(u.key for u in problem.units if u.kind is not None)
+        c = replace(c, recompute=c.recompute + every)
+        return c, predict(summary, mesh, c, dims, models)
+    units = problem.units
+    chosen = replace(
+        c,
+        stage_cuts=tuple(units[i].key for i in solved.starts),
+        recompute=c.recompute + tuple(units[i].key for i in sorted(solved.recomputed)),
+    )
+    priced = predict(summary, mesh, chosen, dims, models)
+    if priced.peak_memory_bytes <= memory or predicted.peak_memory_bytes > memory:
+        return chosen, priced
+    return c, predicted
 
 
 def _usual_microbatches(c: Choices) -> bool:
@@ -248,7 +335,7 @@ def _choices(
             continue  # no layout shards anything at this tp (a pinned tp may replicate all)
         for schedule, virtual, m in _pipelines(pp, batch // dp, pins, len(blocks)):
             for zero in _zero_stages(dp, pins):
-                for recompute in _recompute_sets(blocks, zero, pins):
+                for recompute in _recompute_sets(blocks, pins):
                     yield Choices(
                         batch, degrees, zero, m, schedule, virtual, pins.precision, recompute
                     )
@@ -316,11 +403,11 @@ def _zero_stages(dp: int, pins: Pins) -> list[int]:
     return [0, 1, 2] if pins.recompute else [0, 1, 2, 3]  # recomputation excludes ZeRO-3
 
 
-def _recompute_sets(blocks: tuple[str, ...], zero: int, pins: Pins) -> list[tuple[str, ...]]:
+def _recompute_sets(blocks: tuple[str, ...], pins: Pins) -> list[tuple[str, ...]]:
+    """Pinned recomputation; unpinned, none here: `_inner` recomputes the blocks that
+    memory calls for."""
     if pins.recompute is True:
         return [blocks]
-    if pins.recompute is False:
+    if pins.recompute is None or pins.recompute is False:
         return [()]
-    if pins.recompute is not None:
-        return [tuple(pins.recompute)]
-    return [()] if zero == 3 or not blocks else [(), blocks]
+    return [tuple(pins.recompute)]

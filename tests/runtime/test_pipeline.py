@@ -7,6 +7,10 @@ different ranks): that exercises the replica exchange.
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 import autopart
 from autopart.testing import run_world
 from tests.harness import assert_every_rank_matches, parallelize_lm, train_case
@@ -54,6 +58,77 @@ def test_two_stage_schedules_match_single_device():
 
 def test_interleaved_and_composed_pipelines_match_single_device():
     _check(WORLD_4, 4)
+
+
+# Stages the inner solver may choose: uneven cuts, and some blocks recomputed (those of
+# the first stage, which holds the most microbatches in flight under 1F1B).
+UNEVEN = [  # (name, model, layers, world, pins, stage cuts, recomputed blocks)
+    (
+        "gpt2 PP2 1|3, first block recomputed",
+        "gpt2",
+        4,
+        2,
+        dict(pp=2, schedule="1f1b", microbatches=4),
+        ("transformer.h.1",),
+        ("transformer.h.0",),
+    ),
+    (
+        "llama PP2 3|1",
+        "llama",
+        4,
+        2,
+        dict(pp=2, schedule="gpipe", microbatches=2),
+        ("model.layers.3",),
+        (),
+    ),
+    (
+        "gpt2 PP4 1|1|2|2",
+        "gpt2",
+        6,
+        4,
+        dict(pp=4, schedule="1f1b", microbatches=4),
+        ("transformer.h.1", "transformer.h.2", "transformer.h.4"),
+        (),
+    ),
+    (
+        "llama PP4 2|2|1|1, stages 0-1 partly recomputed",
+        "llama",
+        6,
+        4,
+        dict(pp=4, schedule="1f1b", microbatches=4),
+        ("model.layers.2", "model.layers.4", "model.layers.5"),
+        ("model.layers.0", "model.layers.2"),
+    ),
+]
+
+
+def _train_uneven(cases, batch) -> dict:
+    out = {}
+    for name, model_name, layers, _, pins, cuts, recompute in cases:
+        model = LM_FACTORIES[model_name](layers=layers)
+        chosen = autopart.plan(model, autopart.Mesh.local(), (batch[0],), **pins)
+        plan = chosen.with_changes(stage_cuts=cuts, recompute=recompute)
+        out[name] = train_case(model, batch, STEPS, inspect=_blocks_held, plan=plan)
+    return out
+
+
+def _blocks_held(pm) -> dict:
+    """The indices of the blocks whose parameters this rank holds."""
+    found = (re.search(r"(?:^|\.)(?:h|layers)\.(\d+)\.", n) for n, _ in pm.named_parameters())
+    return {"blocks": sorted({int(m[1]) for m in found if m})}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_uneven_stages_and_partial_recomputation_match_single_device(world):
+    batch = token_batch(batch=8)
+    cases = [case for case in UNEVEN if case[3] == world]
+    per_rank = run_world(_train_uneven, world, cases, batch)
+    for name, model_name, layers, _, _, cuts, _ in cases:
+        reference = train_single_device(model_name, "adamw", STEPS, batch, layers=layers)
+        assert_every_rank_matches(per_rank, name, reference)
+        starts = [0, *(int(c.rpartition(".")[2]) for c in cuts), layers]
+        for rank, results in enumerate(per_rank):
+            assert results[name]["blocks"] == list(range(starts[rank], starts[rank + 1]))
 
 
 def _batch_of_another_shape(batch) -> dict:

@@ -1,0 +1,240 @@
+"""The costs the inner solver weighs when it cuts pipeline stages and picks the blocks to
+recompute, for one outer candidate (degrees, ZeRO stage, schedule, microbatches).
+
+The graph's segments become `Unit`s in order, each with its time per microbatch
+(forward, backward and its tensor-parallel collectives, as `predict` charges them), its
+parameters, the bytes it saves for backward, and, for a block that may be recomputed,
+what recomputing it adds (time) and frees (its saved bytes, less its input, which it
+keeps). All figures are integers, so the CP-SAT model and a brute-force enumeration
+weigh exactly the same numbers, in units sized to the problem (`TIME_STEPS`,
+`MEMORY_STEPS`): an LP with coefficients near 1e11 (bytes of an 80 GB device times
+the allocator's and the schedule's fractions) stalls CP-SAT's linear relaxation.
+Memory figures are rounded up and the device's memory down, so what fits in units
+fits in bytes.
+
+Per pipeline rank r, holding chunks r, r + p, ... (interleaved), the memory is
+`predict`'s, as a sum the solver can keep linear:
+
+    (1 + allocator) · [ states_r + in_flight_r · (kept_r + Σ recomputed inputs)
+                        + largest recomputed block + buffers_r + fixed_r ]
+
+where states_r is the bytes of the rank's parameters, gradients and optimizer state
+under the ZeRO stage, buffers_r the ZeRO reduce-scatter bucket (at most the rank's
+gradients), and fixed_r the ZeRO-3 gathered blocks, the pipeline's send and receive
+buffers and, on the rank running the last chunk, the loss's output gradients. A rank's
+pace is its time per microbatch; the pipeline runs at its slowest rank's
+(`pipeline.pipeline_step`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+from autopart.cost_models.memory import (
+    OUTPUT_GRADIENTS,
+    STATE_BYTES,
+    in_flight_microbatches,
+    model_state_bytes,
+)
+from autopart.cost_models.predict import (
+    Choices,
+    CostModels,
+    output_bytes,
+    p2p_comm,
+    segment_times,
+    tp_comm,
+)
+from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork
+
+# The device's memory is counted in about MEMORY_STEPS units, a microbatch's time on
+# the slowest-possible rank (all of it) in about TIME_STEPS: fine enough that rounding
+# moves no real decision, coarse enough for CP-SAT's linear relaxation.
+MEMORY_STEPS = 1 << 20
+TIME_STEPS = 1 << 24
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One segment of the graph as the inner solver sees it (time and memory in the
+    problem's units)."""
+
+    key: str
+    kind: str | None  # the block's structure (`BlockInfo.block_id`); None: not recomputable
+    time: int  # per microbatch, not recomputed
+    states: int  # its parameters, gradients and optimizer state on this rank
+    saved: int  # saved for backward per microbatch, not recomputed
+    recompute_time: int = 0  # added when recomputed
+    recompute_keeps: int = 0  # what a recomputed block keeps per microbatch (its input)
+    grads: int = 0  # its gradients (what ZeRO's reduce-scatter bucket holds at most)
+
+
+@dataclass(frozen=True, slots=True)
+class StageProblem:
+    """Cut `units` into `chunks` contiguous chunks (chunk c on rank c mod `pp`) at
+    `cut_positions` (unit indices where a chunk may begin), and choose the recomputed
+    blocks, so that every rank fits `memory` bytes."""
+
+    units: tuple[Unit, ...]
+    pp: int
+    chunks: int
+    cut_positions: tuple[int, ...]
+    in_flight: tuple[Fraction, ...]  # per rank, in units of its whole share
+    bucket: int  # ZeRO's reduce-scatter bucket cap; 0 when there is none
+    fixed: tuple[int, ...]  # per rank: memory that depends on no choice
+    comm: tuple[int, ...]  # per rank: time per microbatch that depends on no choice
+    allocator: Fraction
+    memory: int
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(u.kind for u in self.units if u.kind is not None))
+
+    def rank_of(self, chunk: int) -> int:
+        return chunk % self.pp
+
+
+@dataclass(frozen=True, slots=True)
+class StageAssignment:
+    """Where chunks 1 .. K−1 begin (unit indices), the recomputed units, and what that
+    costs: the slowest rank's time per microbatch, the recomputation's time summed over
+    ranks, and every rank's memory."""
+
+    starts: tuple[int, ...]
+    recomputed: frozenset[int]
+    pace: int
+    added: int
+    peaks: tuple[int, ...]
+
+    def fits(self, memory: int) -> bool:
+        return max(self.peaks) <= memory
+
+
+def evaluate(
+    problem: StageProblem, starts: Sequence[int], recomputed: frozenset[int]
+) -> StageAssignment:
+    """The pace, added recomputation and per-rank memory of one assignment."""
+    bounds = [0, *starts, len(problem.units)]
+    times = [0] * problem.pp
+    added = 0
+    states = [0] * problem.pp
+    grads = [0] * problem.pp
+    kept = [0] * problem.pp
+    largest = [0] * problem.pp
+    for chunk in range(problem.chunks):
+        r = problem.rank_of(chunk)
+        for i in range(bounds[chunk], bounds[chunk + 1]):
+            u = problem.units[i]
+            states[r] += u.states
+            grads[r] += u.grads
+            if i in recomputed:
+                times[r] += u.time + u.recompute_time
+                added += u.recompute_time
+                kept[r] += u.recompute_keeps
+                largest[r] = max(largest[r], u.saved)
+            else:
+                times[r] += u.time
+                kept[r] += u.saved
+    peaks = tuple(
+        _memory(problem, r, states[r], grads[r], kept[r], largest[r]) for r in range(problem.pp)
+    )
+    pace = max(t + c for t, c in zip(times, problem.comm))
+    return StageAssignment(tuple(starts), recomputed, pace, added, peaks)
+
+
+def _memory(
+    problem: StageProblem, rank: int, states: int, grads: int, kept: int, largest: int
+) -> int:
+    bucket = min(problem.bucket, grads)
+    body = states + problem.in_flight[rank] * kept + largest + bucket + problem.fixed[rank]
+    return math.ceil((1 + problem.allocator) * body)  # fits iff the exact amount fits
+
+
+def stage_problem_of(
+    summary: GraphSummary,
+    choices: Choices,
+    dims: Mapping[str, int],
+    models: CostModels,
+    memory: int,
+    recomputable: bool,
+) -> StageProblem:
+    """`stage_problem` of a graph's summary at the plan's microbatch size (`dims`: the
+    other named dims)."""
+    segments = list(summary.sharded({**dims, BATCH: choices.microbatch_size}, choices.tp))
+    return stage_problem(segments, choices, models, memory, recomputable)
+
+
+def stage_problem(
+    segments: Sequence[SegmentWork],
+    choices: Choices,
+    models: CostModels,
+    memory: int,
+    recomputable: bool,
+) -> StageProblem:
+    """The inner problem of `choices` (whose `recompute` blocks are taken as recomputed
+    whatever the solver decides) over `segments`, sharded at the microbatch's size.
+    With `recomputable`, every other block may be recomputed."""
+    plain = segment_times(segments, models.compute, [False] * len(segments))
+    again = segment_times(segments, models.compute, [s.is_block for s in segments])
+    per_param = sum(
+        model_state_bytes(1, choices.dp, choices.zero, STATE_BYTES[choices.precision]).values()
+    )
+    param_bytes, grad_bytes, _ = STATE_BYTES[choices.precision]
+    byte = max(1.0, memory / MEMORY_STEPS)
+    second = max(t.total for t in again) * len(segments) / TIME_STEPS
+
+    def up(nbytes: float) -> int:
+        return math.ceil(nbytes / byte)
+
+    units = []
+    for seg, t0, t1 in zip(segments, plain, again):
+        fixed = choices.recomputes(seg)
+        comm0 = tp_comm(seg, choices, models.comm, recomputed=False)
+        comm1 = tp_comm(seg, choices, models.comm, recomputed=True)
+        saved = seg.saved_bytes(choices.precision)
+        base, keeps = (t1.total + comm1, seg.output_bytes) if fixed else (t0.total + comm0, saved)
+        may = recomputable and seg.is_block and not fixed
+        params = seg.param_numel(choices.tp)
+        units.append(
+            Unit(
+                key=seg.key,
+                kind=seg.segment.block_id if may else None,
+                time=round(base / second),
+                states=up(params * per_param),
+                saved=up(saved if may else keeps),
+                recompute_time=round((t1.total + comm1 - base) / second) if may else 0,
+                recompute_keeps=up(seg.output_bytes) if may else 0,
+                grads=up(params * grad_bytes),
+            )
+        )
+    chunks, pp = choices.chunks, choices.pp
+    blocks = [s for s in segments if s.is_block]
+    boundary = max((s.output_bytes for s in blocks), default=0.0)
+    gathered = max((s.param_numel(choices.tp) for s in blocks), default=0.0)
+    zero3 = 2 * gathered * param_bytes if choices.dp > 1 and choices.zero == 3 else 0.0
+    pipeline = 2 * boundary if pp > 1 else 0.0
+    loss = OUTPUT_GRADIENTS * output_bytes(segments[-1], choices.tp)
+    last_rank = (chunks - 1) % pp
+    p2p = p2p_comm(boundary, choices, models.comm)
+    starts = [i for i, s in enumerate(segments) if s.is_block][1:]
+    return StageProblem(
+        units=tuple(units),
+        pp=pp,
+        chunks=chunks,
+        cut_positions=tuple(starts),
+        in_flight=tuple(
+            Fraction(
+                in_flight_microbatches(
+                    choices.schedule, choices.microbatches, pp, r, choices.virtual_stages
+                )
+            ).limit_denominator(64)
+            for r in range(pp)
+        ),
+        bucket=up(models.memory.bucket_bytes) if choices.dp > 1 and choices.zero else 0,
+        fixed=tuple(up(zero3 + pipeline + (loss if r == last_rank else 0.0)) for r in range(pp)),
+        comm=tuple(round(p2p / second) for _ in range(pp)),
+        allocator=Fraction(models.memory.allocator_fraction).limit_denominator(1000),
+        memory=math.floor(memory / byte),
+    )
