@@ -4,6 +4,7 @@ capture → analyze → solve → rewrite → run. Each stage lives in its own p
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -19,7 +20,13 @@ from autopart.passes.materialize import Weights
 from autopart.passes.rewrite import rank_program
 from autopart.passes.runner import RankTarget
 from autopart.plan import Plan, PlanError
-from autopart.policy import LOW_DTYPES, optimizer_class, optimizer_refusal, zero_refusal
+from autopart.policy import (
+    COLLECTIVE_TIMEOUT_S,
+    LOW_DTYPES,
+    optimizer_class,
+    optimizer_refusal,
+    zero_refusal,
+)
 from autopart.runtime.parallel_module import LossFn, OptimizerFactory, ParallelModule
 from autopart.solver import Pins, make_plan
 
@@ -50,13 +57,16 @@ def parallelize(
     plan: Plan | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
     weights: Weights | None = None,
+    timeout: float | timedelta = COLLECTIVE_TIMEOUT_S,
     **pins: Any,
 ) -> ParallelModule:
     """Capture, plan (unless `plan` is given), rewrite and return the per-rank module.
     The model's parameters are trained in place where they are not sharded. A model
     built on the meta device (`autopart.init_empty_weights()`) takes its `weights` from
     a state dict of whole tensors or a torch.distributed.checkpoint directory; each
-    rank loads only its own pieces."""
+    rank loads only its own pieces. A collective that waits more than `timeout`
+    (seconds, or a timedelta) for a peer fails the step on every rank that waits: a
+    peer that stopped responding stops the job instead of hanging it."""
     captured = _captured(model, example_inputs, example_kwargs)
     kind = optimizer_class(optimizer) if optimizer else None
     refusal = optimizer_refusal(kind)
@@ -70,7 +80,8 @@ def parallelize(
     refusal = zero_refusal(plan.zero, kind)
     if refusal:
         raise PlanError(refusal)
-    groups = MeshGroups(mesh.device_mesh(plan.degrees))
+    limit = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    groups = MeshGroups(mesh.device_mesh(plan.degrees, limit), mesh.group_options(limit))
     runs = _program_capture(model, captured, plan, example_kwargs, groups.device)
     program = rank_program(runs.gm, runs.context(target=RankTarget(plan, groups, weights)))
     return ParallelModule(program, plan, groups, loss_fn, optimizer, captured.input_shapes())

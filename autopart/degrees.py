@@ -18,6 +18,10 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+# A process group's backend and its options (a c10d Backend.Options: its timeout), as
+# DeviceMesh takes them.
+GroupOptions = tuple[str, Any]
+
 
 class Axis(StrEnum):
     """The mesh axes. "axis" always means one of these; "dim" means a tensor dimension."""
@@ -125,9 +129,15 @@ class Degrees:
 
     # -- the device mesh --------------------------------------------------------------
 
-    def device_mesh(self, device_type: str) -> DeviceMesh:
-        """The named DeviceMesh of the running world, one dim per axis in mesh order."""
-        return init_device_mesh(device_type, self.sizes, mesh_dim_names=tuple(self.names))
+    def device_mesh(self, device_type: str, options: GroupOptions | None = None) -> DeviceMesh:
+        """The named DeviceMesh of the running world, one dim per axis in mesh order;
+        every axis's process group is made with `options` (its backend and timeout)."""
+        override: dict[int | str, Any] | None = (
+            {name: options for name in self.names} if options is not None else None
+        )
+        return init_device_mesh(
+            device_type, self.sizes, mesh_dim_names=tuple(self.names), backend_override=override
+        )
 
     # -- text and JSON ----------------------------------------------------------------
 

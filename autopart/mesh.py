@@ -16,14 +16,16 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend  # the options DeviceMesh takes
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopart.degrees import Axis, Degrees, MeshError
+from autopart.degrees import Axis, Degrees, GroupOptions, MeshError
 
 __all__ = ["Axis", "DeviceSpec", "Mesh", "MeshError", "PRESETS", "Topology", "device_spec"]
 
@@ -205,17 +207,24 @@ class Mesh:
         return cls(device_spec(device), nodes, per_node)
 
     @classmethod
-    def local(cls, device: str | os.PathLike | DeviceSpec | None = None) -> Mesh:
+    def local(
+        cls,
+        device: str | os.PathLike | DeviceSpec | None = None,
+        timeout: timedelta | None = None,
+    ) -> Mesh:
         """The running torch.distributed world (initialized from torchrun's variables if
-        needed): NCCL on CUDA, Gloo on CPU. A single process with no launcher is a world of 1."""
+        needed, with `timeout` for its collectives): NCCL on CUDA, Gloo on CPU. A single
+        process with no launcher is a world of 1."""
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
                 if backend == "nccl":
                     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-                dist.init_process_group(backend)
+                dist.init_process_group(backend, timeout=timeout)
             else:
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+                dist.init_process_group(
+                    backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+                )
         backend = dist.get_backend()
         world = dist.get_world_size()
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -225,11 +234,24 @@ class Mesh:
             device = _guess_device() if backend == "nccl" else "cpu"
         return cls(device_spec(device), world // per_node, per_node, backend=backend)
 
-    def device_mesh(self, degrees: Degrees) -> DeviceMesh:
-        """The named torch DeviceMesh of `degrees` (axes in mesh order) for this world."""
+    def device_mesh(self, degrees: Degrees, timeout: timedelta | None = None) -> DeviceMesh:
+        """The named torch DeviceMesh of `degrees` (axes in mesh order) for this world,
+        its process groups failing any collective that waits longer than `timeout`."""
         self.check_covered(degrees)
         self.check_running()
-        return degrees.device_mesh("cuda" if self.backend == "nccl" else "cpu")
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        return degrees.device_mesh(device, self.group_options(timeout))
+
+    def group_options(self, timeout: timedelta | None) -> GroupOptions | None:
+        """The backend and options that give a new process group `timeout`."""
+        if timeout is None:
+            return None
+        backend = self.backend or "gloo"
+        if backend == "nccl":  # NCCL's groups take its own options class
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout  # the field DeviceMesh reads for a group's timeout
+            return backend, options
+        return backend, Backend.Options(backend, timeout)
 
     def check_covered(self, degrees: Degrees) -> None:
         """Fail clearly unless `degrees` multiply to this mesh's devices."""

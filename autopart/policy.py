@@ -40,6 +40,10 @@ LOW_DTYPES: dict[str, torch.dtype] = {
     Precision.FP16_MIXED.value: torch.float16,
 }
 
+# How long a collective waits for its peers before it fails the step (parallelize's
+# `timeout`): NCCL's own default, bounded where Gloo's is half an hour.
+COLLECTIVE_TIMEOUT_S = 600.0
+
 # Data-parallel gradient buckets (runtime/grad_sync.py; ZeRO-1/2's flat shards in
 # runtime/zero_replicas.py follow the same buckets). The first bucket of backward is
 # small, so communication starts early.
@@ -97,14 +101,17 @@ def optimizer_refusal(optimizer: type[torch.optim.Optimizer] | None) -> str | No
 
 def zero_refusal(zero: int, optimizer: type[torch.optim.Optimizer] | None) -> str | None:
     """Why ZeRO stage `zero` cannot run `optimizer` exactly; None when it can (or no
-    optimizer is known)."""
-    if zero == 0 or optimizer is None or optimizer in ELEMENTWISE_OPTIMIZERS:
+    optimizer is known). Stages 1 and 2 step whole parameters for an optimizer not known
+    to be elementwise (runtime/zero_owners.py); ZeRO-3 shards the parameters themselves
+    flat, which only an elementwise optimizer steps as on one device."""
+    if zero < 3 or optimizer is None or optimizer in ELEMENTWISE_OPTIMIZERS:
         return None
     known = ", ".join(sorted(o.__name__ for o in ELEMENTWISE_OPTIMIZERS))
     return (
-        f"ZeRO-{zero} steps the optimizer on flat shards of the parameters, which is exact "
+        f"ZeRO-3 shards every parameter flat, and the optimizer steps the shards: exact "
         f"only for elementwise optimizers ({known}); {optimizer.__name__} is not known to "
-        "be one, so its updates would change. Use zero=0, or one of those optimizers"
+        "be one, so its updates would change. Use zero=1 or zero=2 (which step whole "
+        "parameters for it), zero=0, or one of those optimizers"
     )
 
 

@@ -4,15 +4,18 @@
 
 Each rank is a spawned process that joins a process group through a file store in a
 temporary directory (no ports), runs `fn(*args)`, saves its result for the parent, and
-destroys its process group. A failing rank's traceback is raised in the parent.
+destroys its process group. A failing rank's traceback is raised in the parent; ranks
+still running `GRACE_S` after one failed are killed and named.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD_TIMEOUT_S = 600
+# Once a rank has failed, how long the others have to finish (they fail too, at their
+# next collective) before they are killed: a stopped or hung rank does not hold the run.
+GRACE_S = 10
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
@@ -34,14 +40,13 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
         ]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(WORLD_TIMEOUT_S)
+        late = _wait(procs)
         failures = []
         for rank, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
                 p.join()
-                failures.append(f"rank {rank} did not finish in {WORLD_TIMEOUT_S}s")
+                failures.append(f"rank {rank}: {late}; killed")
             elif p.exitcode != 0:
                 err = Path(tmp, f"rank{rank}.err")
                 text = err.read_text() if err.exists() else f"rank {rank}: exit {p.exitcode}"
@@ -49,6 +54,26 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
         if failures:
             raise RuntimeError("distributed run failed:\n" + "\n".join(failures))
         return [torch.load(Path(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _wait(procs: list) -> str:
+    """Wait for every rank, for at most WORLD_TIMEOUT_S, and GRACE_S after the first
+    failure; returns what the ranks still running then were late for."""
+    deadline = time.monotonic() + WORLD_TIMEOUT_S
+    late = f"did not finish in {WORLD_TIMEOUT_S}s"
+    running = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
+    while running:
+        left = deadline - time.monotonic()
+        ready = connection.wait(list(running), timeout=max(0.0, left))
+        if not ready:
+            break
+        for sentinel in ready:
+            rank, p = running.pop(sentinel)
+            p.join()
+            if p.exitcode != 0 and "failed" not in late:
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+                late = f"still running {GRACE_S}s after rank {rank} failed"
+    return late
 
 
 def _rank_main(fn, rank, world_size, store, tmp, args) -> None:

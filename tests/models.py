@@ -87,6 +87,8 @@ def token_batch(batch: int = 8, seq: int = SEQ, seed: int = 1) -> tuple[torch.Te
 def make_optimizer(kind: str):
     if kind == "sgd":
         return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if kind == "adafactor":  # not elementwise: row and column statistics of each matrix
+        return lambda params: torch.optim.Adafactor(params, lr=1e-2)
     # eps=1e-6, not 1e-8: GPT-2's key bias has an exactly zero true gradient (softmax
     # ignores a constant added to every key), so its fp32 gradient is rounding noise of
     # ~1e-10 that any change of summation order alters, and Adam with eps=1e-8 turns that

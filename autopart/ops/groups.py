@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import GroupName
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopart.degrees import Axis
+from autopart.degrees import Axis, GroupOptions
 
 
 @dataclass(frozen=True)
 class MeshGroups:
     device_mesh: DeviceMesh
+    # The backend and options (the timeout) of the groups the mesh was made with, for
+    # the flattened ones made here.
+    options: GroupOptions | None = None
 
     def mesh(self, *axes: Axis) -> DeviceMesh:
         """The mesh of one axis, or of several flattened into one dim: the ranks an
@@ -24,13 +28,19 @@ class MeshGroups:
         if len(names) == 1:
             return self.device_mesh[names[0]]
         # DeviceMesh has no public flatten yet; torchtitan builds its combined axes alike.
-        return self.device_mesh[names]._flatten("_".join(names))
+        return self.device_mesh[names]._flatten("_".join(names), backend_override=self.options)
 
     def group(self, *axes: Axis) -> dist.ProcessGroup:
         """The process group over `axes` (one axis, or several together)."""
         if len(axes) == 1:
             return self.device_mesh.get_group(str(axes[0]))
         return self.mesh(*axes).get_group()
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """How long a collective of these groups waits for its peers (None: the
+        backend's default)."""
+        return self.options[1]._timeout if self.options else None
 
     def group_name(self, *axes: Axis) -> GroupName:
         return self.group(*axes).group_name

@@ -11,7 +11,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autopart.batch import split_batch
-from autopart.degrees import Axis
+from autopart.degrees import MESH_AXES, Axis
 from autopart.ops.groups import MeshGroups
 from autopart.ops.meta import COLLECTIVE, CollectiveInfo, TensorInfo
 from autopart.ops.program import RankProgram
@@ -102,7 +102,7 @@ class ParallelModule(nn.Module):
         try:
             return self._step(args, target)
         except RuntimeError as e:
-            lost = peer_lost(e, self.steps - 1)
+            lost = peer_lost(e, self.steps - 1, self.groups.timeout)
             if lost is None:
                 raise
             raise lost from e
@@ -123,7 +123,7 @@ class ParallelModule(nn.Module):
         if dist.get_world_size() == 1:
             return local_loss
         contribution = local_loss / self.plan.dp if self.groups.reports_loss else local_loss * 0
-        dist.all_reduce(contribution)
+        dist.all_reduce(contribution, group=self.groups.group(*MESH_AXES))
         return contribution
 
     def collectives(self) -> list[tuple[str, CollectiveInfo]]:

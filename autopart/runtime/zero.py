@@ -7,12 +7,15 @@ averaged over the data-parallel group. Where those shards come from is a `Sharde
 
     ReplicaShards       parameters held whole on every rank (zero_replicas.py): stage 1
                         shards the optimizer state, stage 2 the gradients too
+    OwnedParameters     the same by whole parameters, each stepped by its owner
+                        (zero_owners.py), for optimizers not known to be elementwise
     ShardedParameters   ZeRO-3's shards, made by zero3_pass and held by each stage
                         module (zero3.py)
 
 Under ZeRO-3, parameters the pass leaves whole (a pipeline's tied weights) are trained
-as under ZeRO-2. The sharding is elementwise, so optimizers that look at a whole tensor
-at once (LAMB, Adafactor, Shampoo) are not supported.
+as under ZeRO-2. Flat shards are exact only for elementwise optimizers
+(`policy.ELEMENTWISE_OPTIMIZERS`): any other steps whole parameters at stages 1 and 2,
+and ZeRO-3 is refused for it (`policy.zero_refusal`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from torch import fx, nn
 
 from autopart.ops.params import parameter_attributes
 from autopart.ops.zero3 import sharded_parameters
+from autopart.policy import ELEMENTWISE_OPTIMIZERS, optimizer_class
 from autopart.runtime.grad_sync import params_in_backward_order
+from autopart.runtime.zero_owners import OwnedParameters
 from autopart.runtime.zero_replicas import ReplicaShards
 
 if TYPE_CHECKING:
@@ -85,7 +90,11 @@ def zero_state(
     if zero == 3:
         parts = [z for gm in reversed(stages) if (z := sharded_parameters(gm)) is not None]
     if whole:
-        parts.append(ReplicaShards(whole, group, accumulation, stage=min(zero, 2)))
+        stage = min(zero, 2)
+        if optimizer_class(optimizer) in ELEMENTWISE_OPTIMIZERS:
+            parts.append(ReplicaShards(whole, group, accumulation, stage))
+        else:
+            parts.append(OwnedParameters(whole, group, accumulation, stage))
     return ZeroState(parts, optimizer)
 
 

@@ -398,9 +398,11 @@ def _microbatch_counts(replica_batch: int, pp: int = 1) -> list[int]:
 def _zero_stages(dp: int, pins: Pins) -> list[int]:
     if pins.zero is not None:
         return [pins.zero]
-    if dp == 1 or zero_refusal(1, pins.optimizer_class):  # ZeRO would change its updates
+    if dp == 1:
         return [0]
-    return [0, 1, 2] if pins.recompute else [0, 1, 2, 3]  # recomputation excludes ZeRO-3
+    stages = [0, 1, 2] if pins.recompute else [0, 1, 2, 3]  # recomputation excludes ZeRO-3
+    # ZeRO-3 would change the updates of an optimizer that is not elementwise.
+    return [z for z in stages if not zero_refusal(z, pins.optimizer_class)]
 
 
 def _recompute_sets(blocks: tuple[str, ...], pins: Pins) -> list[tuple[str, ...]]:

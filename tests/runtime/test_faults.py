@@ -1,5 +1,5 @@
-"""Faults: a rank killed mid-training stops the others at once, with an error that says
-what happened and how to resume."""
+"""Faults: a rank killed mid-training stops the others at once, and a frozen one at the
+collectives' timeout, with an error that says what happened and how to resume."""
 
 from __future__ import annotations
 
@@ -29,3 +29,27 @@ def test_a_killed_rank_stops_the_others_with_a_named_error():
     assert "rank 1: exit -9" in message  # the killed rank
     assert "PeerLost: autopart: a peer process left the job during training step 1" in message
     assert "resume from the latest checkpoint" in message
+
+
+def _stopped_after_one_step(batch) -> None:
+    pm = parallelize_lm(LM_FACTORIES["llama"](), batch, dp=2, timeout=STOPPED_TIMEOUT_S)
+    pm.train_step(*batch)
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive, but answers nothing
+    pm.train_step(*batch)
+
+
+# Long enough that a busy machine does not time out a healthy step.
+STOPPED_TIMEOUT_S = 30
+
+
+def test_a_frozen_rank_stops_the_others_at_the_timeout_with_a_named_error():
+    with pytest.raises(RuntimeError) as failed:
+        run_world(_stopped_after_one_step, 2, token_batch(8))
+    message = str(failed.value)
+    assert "rank 1: still running" in message and "after rank 0 failed; killed" in message
+    assert (
+        f"PeerLost: autopart: a collective of training step 1 waited out {STOPPED_TIMEOUT_S} s "
+        "timeout: a peer process stopped answering"
+    ) in message
+    assert "raise parallelize(..., timeout=...)" in message

@@ -1,5 +1,7 @@
 """ZeRO-1, -2 and -3 train to the single-device losses and parameters (fp32, 5 AdamW
-steps, Gloo), and ZeRO-3 holds 1/N of the model states. One world of 4 runs every case."""
+steps, Gloo), and ZeRO-3 holds 1/N of the model states. One world of 4 runs every case.
+ZeRO-1 and -2 with Adafactor, which is not elementwise, step whole parameters, each on
+its owner, and match too (a world of 2)."""
 
 from __future__ import annotations
 
@@ -106,3 +108,43 @@ def test_zero3_graph_lists_its_gathers(model_name):
         assert name in report["graph"]
         assert (info.axis, info.group) == ("dp", report["dp_group"])
         assert info.bytes in shard_bytes
+
+
+WHOLE = [  # Adafactor: ZeRO by whole parameters (runtime/zero_owners.py)
+    ("gpt2", {"dp": 2, "zero": 1}),
+    ("llama", {"dp": 2, "zero": 1, "microbatches": 2}),
+    ("gpt2", {"dp": 2, "zero": 2, "microbatches": 2}),
+    ("llama", {"dp": 2, "zero": 2}),
+]
+
+
+def _train_whole(cases, batch) -> dict:
+    return {
+        case_key(model_name, pins): train_case(
+            LM_FACTORIES[model_name](), batch, STEPS, "adafactor", inspect=_owned, **pins
+        )
+        for model_name, pins in cases
+    }
+
+
+def _owned(pm) -> dict:
+    """How many elements this rank's optimizer steps, and whether they keep their shape."""
+    stepped = [p for group in pm.optimizer.param_groups for p in group["params"]]
+    shapes = {tuple(p.shape) for _, p in pm.graph.named_parameters()}
+    return {
+        "stepped": sum(p.numel() for p in stepped),
+        "whole": all(tuple(p.shape) in shapes for p in stepped),
+    }
+
+
+def test_zero_by_whole_parameters_matches_single_device_with_adafactor():
+    per_rank = run_world(_train_whole, 2, WHOLE, BATCH)
+    for model_name, pins in WHOLE:
+        key = case_key(model_name, pins)
+        reference = train_single_device(model_name, "adafactor", STEPS, BATCH)
+        assert_every_rank_matches(per_rank, key, reference, label=(model_name, pins))
+        total = sum(p.numel() for p in reference["params"].values())
+        stepped = [results[key]["stepped"] for results in per_rank]
+        assert sum(stepped) == total  # each parameter stepped by one rank, its owner
+        assert all(0 < n < total for n in stepped)
+        assert all(results[key]["whole"] for results in per_rank)
