@@ -77,3 +77,58 @@ def test_weights_given_to_a_real_model_are_loaded():
     for rank, losses in enumerate(per_rank):
         for pins, got in losses.items():
             assert got == pytest.approx(reference, rel=1e-5), (pins, rank)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupted_save(checkpoint_dir, batch) -> dict:
+    """Save, then die halfway through a second save (after some files are written):
+    the first checkpoint must still be whole at the path."""
+    import torch.distributed.checkpoint as dcp
+
+    import autopart.runtime.weights as weights
+
+    first = autopart.parallelize(tiny_llama(seed=0), autopart.Mesh.local(), (batch[0],))
+    autopart.save_checkpoint(first, checkpoint_dir)
+    second = autopart.parallelize(tiny_llama(seed=1), autopart.Mesh.local(), (batch[0],))
+    real_save = dcp.save
+
+    def save_then_die(state, checkpoint_id):
+        real_save(state, checkpoint_id=checkpoint_id)
+        raise _Interrupted  # the files are there, the swap never happens
+
+    weights.dcp.save = save_then_die
+    try:
+        autopart.save_checkpoint(second, checkpoint_dir)
+    except _Interrupted:
+        pass
+    finally:
+        weights.dcp.save = real_save
+    survived = _loaded(checkpoint_dir, batch)
+    autopart.save_checkpoint(second, checkpoint_dir)  # a later save completes the swap
+    return {
+        "survived": survived,
+        "first": first.full_state_dict(),
+        "latest": _loaded(checkpoint_dir, batch),
+        "second": second.full_state_dict(),
+    }
+
+
+def _loaded(checkpoint_dir, batch) -> dict:
+    with autopart.init_empty_weights():
+        model = tiny_llama()
+    pm = autopart.parallelize(model, autopart.Mesh.local(), (batch[0],), weights=checkpoint_dir)
+    return pm.full_state_dict()
+
+
+def test_a_save_interrupted_halfway_leaves_the_previous_checkpoint_whole(tmp_path):
+    checkpoint_dir = tmp_path / "ckpt"
+    result = run_world(_interrupted_save, 1, str(checkpoint_dir), token_batch(8))[0]
+    for key in ("survived", "latest"):
+        expected = result["first" if key == "survived" else "second"]
+        assert result[key].keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert result[key][name].equal(tensor), (key, name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no .partial left
