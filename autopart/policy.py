@@ -32,6 +32,8 @@ class Schedule(StrEnum):
 
 
 PRECISIONS: tuple[str, ...] = tuple(p.value for p in Precision)
+# Spellings people reach for first, as pins: both mean autocast over fp32 weights.
+PRECISION_ALIASES = {"bf16": Precision.BF16_MIXED.value, "fp16": Precision.FP16_MIXED.value}
 SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
 
 # The 16-bit dtype autocast computes in, per mixed precision (runtime/precision.py).

@@ -20,7 +20,7 @@ from autopart.degrees import Axis, Degrees, MeshError, axis_names
 from autopart.mesh import Mesh
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
-from autopart.policy import zero_refusal
+from autopart.policy import PRECISION_ALIASES, Precision, check_choice, zero_refusal
 from autopart.solver.pipeline import choose_pipeline
 from autopart.solver.search import Candidate, NoPlanFits, TpLayouts, search
 
@@ -51,8 +51,16 @@ class Pins:
         unknown = sorted(set(pins) - set(known))
         if unknown:
             raise TypeError(f"unknown pins {unknown}: autopart pins {', '.join(known)}")
-        if isinstance(pins.get("recompute"), str):  # one module path
-            pins["recompute"] = (pins["recompute"],)
+        recompute = pins.get("recompute")
+        if isinstance(recompute, str):  # "all", "none", or one module path
+            pins["recompute"] = {"all": True, "none": False}.get(recompute, (recompute,))
+        precision = pins.get("precision")
+        if precision is not None:
+            pins["precision"] = PRECISION_ALIASES.get(precision, precision)
+            problem = check_choice(Precision, pins["precision"], "precision")
+            if problem:
+                aliases = ", ".join(f"{a!r} for {p!r}" for a, p in PRECISION_ALIASES.items())
+                raise PlanError(f"{problem} (or {aliases})")
         pinned = {k: pins.pop(k) for k in axes if k in pins and pins[k] is not None}
         try:
             Degrees(pinned)  # positive integers, or a clear error

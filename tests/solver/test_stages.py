@@ -79,10 +79,17 @@ def test_pipeline_pins_the_schedules_cannot_run_are_refused():
         _plan(pp=2, schedule="1f1b", microbatches=1)
 
 
-def test_recompute_takes_true_false_or_one_path():
-    """`recompute=True` recomputes every repeated block, False none, and a single
-    module path is that one block (not its characters)."""
+def test_recompute_takes_true_false_all_none_or_one_path():
+    """`recompute=True` (or "all") recomputes every repeated block, False (or "none")
+    none, and a single module path is that one block (not its characters)."""
     blocks = tuple(f"model.layers.{i}" for i in range(LAYERS))
-    assert _plan(recompute=True).recompute == blocks
-    assert _plan(recompute=False).recompute == ()
+    assert _plan(recompute=True).recompute == _plan(recompute="all").recompute == blocks
+    assert _plan(recompute=False).recompute == _plan(recompute="none").recompute == ()
     assert _plan(recompute="model.layers.1").recompute == ("model.layers.1",)
+
+
+def test_precision_takes_the_short_spellings_and_lists_the_accepted_ones():
+    assert _plan(precision="bf16").precision == "bf16-mixed"
+    assert _plan(precision="fp16").precision == "fp16-mixed"
+    with pytest.raises(PlanError, match=r"precision must be one of .*'fp32'.*'bf16' for"):
+        _plan(precision="half")
