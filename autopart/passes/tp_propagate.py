@@ -22,8 +22,8 @@ from autopart.passes.tp_rules import (
     NodePlacement,
     Operands,
     R,
+    argument_leaves,
     decide,
-    flatten_args,
 )
 
 log = logging.getLogger("autopart.tp")
@@ -91,7 +91,7 @@ def propagate(
 
 
 def _operands(node: fx.Node, result: Propagation, tp: int) -> Operands:
-    flat, _ = flatten_args(node)
+    flat = argument_leaves(node)
     places: list[NodePlacement | None] = []
     shapes: list[TensorInfo | None] = []
     grads: list[bool] = []

@@ -532,4 +532,31 @@ def _contraction(ops: Operands) -> Decision:
 
 
 def flatten_args(node: fx.Node) -> tuple[list[Any], Any]:
+    """The leaves of a node's arguments and their structure (pytree's), to rebuild them."""
     return pytree.tree_flatten((node.args, node.kwargs))
+
+
+def argument_leaves(node: fx.Node) -> list[Any]:
+    """`flatten_args(node)[0]`, an order of magnitude faster: the solver walks every
+    node of the graph once per layout it tries. An fx node's arguments nest only tuples,
+    lists and dicts (fx's immutable ones among them), which pytree flattens in order,
+    dict values in insertion order."""
+    out: list[Any] = []
+
+    def walk(a: Any) -> None:
+        if type(a) in _SEQUENCES:
+            for x in a:
+                walk(x)
+        elif type(a) in _MAPPINGS:
+            for x in a.values():
+                walk(x)
+        else:
+            out.append(a)
+
+    walk(node.args)
+    walk(node.kwargs)
+    return out
+
+
+_SEQUENCES = (tuple, list, fx.immutable_collections.immutable_list)
+_MAPPINGS = (dict, fx.immutable_collections.immutable_dict)

@@ -14,6 +14,7 @@ import autopart
 from autopart.capture import capture
 from autopart.passes import analyze
 from autopart.passes.tp_propagate import propagate
+from autopart.passes.tp_rules import argument_leaves, flatten_args
 from autopart.solver.tensor_parallel import choose_tp_placements
 from autopart.testing import run_world
 from tests.harness import assert_every_rank_matches, case_key, train_case
@@ -166,3 +167,16 @@ def test_sequence_parallel_matches_single_device_and_reduce_scatters():
     assert_matches(result, train_single_device("llama", "adamw", STEPS, batch))
     kinds = [k for k, _ in result["collectives"]]
     assert "reduce_scatter" in kinds and "all_reduce" not in kinds
+
+
+@pytest.mark.parametrize("factory", [tiny_gpt2, tiny_llama])
+def test_the_fast_argument_walk_sees_what_pytree_sees(factory):
+    """The propagation's `argument_leaves` must give the operands in the order the
+    rewrite's `flatten_args` (pytree) numbers them: a decision about operand i is
+    applied to operand i."""
+    captured = capture(factory(), (token_batch(8)[0],))
+    for node in captured.gm.graph.nodes:
+        expected = flatten_args(node)[0]
+        leaves = argument_leaves(node)
+        assert len(leaves) == len(expected), node
+        assert all(a is b or a == b for a, b in zip(leaves, expected)), node
