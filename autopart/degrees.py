@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -47,6 +47,9 @@ class Degrees:
 
     axes: tuple[Axis, ...]
     sizes: tuple[int, ...]
+    # name -> degree, for `degrees["dp"]` and `plan.dp` (the search reads them millions
+    # of times); an Axis hashes as its name.
+    _by_name: dict[str, int] = field(repr=False, compare=False)
 
     def __init__(self, sizes: Mapping[Any, int] | None = None, /, **by_name: int) -> None:
         axes = MESH_AXES
@@ -60,11 +63,15 @@ class Degrees:
                 raise MeshError(f"the degree of {name} must be a positive integer, not {n!r}")
         object.__setattr__(self, "axes", axes)
         object.__setattr__(self, "sizes", tuple(given.get(name, 1) for name in names))
+        object.__setattr__(self, "_by_name", dict(zip(names, self.sizes)))
 
     # -- reading ----------------------------------------------------------------------
 
     def __getitem__(self, axis: Axis | str) -> int:
-        return self.sizes[self._index(axis)]
+        try:
+            return self._by_name[axis]
+        except KeyError:
+            raise MeshError(f"unknown mesh axis {str(axis)!r}: the axes are {self.names}") from None
 
     def items(self) -> tuple[tuple[Axis, int], ...]:
         return tuple(zip(self.axes, self.sizes))

@@ -87,8 +87,21 @@ def bucket_sizes(
 ) -> list[float]:
     """`total_bytes` of gradients cut as the runtime cuts them: a first bucket of at most
     `first_bytes` (the first gradients of backward), then buckets of `bucket_bytes`."""
+    return [
+        size
+        for size, count in bucket_runs(total_bytes, bucket_bytes, first_bytes)
+        for _ in range(count)
+    ]
+
+
+def bucket_runs(
+    total_bytes: float, bucket_bytes: float, first_bytes: float | None = None
+) -> list[tuple[float, int]]:
+    """`bucket_sizes` as (size, how many) runs, in order: a 1T model's gradients are
+    thousands of buckets, and the search prices them for every plan."""
     if total_bytes <= 0:
         return []
     first = min(total_bytes, first_bytes or bucket_bytes)
     full, rest = divmod(total_bytes - first, bucket_bytes)
-    return [first] + [bucket_bytes] * int(full) + ([rest] if rest else [])
+    runs = [(first, 1), (bucket_bytes, int(full)), (rest, 1)]
+    return [(size, count) for size, count in runs if count and size]

@@ -62,7 +62,7 @@ from autopart.cost_models.memory import (
     in_flight_microbatches,
     total,
 )
-from autopart.cost_models.pipeline import bucket_sizes, exposed_sync, pipeline_step
+from autopart.cost_models.pipeline import bucket_runs, exposed_sync, pipeline_step
 from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
 from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork, TpLayout
 from autopart.degrees import Axis, AxisAttributes, Degrees
@@ -407,10 +407,10 @@ def _bucketed(op: str, nbytes: float, choices: Choices, models: CostModels) -> t
     """(every bucket, the last bucket): seconds of `op` over dp on `nbytes` of gradients
     cut into the memory model's buckets."""
     memory = models.memory
-    sizes = bucket_sizes(nbytes, memory.bucket_bytes, memory.first_bucket_bytes)
+    runs = bucket_runs(nbytes, memory.bucket_bytes, memory.first_bucket_bytes)
     stride = choices.degrees.stride(Axis.DP)
-    seconds = {b: models.comm.time(op, b, choices.dp, stride) for b in set(sizes)}
-    return sum(seconds[b] for b in sizes), seconds[sizes[-1]] if sizes else 0.0
+    seconds = [(models.comm.time(op, size, choices.dp, stride), n) for size, n in runs]
+    return sum(t * n for t, n in seconds), seconds[-1][0] if seconds else 0.0
 
 
 def _optimizer_time(own: list[SegmentWork], choices: Choices, models: CostModels) -> float:
@@ -429,7 +429,8 @@ def _optimizer_time(own: list[SegmentWork], choices: Choices, models: CostModels
     else:
         grad_bytes = params * STATE_BYTES[choices.precision][1]
         memory = models.memory
-        shards = len(bucket_sizes(grad_bytes, memory.bucket_bytes, memory.first_bucket_bytes))
+        runs = bucket_runs(grad_bytes, memory.bucket_bytes, memory.first_bucket_bytes)
+        shards = sum(n for _, n in runs)
     return models.compute.optimizer_step_time(state_bytes / choices.dp, shards)
 
 
