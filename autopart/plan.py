@@ -66,6 +66,7 @@ class StageFigures:
     recomputed: int = 0  # blocks recomputed in backward
     recompute_frees_bytes: int = 0  # activation bytes that recomputation frees
     recompute_s: float = 0.0  # what recomputation adds to each step
+    tp_comm_s: float = 0.0  # tensor-parallel collectives per step (resharding activations)
 
 
 @dataclass(frozen=True, slots=True)

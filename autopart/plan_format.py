@@ -128,6 +128,7 @@ def explain_plan(plan: Plan) -> str:
     ]
     if layout:
         lines.append(f"Parameter layout: {layout}.")
+    lines += _tensor_parallel_lines(plan)
     if plan.zero:
         what = {
             1: "optimizer state",
@@ -146,6 +147,39 @@ def explain_plan(plan: Plan) -> str:
             + ")."
         )
     return "\n".join(lines)
+
+
+def _tensor_parallel_lines(plan: Plan) -> list[str]:
+    """What tensor parallelism shards, and what moving activations between the
+    sharded operators costs."""
+    if plan.tp == 1:
+        return []
+    tp_axis = PLACEMENT_AXES.index(Axis.TP)
+    kinds = Counter(placement_to_str(ps[tp_axis]) for ps in plan.placements.values())
+    sharded = sum(n for kind, n in kinds.items() if kind != "R")
+    by_kind = ", ".join(
+        f"{n} {'column-parallel' if k == 'S(0)' else 'row-parallel' if k == 'S(1)' else k} ({k})"
+        for k, n in sorted(kinds.items())
+        if k != "R"
+    )
+    line = (
+        f"Tensor parallelism shards {sharded} of {len(plan.placements)} parameter tensors "
+        f"over the {plan.tp} tp ranks" + (f": {by_kind}" if by_kind else "") + "; the "
+        "rest are replicated."
+    )
+    predicted = plan.predicted
+    if predicted is not None and predicted.stages:
+        slowest = max(predicted.stages, key=lambda s: s.tp_comm_s)
+        line += (
+            " Between them each block all-reduces its output twice in forward and twice "
+            f"in backward: {slowest.tp_comm_s * 1e3:.2f} ms per step on the busiest rank "
+            f"({slowest.tp_comm_s / predicted.step_time_s:.0%} of the step)."
+        )
+    return [line]
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
 
 
 def _stage_lines(plan: Plan) -> list[str]:
@@ -168,17 +202,19 @@ def _stage_lines(plan: Plan) -> list[str]:
                 " and the head after the last" if r == last else ""
             )
             lines.append(
-                f"  stage {r}: {s.blocks} blocks{also}, {s.microbatch_s * 1e3:.2f} ms per "
-                f"microbatch ({s.microbatch_s / slowest:.0%} of the slowest), "
+                f"  stage {r}: {_count(s.blocks, 'block')}{also}, "
+                f"{s.microbatch_s * 1e3:.2f} ms per microbatch "
+                f"({s.microbatch_s / slowest:.0%} of the slowest), "
                 f"{format_bytes(s.peak_memory_bytes)} with {s.in_flight:g} "
                 f"microbatch{'' if s.in_flight == 1 else 'es'} in flight"
-                + (f", {s.recomputed} blocks recomputed" if s.recomputed else "")
+                + (f", {_count(s.recomputed, 'block')} recomputed" if s.recomputed else "")
             )
     recomputing = [(r, s) for r, s in enumerate(stages) if s.recomputed]
     if recomputing:
         effects = "; ".join(
             (f"stage {r}: " if plan.pp > 1 else "")
-            + f"{s.recomputed} blocks free {format_bytes(s.recompute_frees_bytes)} of "
+            + f"{_count(s.recomputed, 'block')} free{'s' if s.recomputed == 1 else ''} "
+            f"{format_bytes(s.recompute_frees_bytes)} of "
             f"activations for {s.recompute_s * 1e3:.2f} ms more per step"
             for r, s in recomputing
         )

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 import autopart
 from autopart.degrees import Degrees
 from autopart.mesh import Mesh
-from autopart.plan import MeshSpec, Plan, PlanError, Predicted
+from autopart.plan import MeshSpec, Plan, PlanError, Predicted, StageFigures
 from tests.models import tiny_gpt2, tiny_llama, token_batch
 
 
@@ -28,7 +28,19 @@ def _plan(**changes) -> Plan:
         recompute=("model.layers.0",),
         stage_cuts=("model.layers.2",),
         placements={"fc.weight": (Replicate(), Shard(0)), "fc.bias": (Replicate(), Shard(0))},
-        predicted=Predicted(0.5, 0.4, 0.05, 0.05, 10 * 1024**3, {"parameters": 1024**3}, 1e14),
+        predicted=Predicted(
+            0.5,
+            0.4,
+            0.05,
+            0.05,
+            10 * 1024**3,
+            {"parameters": 1024**3},
+            1e14,
+            stages=(
+                StageFigures(2, 0.1, 10 * 1024**3, 2, 1, 512 * 1024**2, 0.02, 0.01),
+                StageFigures(2, 0.09, 8 * 1024**3, 1, tp_comm_s=0.01),
+            ),
+        ),
     )
     axes = {k: changes.pop(k) for k in ("dp", "tp", "pp") if k in changes}
     fields.update(changes, degrees=fields["degrees"].replace(**axes))
@@ -48,7 +60,14 @@ def test_table_and_explanation_name_the_choices():
     text = str(plan)
     for part in ("dp=4", "tp=2", "pp=2", "zero=1", "schedule=1f1b", "fc.weight", "S(0)"):
         assert part in text
-    assert "ZeRO-1 shards the optimizer state" in plan.explain()
+    explained = plan.explain()
+    assert "ZeRO-1 shards the optimizer state" in explained
+    assert "Tensor parallelism shards 2 of 2 parameter tensors over the 2 tp ranks" in explained
+    assert "10.00 ms per step on the busiest rank (2% of the step)" in explained
+    assert "stage 0: 2 blocks and the embedding before the first, 100.00 ms" in explained
+    assert "10.00 GiB with 2 microbatches in flight, 1 block recomputed" in explained
+    assert "stage 1: 2 blocks and the head after the last" in explained
+    assert "stage 0: 1 block frees 512.00 MiB of activations for 20.00 ms more" in explained
 
 
 def test_invalid_plans_say_what_is_wrong():

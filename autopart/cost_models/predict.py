@@ -280,10 +280,9 @@ def _rank_cost(
     boundary = max((s.output_bytes for s in own if s.is_block), default=0.0)
     blocks = [s for s in own if s.is_block]
     gathered = max((s.param_numel(choices.tp) for s in blocks), default=params)
+    tp = _tp_comm(own, choices, models.comm)
     comm = (
-        _tp_comm(own, choices, models.comm)
-        + p2p_comm(boundary, choices, models.comm)
-        + _zero3_comm(own, compute, choices, models)
+        tp + p2p_comm(boundary, choices, models.comm) + _zero3_comm(own, compute, choices, models)
     )
     in_flight = in_flight_microbatches(
         choices.schedule, choices.microbatches, choices.pp, rank, choices.virtual_stages
@@ -313,6 +312,7 @@ def _rank_cost(
             kept.bytes(in_flight) - _activations(own, choices).bytes(in_flight)
         ),
         recompute_s=choices.microbatches * (compute.recompute + recompute_comm),
+        tp_comm_s=choices.microbatches * tp,
     )
     return RankCost(
         compute=compute,
