@@ -1,5 +1,9 @@
 """Mixed precision: bf16/fp16 compute over fp32 master weights, against single-device
-autocast; fp16 loss scaling skips overflowing steps on every rank alike."""
+autocast; fp16 loss scaling skips overflowing steps on every rank alike.
+
+SGD, every rank, within 1e-3 relative: the runs differ only by reduction order (measured
+at most 7e-5 over these cases), while a gradient scaled wrong by 2 moves SGD's
+parameters, and the next losses, by far more."""
 
 from __future__ import annotations
 
@@ -17,15 +21,21 @@ CASES = [
     ("llama", {"dp": 2}, "bf16-mixed"),
     ("llama", {"tp": 2}, "bf16-mixed"),
     ("gpt2", {"dp": 2}, "fp16-mixed"),
+    ("gpt2", {"dp": 2, "zero": 2}, "bf16-mixed"),
+    ("llama", {"pp": 2, "schedule": "1f1b", "microbatches": 2}, "bf16-mixed"),
 ]
+
+
+def _key(name, pins, precision):
+    return name, precision, tuple(pins.items())
 
 
 def _train(batch):
     out = {}
     for name, pins, precision in CASES:
-        pm = parallelize_lm(LM_FACTORIES[name](), batch, precision=precision, **pins)
+        pm = parallelize_lm(LM_FACTORIES[name](), batch, "sgd", precision=precision, **pins)
         losses = train_losses(pm, batch, STEPS)
-        out[(name, precision, tuple(pins))] = (losses, [p.dtype for p in pm.parameters()])
+        out[_key(name, pins, precision)] = (losses, [p.dtype for p in pm.parameters()])
         pm.close()
     return out
 
@@ -33,7 +43,7 @@ def _train(batch):
 def _single_device_autocast(name: str, precision: str, batch) -> list[float]:
     ids, target = batch
     model = LM_FACTORIES[name]()
-    opt = make_optimizer("adamw")(model.parameters())
+    opt = make_optimizer("sgd")(model.parameters())
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
     losses = []
     for _ in range(STEPS):
@@ -48,13 +58,14 @@ def _single_device_autocast(name: str, precision: str, batch) -> list[float]:
 
 def test_mixed_precision_tracks_single_device_autocast():
     batch = token_batch(8)
-    results = run_world(_train, 2, batch)[0]
+    per_rank = run_world(_train, 2, batch)
     for name, pins, precision in CASES:
-        losses, dtypes = results[(name, precision, tuple(pins))]
-        assert set(dtypes) == {torch.float32}  # master weights stay fp32
         reference = _single_device_autocast(name, precision, batch)
-        assert losses == pytest.approx(reference, rel=2e-2), (name, pins, precision)
-        assert losses[-1] < losses[0]
+        for rank, results in enumerate(per_rank):
+            losses, dtypes = results[_key(name, pins, precision)]
+            assert set(dtypes) == {torch.float32}  # master weights stay fp32
+            assert losses == pytest.approx(reference, rel=1e-3), (name, pins, precision, rank)
+        assert reference[-1] < reference[0]
 
 
 def _overflow_on_one_rank():
