@@ -87,3 +87,51 @@ def test_an_overflow_on_one_rank_skips_the_step_everywhere():
         p.grad = torch.full((2,), 8.0)
         assert scaler.unscale([p])
     assert torch.equal(p.grad, torch.ones(2)) and scaler.value == 16.0
+
+
+OVERFLOW_TOKEN = 99  # a target only rank 1's half of the batch holds
+
+
+def _loss_that_overflows_on_rank_1(output, target):
+    """The usual loss, scaled past fp16's range where the target holds OVERFLOW_TOKEN:
+    that rank's fp16 gradients overflow, the other's do not."""
+    flag = (target == OVERFLOW_TOKEN).any()
+    return lm_loss(output, target) * torch.where(flag, 1e30, 1.0)
+
+
+def _overflow_in_a_real_step(batch, poisoned):
+    import autopart
+
+    ids, target = batch
+    pm = autopart.parallelize(
+        LM_FACTORIES["gpt2"](),
+        autopart.Mesh.local(),
+        (ids,),
+        loss_fn=_loss_that_overflows_on_rank_1,
+        optimizer=make_optimizer("sgd"),
+        dp=2,
+        precision="fp16-mixed",
+    )
+    pm.train_step(ids, target)
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    scale = pm.precision.scaler.value
+    pm.train_step(ids, poisoned)  # overflows on rank 1 only
+    unchanged = all(torch.equal(p, before[n]) for n, p in pm.named_parameters())
+    after = pm.precision.scaler.value
+    pm.train_step(ids, target)
+    moved = not all(torch.equal(p, before[n]) for n, p in pm.named_parameters())
+    pm.close()
+    return unchanged, scale, after, moved
+
+
+def test_an_overflow_in_a_real_fp16_step_skips_it_on_every_rank():
+    ids, target = token_batch(8)
+    poisoned = target.clone()
+    poisoned[-1, 0] = OVERFLOW_TOKEN  # in the last sample: rank 1's half
+    assert not (target == OVERFLOW_TOKEN).any()
+    for unchanged, scale, after, moved in run_world(
+        _overflow_in_a_real_step, 2, (ids, target), poisoned
+    ):
+        assert unchanged  # the step was skipped, on both ranks
+        assert after == scale / 2  # and the scale backed off alike
+        assert moved  # the next step trains again
