@@ -43,6 +43,7 @@ def _stopped_after_one_step(batch) -> None:
 STOPPED_TIMEOUT_S = 30
 
 
+@pytest.mark.slow  # it waits out the timeout
 def test_a_frozen_rank_stops_the_others_at_the_timeout_with_a_named_error():
     with pytest.raises(RuntimeError) as failed:
         run_world(_stopped_after_one_step, 2, token_batch(8))
