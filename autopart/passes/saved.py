@@ -10,7 +10,9 @@ microbatch without recomputation.
 Attention is measured as the fused kernel that PyTorch picks for training on CPU and GPU
 alike (flash / memory-efficient), which saves q, k, v, the output and the log-sum-exp
 instead of the score matrix. On the meta device the dispatcher would take the unfused
-math path, whose O(L·S) saved scores no real device keeps.
+math path, whose O(L·S) saved scores no real device keeps. An attention whose mask needs
+a gradient (a learned position bias, as in T5) is measured on the math path: the fused
+kernels cannot differentiate a mask, and the dispatcher runs the math path for it.
 """
 
 from __future__ import annotations
@@ -111,7 +113,12 @@ def _fused_attention(
         repeats = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(repeats, dim=-3)
         value = value.repeat_interleave(repeats, dim=-3)
-    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-    )
+    if attn_mask is not None and attn_mask.requires_grad:
+        out = torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale
+        )
+    else:
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
     return out[0]
