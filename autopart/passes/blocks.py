@@ -2,8 +2,9 @@
 
 Candidates are the children of a container indexed by integers (`model.layers.3`).
 Each candidate's operators form a small graph, labelled by operator, output shapes and
-parameter names relative to the block; networkx's Weisfeiler-Lehman hash names its
-structure. Copies with the same hash under the same container share a `block_id`, so
+parameter names relative to the block (data-dependent sizes renamed in order, so that
+two mixture-of-experts layers compare equal); networkx's Weisfeiler-Lehman hash names
+its structure. Copies with the same hash under the same container share a `block_id`, so
 the solver can decide once per structure and the cost models can price one copy.
 """
 
@@ -17,10 +18,13 @@ import networkx as nx
 from torch import fx
 
 from autopart.ops.aten import op_name
-from autopart.ops.meta import BLOCK, MODULE_PATH, PARAMS, SHAPE, BlockInfo
+from autopart.ops.meta import BLOCK, MODULE_PATH, PARAMS, SHAPE, BlockInfo, TensorInfo
 from autopart.passes.runner import PassContext
 
 _INDEXED = re.compile(r"^(?P<container>.+?)\.(?P<index>\d+)(?:\.|$)")
+# A data-dependent size (a routed expert's token count): each layer's gets its own name
+# (u0, u1, ...), so copies are compared with their own names in order of appearance.
+_UNBACKED = re.compile(r"\bu\d+\b")
 
 
 def blocks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -51,11 +55,18 @@ def blocks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _structure_hash(gm: fx.GraphModule, instance: str, nodes: list[fx.Node]) -> str:
+    # Size arithmetic (no tensor) does no work, and the first layer that needs a size
+    # computes it for all: it is not part of a layer's structure.
+    nodes = [n for n in nodes if isinstance(SHAPE.get(n), TensorInfo)]
     inside = set(nodes)
     graph = nx.DiGraph()
+    unbacked: dict[str, str] = {}
     for node in nodes:
         relative_params = ",".join(p.removeprefix(instance) for p in PARAMS.get(node))
-        graph.add_node(node.name, label=f"{op_name(node, gm)}|{SHAPE.get(node)}|{relative_params}")
+        shape = _UNBACKED.sub(
+            lambda m: unbacked.setdefault(m[0], f"u#{len(unbacked)}"), str(SHAPE.get(node))
+        )
+        graph.add_node(node.name, label=f"{op_name(node, gm)}|{shape}|{relative_params}")
         for arg in node.all_input_nodes:
             if arg in inside:
                 graph.add_edge(arg.name, node.name)
