@@ -124,12 +124,21 @@ def train_single_device(
 ) -> dict:
     """The reference: the unmodified model on one device, on the whole global batch."""
     model = LM_FACTORIES[model_name](seed=seed, layers=layers)
-    opt = make_optimizer(optimizer)(model.parameters())
     ids, target = batch
+    return train_reference(model, optimizer, steps, (ids,), target)
+
+
+def train_reference(
+    model: nn.Module, optimizer: str, steps: int, inputs: tuple, target, loss_fn=None
+) -> dict:
+    """`model` trained on one device: `loss_fn(model(*inputs), target)` (the language
+    model's loss by default), `steps` times; its losses and parameters."""
+    loss_fn = loss_fn or lm_loss
+    opt = make_optimizer(optimizer)(model.parameters())
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        loss = lm_loss(model(ids), target)
+        loss = loss_fn(model(*inputs), target)
         loss.backward()
         opt.step()
         losses.append(loss.item())

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import autopart
 from autopart.testing import run_world
-from tests.models import assert_matches, make_optimizer, snapshot
+from tests.models import assert_matches, make_optimizer, train_reference
 
 STEPS = 3
 CASES = [{"dp": 2}, {"tp": 2}]
@@ -76,23 +76,10 @@ def _train(batch) -> dict:
     return out
 
 
-def _single_device(batch) -> dict:
-    ids, decoder_ids, target = batch
-    model = _t5()
-    opt = make_optimizer("adamw")(model.parameters())
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = _loss(model(ids, decoder_ids), target)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return {"losses": losses, "params": snapshot(model)}
-
-
 def test_a_learned_attention_bias_trains_like_one_device():
     batch = _batch()
-    reference = _single_device(batch)
+    ids, decoder_ids, target = batch
+    reference = train_reference(_t5(), "adamw", STEPS, (ids, decoder_ids), target, _loss)
     assert any(p.requires_grad for n, p in _t5().named_parameters() if "relative_attention" in n)
     for results in run_world(_train, 2, batch):
         for pins in CASES:

@@ -12,7 +12,7 @@ from autopart.ops.meta import BLOCK
 from autopart.passes import analyze
 from autopart.testing import run_world
 from tests.harness import assert_every_rank_matches, case_key, train_case
-from tests.models import lm_loss, make_optimizer, snapshot, token_batch
+from tests.models import token_batch, train_reference
 
 STEPS = 3
 CASES = [{"dp": 2}, {"pp": 2, "schedule": "1f1b", "microbatches": 2}]
@@ -51,23 +51,9 @@ def _train(batch) -> dict:
     }
 
 
-def _single_device(batch) -> dict:
-    ids, target = batch
-    model = _mixtral()
-    opt = make_optimizer("adamw")(model.parameters())
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = lm_loss(model(ids), target)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return {"losses": losses, "params": snapshot(model)}
-
-
 def test_mixture_of_experts_trains_like_one_device_under_dp_and_pp():
     batch = token_batch(8)
-    reference = _single_device(batch)
+    reference = train_reference(_mixtral(), "adamw", STEPS, (batch[0],), batch[1])
     per_rank = run_world(_train, 2, batch)
     for pins in CASES:
         assert_every_rank_matches(per_rank, case_key("mixtral", pins), reference, label=pins)
