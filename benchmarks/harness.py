@@ -24,9 +24,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import autopart
+from autopart.capture import capture
+from autopart.passes import analyze
 from autopart.testing import run_world
 
 T = TypeVar("T")
@@ -65,6 +68,35 @@ def llama(
         eos_token_id=0,
     )
     return LlamaForCausalLM(config)
+
+
+def gpt(hidden: int, layers: int, heads: int, vocab: int = 51200) -> Callable[[], nn.Module]:
+    """A builder of a GPT-2-style causal LM of these sizes (sequence 2048; Megatron-LM's
+    padded GPT-2 vocabulary by default), for the planning benchmarks' published shapes."""
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=hidden,
+        n_head=heads,
+        n_positions=2048,
+        vocab_size=vocab,
+        use_cache=False,
+    )
+    return lambda: GPT2LMHeadModel(config)
+
+
+def captured_on_meta(build: Callable[[], nn.Module], batch: int, seq: int) -> tuple[Any, float]:
+    """The model `build` makes, on the meta device, captured and analyzed at a batch of
+    `batch` sequences of `seq` tokens; and the seconds that took."""
+    with torch.device("meta"):
+        model = build()
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+
+    def captured():
+        c = capture(model, (ids,))
+        analyze(c.gm, c.context())
+        return c
+
+    return timed(captured)
 
 
 # Llama-3-8B's shape, for `llama(**LLAMA3_8B, positions=...)`.

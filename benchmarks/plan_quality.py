@@ -35,28 +35,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from harness import llama, print_json_line, timed
+from harness import captured_on_meta, gpt, llama, print_json_line, timed
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import autopart
-from autopart.capture import capture
-from autopart.passes import analyze
 from autopart.plan import PlanError
 from autopart.solver import Pins, make_plan
-
-
-def gpt(hidden: int, layers: int, heads: int, vocab: int = 51200) -> Callable[[], nn.Module]:
-    config = GPT2Config(
-        n_layer=layers,
-        n_embd=hidden,
-        n_head=heads,
-        n_positions=2048,
-        vocab_size=vocab,
-        use_cache=False,
-    )
-    return lambda: GPT2LMHeadModel(config)
 
 
 @dataclass(frozen=True)
@@ -153,16 +137,7 @@ CONFIGS = {
 
 
 def run(name: str, config: Config) -> bool:
-    with torch.device("meta"):
-        model = config.build()
-    ids = torch.zeros(config.batch, config.seq, dtype=torch.long, device="meta")
-
-    def captured():
-        c = capture(model, (ids,))
-        analyze(c.gm, c.context())
-        return c
-
-    c, capture_s = timed(captured)
+    c, capture_s = captured_on_meta(config.build, config.batch, config.seq)
     mesh = autopart.Mesh.cluster(config.device, nodes=config.gpus // 8, per_node=8)
     experts = dict(config.experts, precision=config.precision)
     dp = config.gpus // (experts.get("tp", 1) * experts.get("pp", 1))

@@ -14,14 +14,10 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-from harness import LLAMA3_8B, llama, print_json_line, timed
+from harness import LLAMA3_8B, captured_on_meta, gpt, llama, print_json_line, timed
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import autopart
-from autopart.capture import capture
-from autopart.passes import analyze
 from autopart.solver import Pins, make_plan
 
 
@@ -48,39 +44,18 @@ def _llama(hidden: int, ffn: int, layers: int, heads: int, kv: int) -> Callable[
     )
 
 
-def _gpt(hidden: int, layers: int, heads: int) -> Callable[[], nn.Module]:
-    config = GPT2Config(
-        n_layer=layers,
-        n_embd=hidden,
-        n_head=heads,
-        n_positions=2048,
-        vocab_size=51200,
-        use_cache=False,
-    )
-    return lambda: GPT2LMHeadModel(config)
-
-
 # Model shapes as published (Llama 3; the 1T GPT of Narayanan et al., 2021).
 CASES = {
     "llama3-8b": Case(
         functools.partial(llama, **LLAMA3_8B, positions=8192), 512, 8192, "h100-80g", 8, 10.0
     ),
     "llama3-70b": Case(_llama(8192, 28672, 80, 64, 8), 1024, 8192, "h100-80g", 128, 20.0),
-    "gpt-1t": Case(_gpt(25600, 128, 160), 3072, 2048, "a100-80g", 384, 45.0),
+    "gpt-1t": Case(gpt(25600, 128, 160), 3072, 2048, "a100-80g", 384, 45.0),
 }
 
 
 def run(name: str, case: Case) -> None:
-    with torch.device("meta"):
-        model = case.build()
-    ids = torch.zeros(case.batch, case.seq, dtype=torch.long, device="meta")
-
-    def captured():
-        c = capture(model, (ids,))
-        analyze(c.gm, c.context())
-        return c
-
-    c, capture_s = timed(captured)
+    c, capture_s = captured_on_meta(case.build, case.batch, case.seq)
     mesh = autopart.Mesh.cluster(case.device, nodes=case.nodes, per_node=8)
     plan, solve_s = timed(lambda: make_plan(c, mesh, Pins.of(precision="bf16-mixed")))
     print_json_line(
