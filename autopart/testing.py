@@ -60,20 +60,21 @@ def _wait(procs: list) -> str:
     """Wait for every rank, for at most WORLD_TIMEOUT_S, and GRACE_S after the first
     failure; returns what the ranks still running then were late for."""
     deadline = time.monotonic() + WORLD_TIMEOUT_S
-    late = f"did not finish in {WORLD_TIMEOUT_S}s"
+    first_failed: int | None = None
     running = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
     while running:
-        left = deadline - time.monotonic()
-        ready = connection.wait(list(running), timeout=max(0.0, left))
+        ready = connection.wait(list(running), timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             break
         for sentinel in ready:
             rank, p = running.pop(sentinel)
             p.join()
-            if p.exitcode != 0 and "failed" not in late:
+            if p.exitcode != 0 and first_failed is None:
+                first_failed = rank
                 deadline = min(deadline, time.monotonic() + GRACE_S)
-                late = f"still running {GRACE_S}s after rank {rank} failed"
-    return late
+    if first_failed is None:
+        return f"did not finish in {WORLD_TIMEOUT_S}s"
+    return f"still running {GRACE_S}s after rank {first_failed} failed"
 
 
 def _rank_main(fn, rank, world_size, store, tmp, args) -> None:

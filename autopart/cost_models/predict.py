@@ -287,17 +287,18 @@ def _rank_cost(
     in_flight = in_flight_microbatches(
         choices.schedule, choices.microbatches, choices.pp, rank, choices.virtual_stages
     )
+    activations = _activations(own, choices).bytes(in_flight)
     memory = models.memory.breakdown(
         params,
         choices.dp,
         choices.zero,
-        activations=_activations(own, choices).bytes(in_flight),
+        activations=activations,
         gathered_params=gathered,
         pipeline_bytes=boundary if choices.pp > 1 else 0.0,
         output_bytes=output_bytes(last, choices.tp) if last else 0.0,
     )
     recomputed = [s for s in own if choices.recomputes(s)]
-    kept = Activations(kept=sum(s.saved_bytes(choices.precision) for s in own))
+    unrecomputed = Activations(kept=sum(s.saved_bytes(choices.precision) for s in own))
     recompute_comm = sum(
         tp_comm(s, choices, models.comm, True) - tp_comm(s, choices, models.comm, False)
         for s in recomputed
@@ -308,9 +309,7 @@ def _rank_cost(
         peak_memory_bytes=total(memory),
         in_flight=in_flight,
         recomputed=len(recomputed),
-        recompute_frees_bytes=round(
-            kept.bytes(in_flight) - _activations(own, choices).bytes(in_flight)
-        ),
+        recompute_frees_bytes=round(unrecomputed.bytes(in_flight) - activations),
         recompute_s=choices.microbatches * (compute.recompute + recompute_comm),
         tp_comm_s=choices.microbatches * tp,
     )

@@ -37,9 +37,10 @@ class OwnedParameters:
             raise ValueError(f"OwnedParameters is ZeRO stage 1 or 2, not {stage}")
         self.params, self.group, self.accumulation, self.stage = params, group, accumulation, stage
         self.size = dist.get_world_size(group)
-        me = dist.get_rank(group)
-        self.owner = {id(p): dist.get_global_rank(group, r) for p, r in owners(params, self.size)}
-        self.mine = [p for p in params if self.owner[id(p)] == dist.get_global_rank(group, me)]
+        global_rank = [dist.get_global_rank(group, r) for r in range(self.size)]
+        self.owner = {id(p): global_rank[r] for p, r in owners(params, self.size)}
+        me = global_rank[dist.get_rank(group)]
+        self.mine = [p for p in params if self.owner[id(p)] == me]
         self._arrivals: dict[int, int] = {}
         self._pending: list[tuple[nn.Parameter, torch.Tensor, dist.Work]] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]

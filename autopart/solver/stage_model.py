@@ -47,9 +47,10 @@ DETERMINISTIC_LIMIT = 1.0
 def solve_stages(problem: StageProblem) -> StageAssignment | None:
     """The best assignment of `problem`, or None when none fits its memory (or it has
     fewer cut positions than chunks need)."""
-    if len(problem.cut_positions) < problem.chunks - 1 or not _may_fit(problem):
+    run = _uniform_run(problem)
+    if len(problem.cut_positions) < problem.chunks - 1 or not _may_fit(problem, run):
         return None
-    built = _Model(problem)
+    built = _Model(problem, run)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = SEED
@@ -64,12 +65,13 @@ def solve_stages(problem: StageProblem) -> StageAssignment | None:
 
 
 class _Model:
-    def __init__(self, problem: StageProblem) -> None:
+    def __init__(self, problem: StageProblem, run: tuple[int, int] | None) -> None:
+        """`run`: the units that are copies of one block (`_uniform_run`), if any."""
         self.problem = p = problem
         self.model = m = cp_model.CpModel()
         chunks = p.chunks
         self.kinds = p.kinds
-        self.run = _uniform_run(p)
+        self.run = run
         if self.run is not None:
             time, states, grads, saved, count = self._counted(*self.run)
         else:
@@ -222,7 +224,7 @@ def _uniform_run(problem: StageProblem) -> tuple[int, int] | None:
     return (a, b) if len(figures) == 1 else None
 
 
-def _may_fit(problem: StageProblem) -> bool:
+def _may_fit(problem: StageProblem, run: tuple[int, int] | None) -> bool:
     """False when no assignment can fit (a necessary condition, cheap, to refuse the
     many hopeless candidates before building a model). However the chunks are cut, one
     of the p ranks holds at least 1/p of the parameters. Where the blocks are alike,
@@ -233,7 +235,6 @@ def _may_fit(problem: StageProblem) -> bool:
     scale = 1 + p.allocator
     if scale * (Fraction(sum(u.states for u in p.units), p.pp) + min(p.fixed)) > p.memory:
         return False
-    run = _uniform_run(p)
     if run is None:
         return True
     a, b = run
