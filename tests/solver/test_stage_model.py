@@ -4,13 +4,14 @@ recomputed blocks, not only counts per chunk."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 from itertools import chain, combinations
 
 import pytest
 
 from autopart.capture import capture
-from autopart.cost_models import Choices, CostModels
+from autopart.cost_models import Choices, CostModels, predict
 from autopart.cost_models.stage_costs import (
     StageAssignment,
     StageProblem,
@@ -151,3 +152,35 @@ def test_tiny_models_match_brute_force_at_several_memory_limits(
             tiny_summary, choices, {}, models, int(peak * fraction), recomputable=True
         )
         _assert_optimal(problem)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_the_inner_memory_agrees_with_predict(tiny_summary, zero):
+    """The inner model's linear memory (stage_costs) is `predict`'s, rank by rank, for
+    the assignment it chooses: the two must not drift apart."""
+    mesh = Mesh.cluster("h100-80g", nodes=1, per_node=4)
+    choices = Choices(8, Degrees(dp=2, pp=2), zero, 4, "1f1b")
+    models = CostModels.of(mesh, choices.precision)
+    plain = predict(tiny_summary, mesh, choices, models=models).peak_memory_bytes
+    # The roomiest limit at which the inner model recomputes blocks to fit.
+    for fraction in (0.95, 0.9, 0.85, 0.8, 0.75):
+        memory = int(plain * fraction)
+        problem = stage_problem_of(tiny_summary, choices, {}, models, memory, recomputable=True)
+        chosen = solve_stages(problem)
+        if chosen is not None and chosen.recomputed:
+            break
+    assert chosen is not None and chosen.recomputed
+    units = problem.units
+    priced = predict(
+        tiny_summary,
+        mesh,
+        replace(
+            choices,
+            stage_cuts=tuple(units[i].key for i in chosen.starts),
+            recompute=tuple(units[i].key for i in sorted(chosen.recomputed)),
+        ),
+        models=models,
+    )
+    byte = memory / problem.memory
+    for inner, stage in zip(chosen.peaks, priced.stages):
+        assert inner * byte == pytest.approx(stage.peak_memory_bytes, rel=0.02)
