@@ -112,6 +112,8 @@ class Plan(AxisAttributes):
     sequence_parallel: bool = False  # tp activations between blocks sharded on the sequence
     recompute: tuple[str, ...] = ()  # module paths of blocks recomputed in backward
     placements: Mapping[str, tuple[Placement, ...]] = field(default_factory=dict)
+    # What each tp-sharded parameter does under the layout ("column-parallel", ...).
+    tp_roles: Mapping[str, str] = field(default_factory=dict)
     stage_cuts: tuple[str, ...] = ()  # module paths where stages 1, 2, ... begin
     predicted: Predicted | None = None
     alternatives: tuple[Alternative, ...] = ()

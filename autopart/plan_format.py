@@ -101,6 +101,12 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _folded(names: list[str]) -> str:
+    """Parameter names with repeated layers folded: `layers.*.mlp.up.weight (×32)`."""
+    patterns = Counter(re.sub(r"\.\d+\.", ".*.", n) for n in names)
+    return ", ".join(p if n == 1 else f"{p} (×{n})" for p, n in patterns.items())
+
+
 def _collapse_layers(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
     """One row per parameter, with repeated layers folded: `layers.*.mlp.w (×32)` stands
     for every layer whose copy of the parameter is placed alike."""
@@ -150,30 +156,27 @@ def explain_plan(plan: Plan) -> str:
 
 
 def _tensor_parallel_lines(plan: Plan) -> list[str]:
-    """What tensor parallelism shards, and what moving activations between the
-    sharded operators costs."""
+    """What tensor parallelism shards, as what, and what its collectives cost."""
     if plan.tp == 1:
         return []
     tp_axis = PLACEMENT_AXES.index(Axis.TP)
-    kinds = Counter(placement_to_str(ps[tp_axis]) for ps in plan.placements.values())
-    sharded = sum(n for kind, n in kinds.items() if kind != "R")
-    by_kind = ", ".join(
-        f"{n} {'column-parallel' if k == 'S(0)' else 'row-parallel' if k == 'S(1)' else k} ({k})"
-        for k, n in sorted(kinds.items())
-        if k != "R"
-    )
+    sharded = [f for f, ps in plan.placements.items() if placement_to_str(ps[tp_axis]) != "R"]
     line = (
-        f"Tensor parallelism shards {sharded} of {len(plan.placements)} parameter tensors "
-        f"over the {plan.tp} tp ranks" + (f": {by_kind}" if by_kind else "") + "; the "
-        "rest are replicated."
+        f"Tensor parallelism shards {len(sharded)} of {len(plan.placements)} parameter "
+        f"tensors over the {plan.tp} tp ranks, the rest replicated"
     )
+    by_role: dict[str, list[str]] = {}
+    for fqn in sharded:
+        by_role.setdefault(plan.tp_roles.get(fqn, "sharded"), []).append(fqn)
+    roles = "; ".join(f"{role}: {_folded(names)}" for role, names in by_role.items())
+    line += f" ({roles})." if roles else "."
     predicted = plan.predicted
     if predicted is not None and predicted.stages:
         slowest = max(predicted.stages, key=lambda s: s.tp_comm_s)
         line += (
-            " Between them each block all-reduces its output twice in forward and twice "
-            f"in backward: {slowest.tp_comm_s * 1e3:.2f} ms per step on the busiest rank "
-            f"({slowest.tp_comm_s / predicted.step_time_s:.0%} of the step)."
+            " Its collectives (reductions of row-parallel products, conversions between "
+            f"layouts and their gradients) take {slowest.tp_comm_s * 1e3:.2f} ms per step on "
+            f"the busiest rank ({slowest.tp_comm_s / predicted.step_time_s:.0%} of the step)."
         )
     return [line]
 

@@ -7,12 +7,11 @@ share. Segments go to pipeline chunks (the plan's stage cuts, or an even split b
 blocks) and chunks to pipeline ranks; then per rank:
 
   communication on the critical path, per microbatch:
-    tensor parallelism (Megatron-LM): each block all-reduces its output activation
-      twice in forward (after attention and after the MLP) and twice in backward (their
-      input gradients), twice more when recomputed, over the tp axis (stride 1). This
-      assumes transformer blocks (one attention and one MLP each); with sequence
-      parallelism each all-reduce becomes a reduce-scatter plus an all-gather of the
-      same total volume;
+    tensor parallelism: the collectives the plan's layout inserts in each segment
+      (`tp_costs.collectives_of`: row-parallel reductions, conversions between layouts,
+      their gradients), forward ones again when recomputed, over the tp axis (stride 1).
+      Without a layout (a summary made without one), the Megatron-LM count: each block
+      all-reduces its output twice in forward and twice in backward;
     pipeline transfers: one activation sent forward and one gradient sent backward per
       chunk, over the pp axis (stride dp·tp);
     ZeRO-3: every microbatch gathers the rank's parameters bucket by bucket (a block, or
@@ -335,14 +334,23 @@ def _tp_comm(own: list[SegmentWork], choices: Choices, comm: CommModel) -> float
 
 
 def tp_comm(seg: SegmentWork, choices: Choices, comm: CommModel, recomputed: bool) -> float:
-    """Per microbatch of a block: 2 forward + 2 backward (+ 2 recomputed) all-reduces
-    over tp of its output, as a row-parallel matmul produces it (16-bit under mixed
-    precision)."""
-    if choices.tp == 1 or not seg.is_block:
+    """Per microbatch of a segment: its tensor-parallel collectives under the plan's
+    layout, those of forward again where it is recomputed; activations travel in 16
+    bits under mixed precision. Without a layout, a block's Megatron collectives: 2
+    forward + 2 backward all-reduces of its output."""
+    if choices.tp == 1:
         return 0.0
     scale = 1.0 if choices.precision == Precision.FP32 else 0.5
-    count = TP_ALL_REDUCES_FORWARD * (1 + recomputed) + TP_ALL_REDUCES_BACKWARD
-    return count * comm.time(ALL_REDUCE, seg.output_bytes * scale, choices.tp)
+    if seg.tp_traffic is None:
+        if not seg.is_block:
+            return 0.0
+        count = TP_ALL_REDUCES_FORWARD * (1 + recomputed) + TP_ALL_REDUCES_BACKWARD
+        return count * comm.time(ALL_REDUCE, seg.output_bytes * scale, choices.tp)
+    return sum(
+        comm.time(op, nbytes * (scale if activation else 1.0), choices.tp)
+        * (1 if backward else 1 + recomputed)
+        for op, nbytes, backward, activation in seg.tp_traffic
+    )
 
 
 def p2p_comm(boundary: float, choices: Choices, comm: CommModel) -> float:

@@ -9,10 +9,12 @@ one layer's worth of sympy substitutions, not 32.
 
 Tensor-parallel layout. With a plan's placements (`TpLayout`), an operator runs on 1/tp
 of the work if any of its operands or outputs is sharded or partial as
-`passes.tp_propagate` lays the graph out for the rewrite: the column- and row-parallel
-products and everything between them, not the norms, the residual stream or a bias and
-dropout after a row-parallel reduction, and not an LM head or embedding the plan leaves
-replicated; a parameter is sharded if its placement says so. What an operator saves for
+`passes.tp_propagate` lays the graph out for the rewrite, and does not fall back
+(`tp_costs.split_by`): the column- and row-parallel products and everything between
+them, not the norms, the residual stream or a bias and dropout after a row-parallel
+reduction, and not an LM head or embedding the plan leaves replicated; a parameter is
+sharded if its placement says so. Each segment carries the tp collectives its operators
+insert (`tp_costs.collectives_of`), which `predict` prices. What an operator saves for
 backward is split too, unless all its activation operands are replicated: a
 column-parallel product saves its whole input on every tp rank (the "10·s·b·h" of
 Korthikanti et al., 2022, that tensor parallelism alone does not divide). Without placements (a
@@ -33,10 +35,11 @@ from torch import fx
 from torch.distributed.tensor import Placement
 
 from autopart.cost_models.precision import bytes_scale, is_mixed
+from autopart.cost_models.tp_costs import TpCollective, collectives_of, distributed, split_by
 from autopart.cost_models.work import OTHER, NodeWork, evaluate, node_work, op_kind
 from autopart.ops.aten import op_name
 from autopart.ops.meta import BLOCK, MODULE_PATH, PARAMS, SHAPE, TensorInfo
-from autopart.passes.tp_propagate import propagate
+from autopart.passes.tp_propagate import operands_of, propagate
 from autopart.passes.tp_rules import R
 from autopart.policy import Precision
 
@@ -60,6 +63,9 @@ class Segment:
     # an earlier segment (a tied head reading the embedding).
     owned: tuple[str, ...] = ()
     borrowed: tuple[str, ...] = ()
+    # The tensor-parallel collectives its operators insert under the plan's layout
+    # (None: no layout given, the Megatron layout's are assumed).
+    tp_collectives: tuple[TpCollective, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,8 @@ class SegmentWork:
     segment: Segment
     nodes: tuple[NodeWork, ...]
     output_bytes: float  # the activation handed to the next segment (as captured)
+    # (collective, bytes as captured, in backward, an activation) per tp collective
+    tp_traffic: tuple[tuple[str, float, bool, bool], ...] | None = None
     # Bytes saved for backward in fp32 and under mixed precision, summed once: the
     # search reads them for every candidate plan.
     _saved: tuple[float, float] = field(init=False, repr=False, compare=False)
@@ -119,6 +127,7 @@ class TpLayout:
     split: frozenset[fx.Node]
     saves_replicated: frozenset[fx.Node]  # split, with only replicated activation operands
     sharded_params: frozenset[str]
+    collectives: Mapping[fx.Node, tuple[TpCollective, ...]] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -136,29 +145,24 @@ class TpLayout:
             for name, p in gm.named_parameters(remove_duplicate=False)
         }
         result = propagate(gm, names, placements, tp, sequence_parallel)
-
-        def distributed(node: fx.Node) -> bool:
-            return _distributed(result.places.get(node, R))
-
-        split = frozenset(
-            node
-            for node in result.decisions
-            if distributed(node) or any(map(distributed, node.all_input_nodes))
-        )
+        operands = {n: operands_of(n, result.places, result.grads, tp) for n in result.decisions}
+        decisions = result.decisions
+        split = frozenset(n for n, d in decisions.items() if split_by(operands[n], d))
+        collectives = {
+            node: tuple(collectives_of(operands[node], decision, result.grads[node]))
+            for node, decision in result.decisions.items()
+        }
         saves_replicated = frozenset(
             node
             for node in split
-            if not any(distributed(n) for n in node.all_input_nodes if n.op != "get_attr")
+            if not any(
+                distributed(result.places.get(n, R))
+                for n in node.all_input_nodes
+                if n.op != "get_attr"
+            )
         )
-        sharded = frozenset(f for f, p in placements.items() if _distributed(p))
-        return cls(split, saves_replicated, sharded)
-
-
-def _distributed(place: object) -> bool:
-    """Sharded or partial (a multi-output operator: any of its outputs)."""
-    if isinstance(place, tuple):
-        return any(_distributed(p) for p in place)
-    return place is not None and place != R
+        sharded = frozenset(f for f, p in placements.items() if distributed(p))
+        return cls(split, saves_replicated, sharded, collectives)
 
 
 class GraphSummary:
@@ -194,7 +198,7 @@ class GraphSummary:
         scale = 1.0
         if self.captured_batch is not None and BATCH in dims:
             scale = dims[BATCH] / self.captured_batch
-        by_block: dict[str, tuple[tuple[NodeWork, ...], float]] = {}
+        by_block: dict[str, tuple] = {}
         out = []
         for seg in self.segments:
             if seg.block_id is None or seg.block_id not in by_block:
@@ -204,7 +208,8 @@ class GraphSummary:
                     ).scaled(scale)
                     for n, s, r in zip(seg.nodes, seg.sharded, seg.saves_replicated)
                 )
-                evaluated = (works, _output_bytes(seg.nodes, dims) * scale)
+                output = _output_bytes(seg.nodes, dims) * scale
+                evaluated = (works, output, _traffic(seg, dims, scale))
                 if seg.block_id is not None:
                     by_block[seg.block_id] = evaluated
             else:
@@ -245,9 +250,27 @@ def _segments(
             len(owners[i]),
             tuple(owners[i]),
             tuple(sorted({p for n in nodes for p in PARAMS.get(n)} - set(owners[i]))),
+            _collectives(gm, nodes, layout, last=i == len(runs) - 1),
         )
         for i, (key, block_id, nodes) in enumerate(runs)
     )
+
+
+def _collectives(
+    gm: fx.GraphModule, nodes: list[fx.Node], layout: TpLayout | None, last: bool
+) -> tuple[TpCollective, ...] | None:
+    """The segment's tp collectives, each shared conversion once (the last segment
+    also gathers the graph's outputs)."""
+    if layout is None:
+        return None
+    if last:
+        nodes = [*nodes, *(n for n in gm.graph.nodes if n.op == "output")]
+    out: dict[object, TpCollective] = {}
+    for node in nodes:
+        for i, c in enumerate(layout.collectives.get(node, ())):
+            key = (c.source, c.key, c.op, c.backward) if c.source is not None else (node, i)
+            out.setdefault(key, c)
+    return tuple(out.values())
 
 
 def _first_readers(
@@ -305,6 +328,18 @@ def _is_sharded_param(
             if name == "embedding" or op_kind(name) != OTHER:
                 return True
     return False
+
+
+def _traffic(
+    seg: Segment, dims: Mapping[str, int], scale: float
+) -> tuple[tuple[str, float, bool, bool], ...] | None:
+    """The segment's tp collectives at `dims` (activations scaled to the batch)."""
+    if seg.tp_collectives is None:
+        return None
+    return tuple(
+        (c.op, evaluate(c.nbytes, dims) * (scale if c.activation else 1), c.backward, c.activation)
+        for c in seg.tp_collectives
+    )
 
 
 def _output_bytes(nodes: tuple[fx.Node, ...], dims: Mapping[str, int]) -> float:

@@ -32,6 +32,7 @@ from autopart.ops import collectives as c
 from autopart.ops.aten import op_name
 from autopart.ops.meta import COLLECTIVE, SHAPE, TP_LAYOUT, CollectiveInfo, inherit, tensor_info
 from autopart.ops.shards import local_shard
+from autopart.ops.vocab_parallel import LOCAL_OPS
 from autopart.passes.runner import PassContext
 from autopart.passes.tp_propagate import Propagation, propagate
 from autopart.passes.tp_rules import NodePlacement, flatten_args
@@ -87,6 +88,9 @@ class _Rewriter:
         for i, value in decision.updates.items():
             flat[i] = value
         node.args, node.kwargs = pytree.tree_unflatten(flat, spec)
+        if decision.local_op:
+            node.target = LOCAL_OPS[decision.local_op]
+            node.args, node.kwargs = (*node.args, self.group), {}
         if decision.reduce_to is not None:
             self.reduce_after(node, decision.reduce_to, decision.has_bias)
 
@@ -105,7 +109,7 @@ class _Rewriter:
         have, want = _normalize(have, rank), _normalize(want, rank)
         if have == want:
             return src
-        key = (src, str(want), backward_scatter)
+        key = (src, str(want), backward_scatter, _sharer(src, user))
         if key not in self.converted:
             if backward_scatter:  # sequence parallel: gather forward, reduce-scatter back
                 assert isinstance(have, Shard), "only a sharded operand is gathered for grad"
@@ -132,7 +136,7 @@ class _Rewriter:
         raise ValueError(f"cannot convert {have} to {want}")
 
     def copy_to_group(self, src: fx.Node, user: fx.Node) -> fx.Node:
-        key = (src, "copy_to_group")
+        key = (src, "copy_to_group", _sharer(src, user))
         if key not in self.converted:
             self.converted[key] = self._insert(
                 c.copy_to_group, (src, self.group), "all_reduce (backward)", src, user, Replicate()
@@ -144,7 +148,8 @@ class _Rewriter:
     ) -> fx.Node:
         with self.graph.inserting_before(user):
             node = self.graph.call_function(fn, args)
-        node.name = f"tp_{fn.__name__}_{src.name}"
+        sharer = _sharer(src, user)
+        node.name = f"tp_{fn.__name__}_{src.name}" + (f"_for_{sharer.name}" if sharer else "")
         inherit(node, user, SHAPE.get(src))
         info = CollectiveInfo(kind, Axis.TP.value, self.group, self._bytes(src, have))
         COLLECTIVE.set(node, info)
@@ -187,6 +192,13 @@ class _Rewriter:
         inherit(reduced, node, SHAPE.get(node))
         info = CollectiveInfo(kind, Axis.TP.value, self.group, tensor_info(node).nbytes)
         COLLECTIVE.set(reduced, info)
+
+
+def _sharer(src: fx.Node, user: fx.Node) -> fx.Node | None:
+    """Who shares a conversion of `src`: every consumer of an activation; each consumer
+    of a parameter its own, so that a tied weight read in two pipeline stages (the
+    embedding and the head) is converted in each, not passed between them."""
+    return user if src.op == "get_attr" else None
 
 
 def _normalize(p: Placement, rank: int) -> Placement:

@@ -74,13 +74,8 @@ def propagate(
             result.places[node] = R
             result.grads[node] = False
             continue
-        ops = _operands(node, result, tp)
-        if node.op == "output":
-            decision = Decision(output=R, inputs={i: R for i in ops.tensors if ops.places[i] != R})
-        else:
-            decision = decide(ops, gm)
-            if sequence_parallel and decision.reduce_to == R and _seq_divisible(node, tp):
-                decision.reduce_to = decision.output = Shard(1)
+        ops = operands_of(node, result.places, result.grads, tp)
+        decision = decide_node(ops, gm, sequence_parallel)
         result.decisions[node] = decision
         result.places[node] = decision.output
         result.grads[node] = any(ops.grads[i] for i in ops.tensors)
@@ -90,20 +85,40 @@ def propagate(
     return result
 
 
-def _operands(node: fx.Node, result: Propagation, tp: int) -> Operands:
+def decide_node(ops: Operands, gm: fx.GraphModule, sequence_parallel: bool = False) -> Decision:
+    """`tp_rules.decide`, and what a walk adds to it: the graph's outputs are made
+    replicated, and under `sequence_parallel` a row-parallel product of shape
+    [batch, seq, ...] is reduce-scattered along the sequence instead of all-reduced."""
+    node = ops.node
+    if node.op == "output":
+        return Decision(output=R, inputs={i: R for i in ops.tensors if ops.places[i] != R})
+    decision = decide(ops, gm)
+    if sequence_parallel and decision.reduce_to == R and _seq_divisible(node, ops.tp):
+        decision.reduce_to = decision.output = Shard(1)
+    return decision
+
+
+def operands_of(
+    node: fx.Node,
+    places: Mapping[fx.Node, NodePlacement],
+    grads: Mapping[fx.Node, bool],
+    tp: int,
+) -> Operands:
+    """`node`'s operands with the placements `places` gives their producers (R where it
+    gives none) and whether they require grad."""
     flat = argument_leaves(node)
-    places: list[NodePlacement | None] = []
+    operand_places: list[NodePlacement | None] = []
     shapes: list[TensorInfo | None] = []
-    grads: list[bool] = []
+    operand_grads: list[bool] = []
     for leaf in flat:
         info = SHAPE.get(leaf, None) if isinstance(leaf, fx.Node) else None
         is_tensor = isinstance(leaf, fx.Node) and (
-            isinstance(info, TensorInfo) or isinstance(result.places.get(leaf), tuple)
+            isinstance(info, TensorInfo) or isinstance(places.get(leaf), tuple)
         )
-        places.append(result.operand_place(leaf) if is_tensor else None)
+        operand_places.append(places.get(leaf, R) if is_tensor else None)
         shapes.append(info if isinstance(info, TensorInfo) else None)
-        grads.append(bool(is_tensor and result.grads.get(leaf, False)))
-    return Operands(node, flat, places, shapes, grads, tp)
+        operand_grads.append(bool(is_tensor and grads.get(leaf, False)))
+    return Operands(node, flat, operand_places, shapes, operand_grads, tp)
 
 
 def _track_origins(

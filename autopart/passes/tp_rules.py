@@ -81,6 +81,9 @@ class Decision:
     gather_grad: set[int] = field(default_factory=set)  # S -> R with reduce-scatter backward
     fused_split: int = 0  # a split of a sharded dim into this many equal parts
     fallback: str = ""  # why the op is replicated instead
+    # The local operator that runs instead (`ops.vocab_parallel.LOCAL_OPS`), called
+    # with the node's tensor operands and the tp group.
+    local_op: str = ""
 
 
 @dataclass
@@ -450,7 +453,13 @@ def _layer_norm(ops: Operands) -> Decision:
 
 
 def _embedding(ops: Operands) -> Decision:
+    """Ids sharded (along the sequence): a sharded lookup. A table sharded over the
+    vocabulary (dim 0) with whole ids: each rank looks up its rows, giving partial sums
+    (`vocab_parallel_embedding`); needs the default padding and dense gradients."""
     weight, ids = ops.places[0], ops.places[1]
+    defaults = all(v in (-1, False) for v in ops.flat[2:])  # padding_idx, scale, sparse
+    if _normalized(weight, 2) == Shard(0) and ids == R and defaults:
+        return Decision(output=P, local_op="vocab_parallel_embedding")
     if weight != R:
         return fallback(ops, "sharded embedding table")
     if isinstance(ids, Shard):
@@ -463,11 +472,17 @@ def _embedding(ops: Operands) -> Decision:
 
 def _attention(ops: Operands) -> Decision:
     """Heads (dim 1 of [batch, heads, seq, head_dim]) shard cleanly: q, k and v must be
-    sharded on them; a mask broadcast over heads stays whole."""
+    sharded on them, or replicated (then sliced); a mask broadcast over heads stays
+    whole."""
     qkv = [_normalized(ops.places[i], _rank(ops, i)) for i in ops.tensors[:3]]
-    if qkv != [Shard(1)] * 3:
+    whole = [i for i, p in zip(ops.tensors[:3], qkv) if p == R]
+    if Shard(1) not in qkv or any(p not in (R, Shard(1)) for p in qkv):
         return fallback(ops, "attention not sharded on heads")
-    decision = Decision(output=Shard(1))
+    if not all(_divisible(_shape(ops, i)[1], ops.tp) for i in whole):
+        return fallback(ops, "attention heads not divisible by tp")
+    # Replicated keys or values (multi-query attention's one head, expanded to every
+    # query head) are sliced to this rank's heads.
+    decision = Decision(output=Shard(1), inputs={i: Shard(1) for i in whole})
     for i in ops.tensors[3:]:
         shape = _shape(ops, i)
         if ops.places[i] == R and len(shape) == 4 and shape[1] != 1:
@@ -515,6 +530,8 @@ def _contraction(ops: Operands) -> Decision:
     if da == a_k and (db == b_k or (b == R and rb == 2)):
         if b == R:
             decision.inputs[b_i] = Shard(b_k)
+        if bias_i is not None and ops.places[bias_i] != R:
+            decision.inputs[bias_i] = R  # added whole, once, after the reduction
         decision.reduce_to = R  # row parallel: partial sums over k
         decision.has_bias = bias_i is not None
         decision.output = R

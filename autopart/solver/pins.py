@@ -79,7 +79,9 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     batch = batch_size((captured.example_args, captured.example_kwargs))
     _check_pins(pins, mesh, batch)
     dims = {k: v for k, v in captured.dim_sizes.items() if k != BATCH}
-    layouts = TpLayouts(captured.gm, captured.parameter_names, pins.sequence_parallel)
+    layouts = TpLayouts(
+        captured.gm, captured.parameter_names, pins.sequence_parallel, mesh, dims, pins.precision
+    )
     try:
         found = search(layouts, mesh, pins, batch, dims)
     except NoPlanFits as e:
@@ -152,6 +154,7 @@ def _plan_of(
         sequence_parallel=pins.sequence_parallel,
         recompute=choices.recompute,
         placements=_placements(captured, layouts.placements(choices.tp), choices.zero),
+        tp_roles=layouts.roles(choices.tp),
     )
 
 
@@ -161,7 +164,9 @@ def _what_fits(captured: Captured, mesh: Mesh, pins: Pins, batch: int, dims: dic
     if pins == open_pins:
         return ""
     try:
-        layouts = TpLayouts(captured.gm, captured.parameter_names, sequence_parallel=False)
+        layouts = TpLayouts(
+            captured.gm, captured.parameter_names, False, mesh, dims, pins.precision
+        )
         c = search(layouts, mesh, open_pins, batch, dims)[0]
     except NoPlanFits:
         return ""

@@ -55,14 +55,16 @@ from autopart.cost_models import (
 )
 from autopart.cost_models.stage_costs import stage_problem_of
 from autopart.cost_models.summary import TpLayout
+from autopart.cost_models.tp_costs import TpCosts
 from autopart.degrees import Axis, Degrees
 from autopart.mesh import Mesh
 from autopart.plan import Predicted
 from autopart.plan_format import format_bytes
-from autopart.policy import Schedule, zero_refusal
+from autopart.policy import Precision, Schedule, zero_refusal
 from autopart.solver.pipeline import microbatches_problem
 from autopart.solver.stage_model import solve_stages
 from autopart.solver.tensor_parallel import choose_tp_placements
+from autopart.solver.tp_model import build_problem, parameter_roles, solve_layout
 
 if TYPE_CHECKING:
     from autopart.solver.pins import Pins
@@ -121,21 +123,39 @@ def search(
 
 
 class TpLayouts:
-    """Per tp degree, made once: the layout the rewrite will give the model
-    (`choose_tp_placements`), and the graph summary priced under it, so that the search
-    prices what will run."""
+    """Per tp degree, made once: the layout the rewrite will give the model (chosen by
+    the per-operator model, `tp_model`, from the costs on `mesh` at the sizes `dims`),
+    and the graph summary priced under it, so that the search prices what will run."""
 
     def __init__(
-        self, gm: fx.GraphModule, param_names: Mapping[str, str], sequence_parallel: bool
+        self,
+        gm: fx.GraphModule,
+        param_names: Mapping[str, str],
+        sequence_parallel: bool,
+        mesh: Mesh,
+        dims: Mapping[str, int],
+        precision: str = Precision.FP32,
     ) -> None:
         self.gm, self.param_names, self.sequence_parallel = gm, param_names, sequence_parallel
+        self.mesh, self.dims, self.precision = mesh, {**dims, "batch": 1}, precision
         self._placements: dict[int, dict[str, Placement]] = {1: {}}
         self._summaries: dict[int, GraphSummary] = {}
 
     def placements(self, tp: int) -> dict[str, Placement]:
         if tp not in self._placements:
-            self._placements[tp] = choose_tp_placements(self.gm, self.param_names, tp)
+            costs = TpCosts(self.gm, CostModels.of(self.mesh, self.precision), self.dims, tp)
+            problem = build_problem(self.gm, self.param_names, tp, costs, self.sequence_parallel)
+            pattern = choose_tp_placements(self.gm, self.param_names, tp)
+            self._placements[tp] = solve_layout(problem, hint=pattern).placements
         return self._placements[tp]
+
+    def roles(self, tp: int) -> dict[str, str]:
+        """What each sharded parameter does in the layout at `tp` (`parameter_roles`)."""
+        if tp == 1:
+            return {}
+        return parameter_roles(
+            self.gm, self.param_names, self.placements(tp), tp, self.sequence_parallel
+        )
 
     def summary(self, tp: int) -> GraphSummary:
         if tp not in self._summaries:

@@ -122,8 +122,7 @@ def _forced_layout(x, target):
     model = CumsumMLP()
     mesh = autopart.Mesh.local()
     plan = autopart.plan(model, mesh, (x,), tp=2)
-    assert all(p == (Replicate(), Replicate()) for p in plan.placements.values())
-    forced = dict(plan.placements)
+    forced = dict(plan.placements)  # column-parallel up, row-parallel down: cumsum between
     forced.update(
         {
             "up.weight": (Replicate(), Shard(0)),
@@ -160,10 +159,21 @@ def test_an_op_without_a_rule_falls_back_to_replication_and_stays_correct():
     assert_matches({"losses": [], "params": params}, {"losses": [], "params": snapshot(model)})
 
 
+def _train_megatron_sequence_parallel(batch):
+    """Sequence parallelism under Megatron's layout (the pattern generator's). On this
+    CPU mesh the solver's own layout avoids the sequence shards, whose extra collectives
+    cost more than they save at this size."""
+    ids, _ = batch
+    plan = autopart.plan(tiny_llama(), autopart.Mesh.local(), (ids,), tp=2, sequence_parallel=True)
+    places, _ = _placements(tiny_llama(), 2)
+    megatron = {fqn: (Replicate(), places.get(fqn, Replicate())) for fqn in plan.placements}
+    plan = plan.with_changes(placements=megatron)
+    return train_case(tiny_llama(), batch, STEPS, inspect=_collectives_and_local_size, plan=plan)
+
+
 def test_sequence_parallel_matches_single_device_and_reduce_scatters():
     batch = token_batch(batch=8)
-    pins = {"tp": 2, "sequence_parallel": True}
-    result = run_world(_train, 2, [("llama", pins)], batch)[0][case_key("llama", pins)]
+    result = run_world(_train_megatron_sequence_parallel, 2, batch)[0]
     assert_matches(result, train_single_device("llama", "adamw", STEPS, batch))
     kinds = [k for k, _ in result["collectives"]]
     assert "reduce_scatter" in kinds and "all_reduce" not in kinds
@@ -180,3 +190,31 @@ def test_the_fast_argument_walk_sees_what_pytree_sees(factory):
         leaves = argument_leaves(node)
         assert len(leaves) == len(expected), node
         assert all(a is b or a == b for a, b in zip(leaves, expected)), node
+
+
+def _train_vocabulary_parallel(batch, pins):
+    """The solver's plan with the embedding table and the LM head sharded over the
+    vocabulary: a masked lookup whose partial sums are all-reduced, and a
+    column-parallel head whose logits are gathered for the loss."""
+    ids, _ = batch
+    plan = autopart.plan(tiny_llama(), autopart.Mesh.local(), (ids,), **pins)
+    placements = dict(plan.placements)
+    for fqn in ("model.embed_tokens.weight", "lm_head.weight"):
+        placements[fqn] = (placements[fqn][0], Shard(0))
+    plan = plan.with_changes(placements=placements)
+
+    def lookups(pm):
+        ops = {str(n.target) for n in pm.graph.graph.nodes}
+        return {"vocab_parallel": any("vocab_parallel_embedding" in op for op in ops)}
+
+    return train_case(tiny_llama(), batch, STEPS, inspect=lookups, plan=plan)
+
+
+@pytest.mark.parametrize("world, pins", [(2, {"tp": 2}), (4, {"dp": 2, "tp": 2})])
+def test_vocabulary_parallel_embedding_and_head_match_single_device(world, pins):
+    batch = token_batch(batch=8)
+    per_rank = run_world(_train_vocabulary_parallel, world, batch, pins)
+    reference = train_single_device("llama", "adamw", STEPS, batch)
+    for rank, result in enumerate(per_rank):
+        assert result.pop("vocab_parallel"), rank
+        assert_matches(result, reference)

@@ -1,0 +1,243 @@
+"""What one operator's tensor-parallel decision costs: its compute share, the
+activations it saves, and the collectives it needs, priced on the tp axis.
+
+A decision (`passes.tp_rules.Decision`) comes from the same rules the rewrite applies,
+so these are the costs of what will run:
+
+- compute: the operator runs on 1/tp of the work when any operand or its output is
+  sharded or partial, unless it falls back (`split_by`), else in full on every rank;
+- saved activations: split likewise, unless its activation operands are all
+  replicated (a column-parallel product saves its whole input);
+- collectives, forward and backward, as `ops/collectives.py` pairs them:
+
+      conversion            forward          backward (when a gradient flows)
+      S -> R  all_gather    all-gather       (own slice)
+      R -> S  shard         (own slice)      all-gather
+      P -> R  all_reduce    all-reduce       -
+      P -> S  reduce_scatter reduce-scatter  all-gather
+      S -> S  all_to_all    all-to-all       all-to-all
+      gather_for_grad       all-gather       reduce-scatter
+      copy_to_group         -                all-reduce
+      row-parallel output   all-reduce (or reduce-scatter under sequence parallelism,
+                            with an all-gather back)
+
+An activation's conversion is shared by every consumer that asks for the same target
+(the rewrite inserts it once), so those are reported with the key the rewrite uses; a
+parameter's conversion belongs to its consumer (a tied weight may be read in two
+pipeline stages) and is part of the operator's own cost.
+Under mixed precision, activations travel in 16 bits.
+
+Memory is priced in seconds at the rate recomputation exchanges the two
+(`memory_price`): a byte of activations costs what recomputing it would take, so the
+solver weighs a layout that saves memory against one that saves time on one scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import sympy
+from torch import fx
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from autopart.cost_models.comm import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
+from autopart.cost_models.memory import STATE_BYTES
+from autopart.cost_models.work import NodeWork, evaluate, node_work
+from autopart.ops.meta import BLOCK, SHAPE, TensorInfo
+from autopart.passes.tp_rules import Decision, Operands, R
+from autopart.policy import Precision
+
+if TYPE_CHECKING:
+    from autopart.cost_models.predict import CostModels
+
+COPY = "copy_to_group"
+
+
+@dataclass(frozen=True, slots=True)
+class TpCollective:
+    """One collective a decision inserts, in the comm model's convention for `nbytes`
+    (the whole buffer on one rank, as captured)."""
+
+    op: str
+    nbytes: sympy.Expr | float
+    backward: bool
+    activation: bool  # travels at the activations' precision (not a parameter)
+    # How the rewrite shares it: one per (source, key) for an activation's conversion;
+    # None for the operator's own (a row-parallel reduction, a parameter's conversion).
+    source: fx.Node | None = None
+    key: tuple = ()
+
+
+def collectives_of(ops: Operands, decision: Decision, output_grad: bool) -> list[TpCollective]:
+    """The collectives the rewrite inserts for `decision` on `ops.node`, forward and
+    backward (a backward one only where a gradient flows)."""
+    out: list[TpCollective] = []
+    node, tp = ops.node, ops.tp
+    for i, want in decision.inputs.items():
+        have, source = ops.places[i], ops.flat[i]
+        if have is None or isinstance(have, tuple) or _same(have, want, source):
+            continue
+        scatter = i in decision.gather_grad
+        shared = source.op != "get_attr"
+        key = (str(want), scatter, str(have))
+        for op, backward in _conversion(have, want, scatter, ops.grads[i]):
+            full = _nbytes(source)
+            nbytes = full / tp if op == ALL_TO_ALL else full
+            out.append(TpCollective(op, nbytes, backward, shared, source if shared else None, key))
+    for i in decision.copy_to_group:
+        source = ops.flat[i]
+        if ops.grads[i]:
+            shared = source.op != "get_attr"
+            out.append(
+                TpCollective(
+                    ALL_REDUCE, _nbytes(source), True, shared, source if shared else None, (COPY,)
+                )
+            )
+    if decision.reduce_to is not None:
+        full = _nbytes(node)
+        if decision.reduce_to == R:
+            out.append(TpCollective(ALL_REDUCE, full, False, True))
+        else:
+            out.append(TpCollective(REDUCE_SCATTER, full, False, True))
+            if output_grad:
+                out.append(TpCollective(ALL_GATHER, full, True, True))
+    return out
+
+
+def _conversion(
+    have: Placement, want: Placement, scatter: bool, grad: bool
+) -> list[tuple[str, bool]]:
+    """(collective, in backward) of converting `have` to `want` (`ops/collectives.py`)."""
+    if scatter:
+        steps = [(ALL_GATHER, False), (REDUCE_SCATTER, True)]
+    elif isinstance(have, Shard) and isinstance(want, Replicate):
+        steps = [(ALL_GATHER, False)]
+    elif isinstance(have, Replicate) and isinstance(want, Shard):
+        steps = [(ALL_GATHER, True)]
+    elif isinstance(have, Partial) and isinstance(want, Replicate):
+        steps = [(ALL_REDUCE, False)]
+    elif isinstance(have, Partial) and isinstance(want, Shard):
+        steps = [(REDUCE_SCATTER, False), (ALL_GATHER, True)]
+    else:
+        steps = [(ALL_TO_ALL, False), (ALL_TO_ALL, True)]
+    return [(op, backward) for op, backward in steps if grad or not backward]
+
+
+def _nbytes(node: fx.Node) -> sympy.Expr | float:
+    info = SHAPE.get(node)
+    return info.nbytes if isinstance(info, TensorInfo) else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Conversion:
+    """An activation's conversion, shared by the consumers that ask for the same one."""
+
+    source: fx.Node
+    key: tuple
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionCost:
+    seconds: float  # compute, and the collectives that are the operator's own
+    saved_bytes: float  # activations saved for backward on one rank
+    split: bool  # runs on 1/tp of the work
+    conversions: tuple[Conversion, ...]
+
+
+class TpCosts:
+    """Prices decisions of `gm`'s operators at the sizes `dims` over `tp` ranks."""
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        models: CostModels,
+        dims: Mapping[str, int],
+        tp: int,
+    ) -> None:
+        self.gm, self.models, self.dims, self.tp = gm, models, dims, tp
+        self.param_bytes = {k: p.numel() * p.element_size() for k, p in gm.named_parameters()}
+        self.activation_scale = 1.0 if models.compute.precision == Precision.FP32 else 0.5
+        self._works: dict[tuple[fx.Node, bool, bool], NodeWork] = {}
+
+    # -- one operator ------------------------------------------------------------------
+
+    def of(self, ops: Operands, decision: Decision, output_grad: bool) -> DecisionCost:
+        node = ops.node
+        split = split_by(ops, decision)
+        seconds, saved = 0.0, 0.0
+        if node.op not in ("output", "placeholder", "get_attr"):
+            activations = [i for i in ops.tensors if ops.flat[i].op != "get_attr"]
+            replicated = not any(distributed(ops.places[i]) for i in activations)
+            work = self.work(node, split, saves_replicated=split and replicated)
+            seconds = self.models.compute.time(work).total
+            saved = work.saved_bytes
+        shared: dict[tuple, Conversion] = {}
+        for c in collectives_of(ops, decision, output_grad):
+            t = self.seconds(c)
+            if c.source is None:
+                seconds += t
+            else:
+                k = (c.source, c.key)
+                total = shared[k].seconds + t if k in shared else t
+                shared[k] = Conversion(c.source, c.key, total)
+        return DecisionCost(seconds, saved, split, tuple(shared.values()))
+
+    def work(self, node: fx.Node, split: bool, saves_replicated: bool = False) -> NodeWork:
+        """One rank's work: the whole operator, or its 1/tp share (saving its whole
+        input where `saves_replicated`)."""
+        key = (node, split, saves_replicated)
+        if key not in self._works:
+            work = node_work(node, self.gm, self.dims, self.param_bytes, split)
+            work = replace(work, tp_saves_replicated=saves_replicated)
+            self._works[key] = work.sharded(self.tp) if split else work
+        return self._works[key]
+
+    def seconds(self, c: TpCollective) -> float:
+        scale = self.activation_scale if c.activation else 1.0
+        return self.models.comm.time(c.op, evaluate(c.nbytes, self.dims) * scale, self.tp)
+
+    # -- memory --------------------------------------------------------------------------
+
+    def state_bytes(self, fqn: str, place: Placement) -> float:
+        """A parameter's weights, gradient and optimizer state on one rank."""
+        per_param = sum(STATE_BYTES[self.models.compute.precision])
+        numel = self.param_bytes[fqn] / self.gm.get_parameter(fqn).element_size()
+        return numel * per_param / (self.tp if isinstance(place, Shard) else 1)
+
+    def memory_price(self) -> float:
+        """Seconds per byte: what recomputation takes to free a byte of the repeated
+        blocks' activations (of the whole graph where it has no blocks)."""
+        nodes = [n for n in self.gm.graph.nodes if n.op == "call_function"]
+        in_blocks = [n for n in nodes if BLOCK.get(n) is not None]
+        seconds = saved = 0.0
+        for node in in_blocks or nodes:
+            work = self.work(node, False)
+            seconds += self.models.compute.forward_time(work)
+            saved += work.saved_bytes
+        return seconds / saved if saved else 0.0
+
+
+def distributed(place: object) -> bool:
+    """Sharded or partial (a multi-output operator: any of its outputs)."""
+    if isinstance(place, tuple):
+        return any(distributed(p) for p in place)
+    return place is not None and place != R
+
+
+def split_by(ops: Operands, decision: Decision) -> bool:
+    """Whether an operator runs on 1/tp of the work: an operand or its output is
+    sharded or partial, and it is not a fallback (which gathers and computes whole)."""
+    if decision.fallback:
+        return False
+    return distributed(decision.output) or any(distributed(ops.places[i]) for i in ops.tensors)
+
+
+def _same(have: Placement, want: Placement, source: fx.Node) -> bool:
+    if have == want:
+        return True
+    rank = len(info.shape) if isinstance(info := SHAPE.get(source), TensorInfo) else 0
+    norm = [Shard(p.dim + rank) if isinstance(p, Shard) and p.dim < 0 else p for p in (have, want)]
+    return norm[0] == norm[1]

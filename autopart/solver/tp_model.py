@@ -1,0 +1,408 @@
+"""The tensor-parallel layout per operator, chosen by CP-SAT from the costs.
+
+Strategies. A parameter may stay replicated or be sharded on any dim that tp divides;
+every other operator's strategies come from the rules the rewrite applies
+(`passes.tp_rules`, through `tp_propagate.decide_node`): for each combination of
+placements its operands can arrive in, the rule gives the output's placement, the
+collectives it inserts, and whether the operator's work is split. A combination the
+rules cannot handle is a fallback strategy (gather and compute whole), priced like any
+other. Megatron's column/row pairs, head-sharded attention and sequence-parallel norms
+are not rules here: they are the cheapest consistent choice when the costs say so.
+
+Formulation, over the graph's operators with repeated blocks tied (each node of a copy
+shares the variables of the first copy's node, and each parameter the first copy's
+parameter of the same relative name, so a block is solved once for all its copies):
+
+    x[v, p]     variable v (a node, or a parameter) takes placement p;  Σ_p x[v, p] = 1
+    b[g, c]     operator group g runs combination c;                   Σ_c b[g, c] = 1
+                  for each operand slot i and placement p:  Σ_{c: c_i = p} b[g, c] = x[src_i, p]
+                  for the output:                           Σ_{c: out_c = p} b[g, c] = x[g, p]
+    y[k]        conversion k is inserted:  y[k] ≥ b[g, c] for every (g, c) that needs it
+
+A group is a node with the variables of its operands: the copies of a block node that
+read the same variables (all but the first copy's boundary) form one group, weighted by
+how many they are. A conversion is keyed as the rewrite shares it: by source, its
+placement, the target and the consumers that may ask for it (copies with the same
+consumers share a key, weighted by their number).
+
+    minimize  Σ n_g cost(g, c) b[g, c]  +  Σ n_k cost(k) y[k]  +  Σ λ · state(v, p) x[v, p]
+
+where cost(g, c) is the operator's time plus λ × the activations it saves, and λ the
+memory price (`TpCosts.memory_price`). The costs are `cost_models.tp_costs`; the layout
+the rewrite gives a choice is `tp_propagate.propagate` from the parameters' placements,
+which the links above encode exactly (tests compare with a brute force over every
+parameter placement). The pattern rule (`tensor_parallel.choose_tp_placements`) is
+kept as one strategy generator: its layout is the solver's starting hint.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ortools.sat.python import cp_model
+from torch import fx
+from torch.distributed.tensor import Placement, Shard
+
+from autopart.cost_models.tp_costs import DecisionCost, TpCosts
+from autopart.ops.aten import op_name
+from autopart.ops.meta import BLOCK, SHAPE, TensorInfo
+from autopart.passes.tp_propagate import decide_node, operands_of, propagate
+from autopart.passes.tp_rules import Decision, NodePlacement, R, argument_leaves
+
+log = logging.getLogger("autopart.solver")
+
+SEED = 0
+DETERMINISTIC_LIMIT = 5.0
+# A node whose operands allow more placement combinations than this keeps only those
+# where every operand is replicated or all share one placement.
+MAX_COMBINATIONS = 256
+# Costs are rounded to integers of 1/RESOLUTION of the largest group's cost.
+RESOLUTION = 10**6
+
+Var = fx.Node | str  # an operator, or a parameter by FQN
+
+
+@dataclass
+class Group:
+    """Nodes that share their own and their operands' variables."""
+
+    node: fx.Node  # the first of them, whose rule is applied
+    var: Var
+    sources: tuple[Var, ...]  # the variables of the node's distinct tensor operands
+    count: int = 0
+    combos: list[tuple[NodePlacement, ...]] = field(default_factory=list)
+    outputs: list[NodePlacement] = field(default_factory=list)
+    costs: list[DecisionCost] = field(default_factory=list)
+
+
+@dataclass
+class TpProblem:
+    """The strategy tables of one graph at one tp degree."""
+
+    tp: int
+    candidates: dict[Var, list[NodePlacement]]
+    groups: dict[tuple, Group]
+    group_of: dict[fx.Node, tuple]
+    var_of: dict[fx.Node, Var]
+    param_var: dict[str, str]  # every parameter FQN -> the variable that places it
+    state_cost: dict[tuple[str, Placement], float]  # per FQN, λ × its state bytes
+    price: float  # λ, seconds per byte
+    # (source variable, consumer groups) -> how many sources share that key
+    conversion_sites: dict[tuple[Var, frozenset], int] = field(default_factory=dict)
+
+    def combo_cost(self, g: Group, c: int) -> float:
+        cost = g.costs[c]
+        return cost.seconds + self.price * cost.saved_bytes
+
+
+def build_problem(
+    gm: fx.GraphModule,
+    param_names: Mapping[str, str],
+    tp: int,
+    costs: TpCosts,
+    sequence_parallel: bool = False,
+) -> TpProblem:
+    """Every operator's strategies and their costs. `param_names`: get_attr target ->
+    the parameter's FQN (one name per tensor)."""
+    var_of, param_var = _variables(gm, param_names)
+    grads = propagate(gm, param_names, {}, tp).grads
+    price = costs.memory_price()
+    candidates: dict[Var, list[NodePlacement]] = {}
+    state_cost = {}
+    for var in set(param_var.values()):
+        places = _parameter_placements(gm, var, tp)
+        candidates[var] = list(places)
+        for p in places:
+            state_cost[(var, p)] = costs.state_bytes(var, p) * price
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            candidates.setdefault(var_of[node], [R])
+
+    groups: dict[tuple, Group] = {}
+    group_of: dict[fx.Node, tuple] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        sources = tuple(dict.fromkeys(var_of[s] for s in _tensor_sources(node)))
+        key = (var_of[node], sources)
+        group_of[node] = key
+        if key in groups:
+            groups[key].count += 1
+            continue
+        group = groups[key] = Group(node, var_of[node], sources, count=1)
+        _enumerate(group, gm, candidates, var_of, grads, tp, costs, sequence_parallel)
+        outs = candidates.setdefault(var_of[node], [])
+        outs.extend(p for p in dict.fromkeys(group.outputs) if p not in outs)
+    problem = TpProblem(tp, candidates, groups, group_of, var_of, param_var, state_cost, price)
+    problem.conversion_sites = _conversion_sites(gm, problem)
+    return problem
+
+
+def _enumerate(
+    group: Group,
+    gm: fx.GraphModule,
+    candidates: Mapping[Var, list[NodePlacement]],
+    var_of: Mapping[fx.Node, Var],
+    grads: Mapping[fx.Node, bool],
+    tp: int,
+    costs: TpCosts,
+    sequence_parallel: bool,
+) -> None:
+    node = group.node
+    options = [candidates[v] for v in group.sources]
+    if math.prod(len(o) for o in options) > MAX_COMBINATIONS:
+        shared = dict.fromkeys(p for o in options for p in o)
+        combos = [tuple(p if p in o else R for o in options) for p in shared]
+    else:
+        combos = list(itertools.product(*options))
+    for combo in combos:
+        chosen = dict(zip(group.sources, combo))
+        places = {s: chosen[var_of[s]] for s in _tensor_sources(node)}
+        ops = operands_of(node, places, grads, tp)
+        try:
+            decision = decide_node(ops, gm, sequence_parallel)
+        except (AssertionError, ValueError, TypeError, IndexError):
+            continue  # a combination the rules cannot lay out: not a strategy
+        group.combos.append(combo)
+        group.outputs.append(decision.output)
+        group.costs.append(costs.of(ops, decision, grads.get(node, False)))
+
+
+def _tensor_sources(node: fx.Node) -> list[fx.Node]:
+    return [
+        s
+        for s in node.all_input_nodes
+        if s.op == "get_attr" or isinstance(SHAPE.get(s, None), TensorInfo | tuple)
+    ]
+
+
+def _conversion_sites(gm: fx.GraphModule, problem: TpProblem) -> dict[tuple, int]:
+    """Sources that share a conversion key (their variable and their consumers'
+    groups), counted: the rewrite inserts one conversion per source and target."""
+    sites: dict[tuple, int] = defaultdict(int)
+    for source in gm.graph.nodes:
+        consumers = frozenset(problem.group_of[u] for u in source.users if u in problem.group_of)
+        if consumers:
+            sites[(problem.var_of[source], consumers)] += 1
+    return dict(sites)
+
+
+def _parameter_placements(gm: fx.GraphModule, fqn: str, tp: int) -> list[Placement]:
+    """Replicated, or sharded on any dim that `tp` divides."""
+    shape = gm.get_parameter(fqn).shape
+    return [R, *(Shard(d) for d, n in enumerate(shape) if n % tp == 0 and n >= tp)]
+
+
+def _variables(
+    gm: fx.GraphModule, param_names: Mapping[str, str]
+) -> tuple[dict[fx.Node, Var], dict[str, str]]:
+    """Node -> its variable (the first copy's node for a copy of a repeated block, the
+    parameter's variable for a get_attr, itself otherwise), and parameter FQN -> its
+    variable (the first copy's parameter of the same relative name)."""
+    instances: dict[str, dict[str, list[fx.Node]]] = defaultdict(dict)
+    for node in gm.graph.nodes:
+        block = BLOCK.get(node)
+        if block is not None and isinstance(SHAPE.get(node, None), TensorInfo | tuple):
+            instances[block.block_id].setdefault(block.instance, []).append(node)
+    var_of: dict[fx.Node, Var] = {}
+    prefix: dict[str, str] = {}
+    for members in instances.values():
+        first_name, first = next(iter(members.items()))
+        for name, nodes in members.items():
+            if _aligned(first, nodes):
+                prefix[name + "."] = first_name + "."
+                var_of.update(zip(nodes, first))
+    param_var = {fqn: _tied_fqn(fqn, prefix) for fqn in set(param_names.values())}
+    for node in gm.graph.nodes:
+        fqn = param_names.get(str(node.target)) if node.op == "get_attr" else None
+        var_of[node] = param_var[fqn] if fqn else var_of.get(node, node)
+    return var_of, param_var
+
+
+def _aligned(first: list[fx.Node], nodes: list[fx.Node]) -> bool:
+    return len(first) == len(nodes) and all(
+        op_name(a) == op_name(b) and str(SHAPE.get(a)) == str(SHAPE.get(b))
+        for a, b in zip(first, nodes)
+    )
+
+
+def _tied_fqn(fqn: str, prefix: Mapping[str, str]) -> str:
+    for own, first in prefix.items():
+        if fqn.startswith(own):
+            return first + fqn[len(own) :]
+    return fqn
+
+
+# ---------------------------------------------------------------------------------------
+# Solving
+
+
+@dataclass(frozen=True)
+class TpSolution:
+    placements: dict[str, Placement]  # FQN -> tp placement, for every sharded parameter
+    cost: float  # the objective, seconds (unrounded)
+    status: str
+    seconds: float
+
+
+def solve_layout(problem: TpProblem, hint: Mapping[str, Placement] | None = None) -> TpSolution:
+    """The cheapest consistent layout; `hint` (FQN -> placement) is where the search
+    starts."""
+    start = time.perf_counter()
+    built = _Model(problem)
+    if hint is not None:
+        for var, places in built.x.items():
+            if isinstance(var, str):
+                for p, x in places.items():
+                    built.model.add_hint(x, p == hint.get(var, R))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = SEED
+    solver.parameters.max_deterministic_time = DETERMINISTIC_LIMIT
+    status = solver.solve(built.model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise RuntimeError(f"the tensor-parallel model has no solution ({solver.status_name()})")
+    chosen = {
+        var: next(p for p, x in places.items() if solver.value(x))
+        for var, places in built.x.items()
+        if isinstance(var, str)
+    }
+    placements: dict[str, Placement] = {
+        fqn: place
+        for fqn, var in problem.param_var.items()
+        if isinstance(place := chosen[var], Shard)
+    }
+    seconds = time.perf_counter() - start
+    log.info(
+        "tp=%d layout: %d groups, %d terms, %s in %.3fs; %d parameters sharded",
+        problem.tp,
+        len(problem.groups),
+        len(built.terms),
+        solver.status_name(status),
+        seconds,
+        len(placements),
+    )
+    cost = sum(w for x, w in built.terms if solver.value(x))
+    return TpSolution(placements, cost, solver.status_name(status), seconds)
+
+
+class _Model:
+    def __init__(self, problem: TpProblem) -> None:
+        self.model = m = cp_model.CpModel()
+        terms: list[tuple[cp_model.IntVar, float]] = []
+        self.x: dict[Var, dict[NodePlacement, cp_model.IntVar]] = {}
+        for var, places in problem.candidates.items():
+            self.x[var] = {p: m.new_bool_var("") for p in places}
+            m.add_exactly_one(self.x[var].values())
+        copies = Counter(problem.param_var.values())
+        for (var, place), cost in problem.state_cost.items():
+            terms.append((self.x[var][place], copies[var] * cost))
+        b: dict[tuple, list[cp_model.IntVar]] = {}
+        for key, g in problem.groups.items():
+            bs = b[key] = [m.new_bool_var("") for _ in g.combos]
+            m.add_exactly_one(bs)
+            for slot, source in enumerate(g.sources):
+                for p, x in self.x[source].items():
+                    m.add(sum(c for c, combo in zip(bs, g.combos) if combo[slot] == p) == x)
+            for p, x in self.x[g.var].items():
+                m.add(sum(c for c, out in zip(bs, g.outputs) if out == p) == x)
+            terms.extend((c, g.count * problem.combo_cost(g, i)) for i, c in enumerate(bs))
+        # A conversion is paid once per source, whichever of its consumers asks for it.
+        for (source, consumers), count in problem.conversion_sites.items():
+            needs: dict[tuple, tuple[float, list[cp_model.IntVar]]] = {}
+            for gkey in consumers:
+                g = problem.groups[gkey]
+                for i, priced in enumerate(g.costs):
+                    for conv in priced.conversions:
+                        if problem.var_of[conv.source] == source:
+                            needs.setdefault(conv.key, (conv.seconds, []))[1].append(b[gkey][i])
+            for seconds, askers in needs.values():
+                y = m.new_bool_var("")
+                for asker in askers:
+                    m.add_implication(asker, y)
+                terms.append((y, count * seconds))
+        top = max((w for _, w in terms), default=0.0)
+        self.unit = RESOLUTION / top if top > 0 else 1.0
+        m.minimize(sum(round(w * self.unit) * x for x, w in terms))
+        self.terms = terms
+
+
+def layout_cost(
+    problem: TpProblem,
+    gm: fx.GraphModule,
+    param_names: Mapping[str, str],
+    placements: Mapping[str, Placement],
+    costs: TpCosts,
+    sequence_parallel: bool = False,
+) -> float:
+    """The objective of the layout the rewrite gives `placements`, walked by
+    `tp_propagate.propagate` over the whole graph: what the model's optimum is checked
+    against. Each operator is priced as its group's first node is (copies of a block
+    share one price, as `GraphSummary` prices one copy for all), with the placements
+    the walk gives its own operands; each conversion once per source and target."""
+    result = propagate(gm, param_names, placements, problem.tp, sequence_parallel)
+    total = sum(
+        costs.state_bytes(fqn, placements.get(fqn, R)) * problem.price
+        for fqn in set(param_names.values())
+    )
+    conversions: dict[tuple, float] = {}
+    for node in result.decisions:
+        first = problem.groups[problem.group_of[node]].node
+        by_var = {problem.var_of[s]: result.places[s] for s in _tensor_sources(node)}
+        places = {s: by_var[problem.var_of[s]] for s in _tensor_sources(first)}
+        ops = operands_of(first, places, result.grads, problem.tp)
+        cost = costs.of(ops, decide_node(ops, gm, sequence_parallel), result.grads[first])
+        total += cost.seconds + problem.price * cost.saved_bytes
+        own = dict(zip(_tensor_sources(first), _tensor_sources(node)))
+        for conv in cost.conversions:
+            conversions[(own[conv.source], conv.key)] = conv.seconds
+    return total + sum(conversions.values())
+
+
+def parameter_roles(
+    gm: fx.GraphModule,
+    param_names: Mapping[str, str],
+    placements: Mapping[str, Placement],
+    tp: int,
+    sequence_parallel: bool = False,
+) -> dict[str, str]:
+    """What each sharded parameter does under the layout, for `plan.explain()`:
+    column-parallel, row-parallel, vocabulary-parallel, gathered when used (sharded
+    for memory, whole for compute), or sharded along with its operator."""
+    result = propagate(gm, param_names, placements, tp, sequence_parallel)
+    roles: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        fqn = param_names.get(str(node.target)) if node.op == "get_attr" else None
+        if fqn is None or fqn not in placements:
+            continue
+        found = [_role(user, node, result.decisions[user]) for user in node.users]
+        roles[fqn] = min(found, key=ROLES.index) if found else ROLES[-1]
+    return roles
+
+
+ROLES = (
+    "vocabulary-parallel",
+    "row-parallel",
+    "column-parallel",
+    "gathered when used",
+    "sharded with its operator",
+)
+
+
+def _role(user: fx.Node, param: fx.Node, decision: Decision) -> str:
+    slots = [i for i, leaf in enumerate(argument_leaves(user)) if leaf is param]
+    if decision.local_op:
+        return ROLES[0]
+    if decision.fallback or any(decision.inputs.get(i) == R for i in slots):
+        return ROLES[3]
+    if decision.reduce_to is not None:
+        return ROLES[1]
+    if op_name(user) in ("linear", "mm", "addmm", "matmul") and isinstance(decision.output, Shard):
+        return ROLES[2]
+    return ROLES[4]
