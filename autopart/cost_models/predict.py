@@ -195,10 +195,14 @@ def predict(
         if choices.stage_cuts
         else balanced_chunks(segments, [t.total for t in times], choices.chunks)
     )
+    pp = choices.pp
+    of_rank: list[list[int]] = [[] for _ in range(pp)]
+    for i, c in enumerate(chunk_of):
+        of_rank[c % pp].append(i)
     ranks = [
         _rank_cost(
             r,
-            [i for i, c in enumerate(chunk_of) if c % choices.pp == r],
+            of_rank[r],
             segments,
             times,
             choices,
@@ -338,18 +342,20 @@ def tp_comm(seg: SegmentWork, choices: Choices, comm: CommModel, recomputed: boo
     layout, those of forward again where it is recomputed; activations travel in 16
     bits under mixed precision. Without a layout, a block's Megatron collectives: 2
     forward + 2 backward all-reduces of its output."""
-    if choices.tp == 1:
+    tp = choices.tp
+    if tp == 1:
         return 0.0
     scale = 1.0 if choices.precision == Precision.FP32 else 0.5
     if seg.tp_traffic is None:
         if not seg.is_block:
             return 0.0
         count = TP_ALL_REDUCES_FORWARD * (1 + recomputed) + TP_ALL_REDUCES_BACKWARD
-        return count * comm.time(ALL_REDUCE, seg.output_bytes * scale, choices.tp)
+        return count * comm.time(ALL_REDUCE, seg.output_bytes * scale, tp)
     return sum(
-        comm.time(op, nbytes * (scale if activation else 1.0), choices.tp)
+        comm.time(op, nbytes * (scale if activation else 1.0), tp)
+        * count
         * (1 if backward else 1 + recomputed)
-        for op, nbytes, backward, activation in seg.tp_traffic
+        for op, nbytes, backward, activation, count in seg.tp_traffic
     )
 
 

@@ -27,6 +27,7 @@ parameter is sharded if a contraction or an embedding reads it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -75,8 +76,9 @@ class SegmentWork:
     segment: Segment
     nodes: tuple[NodeWork, ...]
     output_bytes: float  # the activation handed to the next segment (as captured)
-    # (collective, bytes as captured, in backward, an activation) per tp collective
-    tp_traffic: tuple[tuple[str, float, bool, bool], ...] | None = None
+    # (collective, bytes as captured, in backward, an activation, how many): its tp
+    # collectives (`_traffic`)
+    tp_traffic: tuple[tuple[str, float, bool, bool, int], ...] | None = None
     # Bytes saved for backward in fp32 and under mixed precision, summed once: the
     # search reads them for every candidate plan.
     _saved: tuple[float, float] = field(init=False, repr=False, compare=False)
@@ -332,14 +334,16 @@ def _is_sharded_param(
 
 def _traffic(
     seg: Segment, dims: Mapping[str, int], scale: float
-) -> tuple[tuple[str, float, bool, bool], ...] | None:
-    """The segment's tp collectives at `dims` (activations scaled to the batch)."""
+) -> tuple[tuple[str, float, bool, bool, int], ...] | None:
+    """The segment's tp collectives at `dims` (activations scaled to the batch), alike
+    ones counted together: (collective, bytes, in backward, an activation, how many)."""
     if seg.tp_collectives is None:
         return None
-    return tuple(
+    alike = Counter(
         (c.op, evaluate(c.nbytes, dims) * (scale if c.activation else 1), c.backward, c.activation)
         for c in seg.tp_collectives
     )
+    return tuple((*k, n) for k, n in alike.items())
 
 
 def _output_bytes(nodes: tuple[fx.Node, ...], dims: Mapping[str, int]) -> float:

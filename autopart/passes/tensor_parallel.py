@@ -16,6 +16,7 @@ Operators with no rule replicate their inputs and warn once per operator.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,7 +36,9 @@ from autopart.ops.shards import local_shard
 from autopart.ops.vocab_parallel import LOCAL_OPS
 from autopart.passes.runner import PassContext
 from autopart.passes.tp_propagate import Propagation, propagate
-from autopart.passes.tp_rules import NodePlacement, flatten_args
+from autopart.passes.tp_rules import NO_RULE, NodePlacement, flatten_args
+
+log = logging.getLogger("autopart.tp")
 
 
 def tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -59,15 +62,22 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
 
 
 def _warn_fallbacks(gm: fx.GraphModule, result: Propagation) -> None:
+    """Warn once per operator that has no sharding rule: it runs whole on every tp rank,
+    which the user may want to know (and a rule would avoid). Other fallbacks (a weight
+    sharded for memory and gathered for its operator) are layout choices the solver
+    priced; they are logged."""
     seen: dict[str, str] = {}
     for node, reason in result.fallbacks:
         seen.setdefault(op_name(node, gm), reason)
     for op, reason in seen.items():
-        warnings.warn(
+        message = (
             f"autopart: tensor parallelism replicates the inputs of {op} ({reason}); "
-            "it is computed redundantly on every tp rank",
-            stacklevel=2,
+            "it is computed redundantly on every tp rank"
         )
+        if reason.startswith(NO_RULE):
+            warnings.warn(message, stacklevel=2)
+        else:
+            log.info(message)
 
 
 class _Rewriter:

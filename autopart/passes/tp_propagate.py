@@ -85,6 +85,18 @@ def propagate(
     return result
 
 
+def gradient_flow(gm: fx.GraphModule, param_names: Mapping[str, str]) -> dict[fx.Node, bool]:
+    """Which nodes' values need a gradient: trainable parameters and whatever is
+    computed from them (the `grads` a walk records, without deciding placements)."""
+    grads: dict[fx.Node, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            grads[node] = str(node.target) in param_names and _requires_grad(gm, str(node.target))
+        else:
+            grads[node] = any(grads.get(n, False) for n in node.all_input_nodes)
+    return grads
+
+
 def decide_node(ops: Operands, gm: fx.GraphModule, sequence_parallel: bool = False) -> Decision:
     """`tp_rules.decide`, and what a walk adds to it: the graph's outputs are made
     replicated, and under `sequence_parallel` a row-parallel product of shape

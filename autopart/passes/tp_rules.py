@@ -33,6 +33,7 @@ from autopart.ops.meta import SHAPE, TensorInfo, tensor_info
 
 R = Replicate()
 P = Partial()
+NO_RULE = "no sharding rule for"  # how a fallback for an operator without a rule begins
 
 # A node's placement: one, or one per output of a multi-output op (split, chunk).
 NodePlacement: TypeAlias = Placement | tuple[Placement, ...]
@@ -115,7 +116,7 @@ def decide(ops: Operands, gm: fx.GraphModule) -> Decision:
         return _reduce_partials_first(ops, gm)
     rule = _rule_for(name, ops.node)
     if rule is None:
-        return fallback(ops, f"no sharding rule for {name}")
+        return fallback(ops, f"{NO_RULE} {name}")
     return rule(ops)
 
 
@@ -341,7 +342,7 @@ def _run_of(
         pin = in_shape[i] if i < len(in_shape) else 1
         pout = out_shape[j] if j < len(out_shape) else 1
         i, j = i + 1, j + 1
-        while sympy.simplify(pin - pout) != 0:
+        while not _equal(pin, pout):
             if _lt(pin, pout) and i < len(in_shape):
                 pin, i = pin * in_shape[i], i + 1
             elif j < len(out_shape):
@@ -351,6 +352,12 @@ def _run_of(
         if i0 <= d < i:
             return (i0, i), (j0, j)
     return None
+
+
+def _equal(a: sympy.Expr, b: sympy.Expr) -> bool:
+    """Sizes are products of numbers and dims: expanding decides equality, far cheaper
+    than simplifying."""
+    return a == b or sympy.expand(a - b) == 0
 
 
 def _lt(a: sympy.Expr, b: sympy.Expr) -> bool:

@@ -90,7 +90,7 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     # fit, the next plan that fits takes its place.
     for candidate in found:
         plan = _plan_of(candidate.choices, captured, mesh, pins, batch, layouts)
-        predicted = predict(captured.gm, mesh, Choices.of(plan), dims=dims)
+        predicted = predict(layouts.summary(plan.tp), mesh, Choices.of(plan), dims=dims)
         if predicted.peak_memory_bytes <= mesh.device.memory_bytes:
             break
     else:

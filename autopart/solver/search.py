@@ -35,6 +35,7 @@ seed, so it is deterministic, and logs the problem size and solve time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -145,8 +146,8 @@ class TpLayouts:
         if tp not in self._placements:
             costs = TpCosts(self.gm, CostModels.of(self.mesh, self.precision), self.dims, tp)
             problem = build_problem(self.gm, self.param_names, tp, costs, self.sequence_parallel)
-            pattern = choose_tp_placements(self.gm, self.param_names, tp)
-            self._placements[tp] = solve_layout(problem, hint=pattern).placements
+            pattern = functools.partial(choose_tp_placements, self.gm, self.param_names, tp)
+            self._placements[tp] = solve_layout(problem, pattern=pattern).placements
         return self._placements[tp]
 
     def roles(self, tp: int) -> dict[str, str]:

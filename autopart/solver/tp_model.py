@@ -32,7 +32,8 @@ memory price (`TpCosts.memory_price`). The costs are `cost_models.tp_costs`; the
 the rewrite gives a choice is `tp_propagate.propagate` from the parameters' placements,
 which the links above encode exactly (tests compare with a brute force over every
 parameter placement). The pattern rule (`tensor_parallel.choose_tp_placements`) is
-kept as one strategy generator: its layout is the solver's starting hint.
+kept as one strategy generator: should the search not prove its optimum within its
+work limit, it searches again from the pattern's layout.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import logging
 import math
 import time
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
@@ -52,7 +53,7 @@ from torch.distributed.tensor import Placement, Shard
 from autopart.cost_models.tp_costs import DecisionCost, TpCosts
 from autopart.ops.aten import op_name
 from autopart.ops.meta import BLOCK, SHAPE, TensorInfo
-from autopart.passes.tp_propagate import decide_node, operands_of, propagate
+from autopart.passes.tp_propagate import decide_node, gradient_flow, operands_of, propagate
 from autopart.passes.tp_rules import Decision, NodePlacement, R, argument_leaves
 
 log = logging.getLogger("autopart.solver")
@@ -111,7 +112,7 @@ def build_problem(
     """Every operator's strategies and their costs. `param_names`: get_attr target ->
     the parameter's FQN (one name per tensor)."""
     var_of, param_var = _variables(gm, param_names)
-    grads = propagate(gm, param_names, {}, tp).grads
+    grads = gradient_flow(gm, param_names)
     price = costs.memory_price()
     candidates: dict[Var, list[NodePlacement]] = {}
     state_cost = {}
@@ -251,9 +252,14 @@ class TpSolution:
     seconds: float
 
 
-def solve_layout(problem: TpProblem, hint: Mapping[str, Placement] | None = None) -> TpSolution:
-    """The cheapest consistent layout; `hint` (FQN -> placement) is where the search
-    starts."""
+def solve_layout(
+    problem: TpProblem,
+    hint: Mapping[str, Placement] | None = None,
+    pattern: Callable[[], Mapping[str, Placement]] | None = None,
+) -> TpSolution:
+    """The cheapest consistent layout. `hint` (FQN -> placement) is where the search
+    starts; `pattern` makes one (another strategy generator's layout) should the search
+    not prove its optimum within its work limit, for a second search from it."""
     start = time.perf_counter()
     built = _Model(problem)
     if hint is not None:
@@ -266,6 +272,8 @@ def solve_layout(problem: TpProblem, hint: Mapping[str, Placement] | None = None
     solver.parameters.random_seed = SEED
     solver.parameters.max_deterministic_time = DETERMINISTIC_LIMIT
     status = solver.solve(built.model)
+    if status != cp_model.OPTIMAL and hint is None and pattern is not None:
+        return solve_layout(problem, pattern(), None)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(f"the tensor-parallel model has no solution ({solver.status_name()})")
     chosen = {
