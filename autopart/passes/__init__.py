@@ -36,8 +36,8 @@ ANALYSIS_PASSES: tuple[Pass, ...] = (
     params_pass,
     flops_pass,
     traffic_pass,
-    saved_for_backward_pass,
     blocks_pass,
+    saved_for_backward_pass,
 )
 
 

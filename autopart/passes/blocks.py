@@ -73,3 +73,24 @@ def _structure_hash(gm: fx.GraphModule, instance: str, nodes: list[fx.Node]) -> 
     with warnings.catch_warnings():  # networkx notes its directed hashes changed in 3.5
         warnings.simplefilter("ignore", UserWarning)
         return nx.weisfeiler_lehman_graph_hash(graph, node_attr="label")
+
+
+def block_counterparts(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Each tensor-producing node of a later copy of a repeated block -> the node at the
+    same position in the block's first copy (copies whose operators and shapes line up
+    position by position; `blocks_pass` first)."""
+    instances: dict[str, dict[str, list[fx.Node]]] = defaultdict(dict)
+    for node in gm.graph.nodes:
+        block = BLOCK.get(node)
+        if block is not None and isinstance(SHAPE.get(node, None), TensorInfo | tuple):
+            instances[block.block_id].setdefault(block.instance, []).append(node)
+    out: dict[fx.Node, fx.Node] = {}
+    for members in instances.values():
+        first, *others = members.values()
+        for nodes in others:
+            if len(nodes) == len(first) and all(
+                op_name(a, gm) == op_name(b, gm) and str(SHAPE.get(a)) == str(SHAPE.get(b))
+                for a, b in zip(first, nodes)
+            ):
+                out.update(zip(nodes, first))
+    return out

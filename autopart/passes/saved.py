@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
 
 from autopart.ops.meta import SAVED_BYTES
+from autopart.passes.blocks import block_counterparts
 from autopart.passes.runner import PassContext
 
 
@@ -41,17 +42,27 @@ def saved_for_backward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
 
 
 class _SavedTensorTracker(fx.Interpreter):
+    """Runs the graph on fake tensors. A later copy of a repeated block is not run
+    again: its nodes take the first copy's values and saved bytes (what the cost
+    models price for every copy), so an 80-layer model costs one layer's dispatch."""
+
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.mode = _fake_mode(gm)
         self.saved: dict[fx.Node, list[int | torch.SymInt]] = {}
         self._seen_storages: set[int] = set()
         self._keep_alive: list[torch.Tensor] = []
+        self._counterpart = block_counterparts(gm)
+        self._first_values: dict[fx.Node, Any] = dict.fromkeys(self._counterpart.values())
 
     def fake_inputs(self) -> list[Any]:
         return [n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"]
 
     def run_node(self, node: fx.Node) -> Any:
+        first = self._counterpart.get(node)
+        if first is not None:
+            self.saved[node] = self.saved[first]
+            return self._first_values[first]
         packed: list[torch.Tensor] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -61,6 +72,8 @@ class _SavedTensorTracker(fx.Interpreter):
         with self.mode, saved_tensors_hooks(pack, lambda t: t):
             result = super().run_node(node)
         self.saved[node] = self._new_bytes(packed)
+        if node in self._first_values:
+            self._first_values[node] = result
         return result
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:

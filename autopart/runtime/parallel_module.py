@@ -18,7 +18,7 @@ from autopart.ops.program import RankProgram
 from autopart.plan import Plan
 from autopart.runtime.data_parallel import OptimizerFactory, build_data_parallel_state
 from autopart.runtime.executor import LocalExecutor
-from autopart.runtime.faults import peer_lost
+from autopart.runtime.faults import peer_lost, register_process
 from autopart.runtime.full_state import full_state_dict
 from autopart.runtime.inputs import check_inputs
 from autopart.runtime.precision import Precision
@@ -44,6 +44,7 @@ class ParallelModule(nn.Module):
         self.stages = nn.ModuleList(program.stages)
         self.input_shapes = tuple(input_shapes)
         self.steps = 0  # training steps begun, for errors that name one
+        register_process()  # so that a survivor can name a rank that is lost
         self.stage_ids = program.stage_ids
         self.tp_layout = program.tp_layout
         self.plan = plan

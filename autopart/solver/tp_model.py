@@ -53,6 +53,7 @@ from torch.distributed.tensor import Placement, Shard
 from autopart.cost_models.tp_costs import DecisionCost, TpCosts
 from autopart.ops.aten import op_name
 from autopart.ops.meta import BLOCK, SHAPE, TensorInfo
+from autopart.passes.blocks import block_counterparts
 from autopart.passes.tp_propagate import decide_node, gradient_flow, operands_of, propagate
 from autopart.passes.tp_rules import Decision, NodePlacement, R, argument_leaves
 
@@ -206,31 +207,18 @@ def _variables(
     """Node -> its variable (the first copy's node for a copy of a repeated block, the
     parameter's variable for a get_attr, itself otherwise), and parameter FQN -> its
     variable (the first copy's parameter of the same relative name)."""
-    instances: dict[str, dict[str, list[fx.Node]]] = defaultdict(dict)
-    for node in gm.graph.nodes:
-        block = BLOCK.get(node)
-        if block is not None and isinstance(SHAPE.get(node, None), TensorInfo | tuple):
-            instances[block.block_id].setdefault(block.instance, []).append(node)
-    var_of: dict[fx.Node, Var] = {}
+    counterparts = block_counterparts(gm)
+    var_of: dict[fx.Node, Var] = dict(counterparts)
     prefix: dict[str, str] = {}
-    for members in instances.values():
-        first_name, first = next(iter(members.items()))
-        for name, nodes in members.items():
-            if _aligned(first, nodes):
-                prefix[name + "."] = first_name + "."
-                var_of.update(zip(nodes, first))
+    for node, first in counterparts.items():
+        own, first_copy = BLOCK.get(node), BLOCK.get(first)
+        if own is not None and first_copy is not None:
+            prefix.setdefault(own.instance + ".", first_copy.instance + ".")
     param_var = {fqn: _tied_fqn(fqn, prefix) for fqn in set(param_names.values())}
     for node in gm.graph.nodes:
         fqn = param_names.get(str(node.target)) if node.op == "get_attr" else None
         var_of[node] = param_var[fqn] if fqn else var_of.get(node, node)
     return var_of, param_var
-
-
-def _aligned(first: list[fx.Node], nodes: list[fx.Node]) -> bool:
-    return len(first) == len(nodes) and all(
-        op_name(a) == op_name(b) and str(SHAPE.get(a)) == str(SHAPE.get(b))
-        for a, b in zip(first, nodes)
-    )
 
 
 def _tied_fqn(fqn: str, prefix: Mapping[str, str]) -> str:

@@ -14,20 +14,22 @@ from tests.harness import parallelize_lm
 from tests.models import LM_FACTORIES, token_batch
 
 
-def _killed_after_one_step(batch) -> None:
+def _killed_after_one_step(batch, victim: int) -> None:
     pm = parallelize_lm(LM_FACTORIES["llama"](), batch, dp=2)
     pm.train_step(*batch)
-    if dist.get_rank() == 1:
+    if dist.get_rank() == victim:
         os.kill(os.getpid(), signal.SIGKILL)  # as an out-of-memory killer would
     pm.train_step(*batch)
 
 
-def test_a_killed_rank_stops_the_others_with_a_named_error():
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_rank_stops_the_others_with_a_named_error(victim):
     with pytest.raises(RuntimeError) as failed:
-        run_world(_killed_after_one_step, 2, token_batch(8))
+        run_world(_killed_after_one_step, 2, token_batch(8), victim)
     message = str(failed.value)
-    assert "rank 1: exit -9" in message  # the killed rank
+    assert f"rank {victim}: exit -9" in message  # the killed rank
     assert "PeerLost: autopart: a peer process left the job during training step 1" in message
+    assert f"rank {victim}'s process has exited." in message  # named by the survivor
     assert "resume from the latest checkpoint" in message
 
 
@@ -53,4 +55,5 @@ def test_a_frozen_rank_stops_the_others_at_the_timeout_with_a_named_error():
         f"PeerLost: autopart: a collective of training step 1 waited out {STOPPED_TIMEOUT_S} s "
         "timeout: a peer process stopped answering"
     ) in message
+    assert "rank 1's process has stopped." in message
     assert "raise parallelize(..., timeout=...)" in message
