@@ -44,7 +44,8 @@ def plan(
     Pins, each left to the solver when None: every mesh axis by name (`dp`, `tp`, `pp`),
     `zero`, `microbatches`, `schedule`, `virtual_stages`, `recompute`; and `precision`
     ("fp32", "bf16-mixed", "fp16-mixed") and `sequence_parallel`."""
-    return make_plan(_captured(model, example_inputs, example_kwargs), mesh, Pins.of(**pins))
+    captured = captured_for_planning(model, example_inputs, example_kwargs)
+    return make_plan(captured, mesh, Pins.of(**pins))
 
 
 def parallelize(
@@ -67,7 +68,7 @@ def parallelize(
     rank loads only its own pieces. A collective that waits more than `timeout`
     (seconds, or a timedelta) for a peer fails the step on every rank that waits: a
     peer that stopped responding stops the job instead of hanging it."""
-    captured = _captured(model, example_inputs, example_kwargs)
+    captured = captured_for_planning(model, example_inputs, example_kwargs)
     kind = optimizer_class(optimizer) if optimizer else None
     refusal = optimizer_refusal(kind)
     if refusal:
@@ -87,10 +88,17 @@ def parallelize(
     return ParallelModule(program, plan, groups, loss_fn, optimizer, captured.input_shapes())
 
 
-def _captured(
-    model: nn.Module, example_inputs: Any, example_kwargs: Any, autocast: Any = None
+def captured_for_planning(
+    model: nn.Module, example_inputs: Any, example_kwargs: Any = None, autocast: Any = None
 ) -> Captured:
-    captured = capture(model, example_inputs, example_kwargs, autocast=autocast)
+    """`model` captured and analyzed, as `plan` and `parallelize` see it. A model on the
+    meta device is captured at its example batch, static: it runs at no batch (its
+    ranks trace it again at theirs, `_program_capture`), the cost models scale a static
+    batch to any microbatch, and torch.export traces it in half the time."""
+    on_meta = any(True for _ in model.parameters()) and all(p.is_meta for p in model.parameters())
+    captured = capture(
+        model, example_inputs, example_kwargs, autocast=autocast, dynamic_batch=not on_meta
+    )
     analyze(captured.gm, captured.context())
     return captured
 
@@ -114,5 +122,5 @@ def _program_capture(
         model.to(device)
         inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), inputs)
     if specialized or autocast is not None or on_device:
-        return _captured(model, inputs, example_kwargs, autocast=autocast)
+        return captured_for_planning(model, inputs, example_kwargs, autocast=autocast)
     return captured

@@ -185,6 +185,8 @@ class Plan(AxisAttributes):
         axes = {k: changes.pop(k) for k in self.degrees.names if k in changes}
         if axes:
             changes["degrees"] = changes.get("degrees", self.degrees).replace(**axes)
+        if "placements" in changes:  # the roles described the layout being replaced
+            changes.setdefault("tp_roles", {})
         return replace(self, **changes)
 
     # -- text -----------------------------------------------------------------------------

@@ -28,8 +28,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import autopart
-from autopart.capture import capture
-from autopart.passes import analyze
+from autopart.api import captured_for_planning
 from autopart.testing import run_world
 
 T = TypeVar("T")
@@ -85,18 +84,14 @@ def gpt(hidden: int, layers: int, heads: int, vocab: int = 51200) -> Callable[[]
 
 
 def captured_on_meta(build: Callable[[], nn.Module], batch: int, seq: int) -> tuple[Any, float]:
-    """The model `build` makes, on the meta device, captured and analyzed at a batch of
-    `batch` sequences of `seq` tokens; and the seconds that took."""
+    """The model `build` makes, on the meta device, captured and analyzed as
+    `autopart.plan` does, at a batch of `batch` sequences of `seq` tokens; and the
+    seconds that took."""
     with torch.device("meta"):
         model = build()
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
 
-    def captured():
-        c = capture(model, (ids,))
-        analyze(c.gm, c.context())
-        return c
-
-    return timed(captured)
+    return timed(lambda: captured_for_planning(model, (ids,)))
 
 
 # Llama-3-8B's shape, for `llama(**LLAMA3_8B, positions=...)`.

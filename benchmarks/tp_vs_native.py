@@ -3,7 +3,8 @@
     python benchmarks/tp_vs_native.py [--world 2] [--steps 20]
 
 Both shard the same Llama-style model Megatron-style (q/k/v/gate/up column-parallel,
-o/down row-parallel) over a tp group of Gloo CPU processes and train on the same batch.
+o/down row-parallel; autopart's plan pinned to that layout) over a tp group of Gloo CPU
+processes and train on the same batch.
 Steps alternate between the two in rounds. Prints one JSON line with each median step
 time and autopart / native.
 """
@@ -22,9 +23,11 @@ from harness import (
     run_comparison,
     sgd,
     time_against_native,
+    token_batch,
 )
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -41,22 +44,48 @@ def build_model() -> LlamaForCausalLM:
     )
 
 
+COLUMNS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+)
+ROWS = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def megatron_layers(model: LlamaForCausalLM) -> dict[str, str]:
+    """Every block's linear layers, "column" or "row": the layout both sides run."""
+    return {
+        f"model.layers.{i}.{name}": kind
+        for i in range(len(model.model.layers))
+        for names, kind in ((COLUMNS, "column"), (ROWS, "row"))
+        for name in names
+    }
+
+
 def native_tp(model: LlamaForCausalLM, world: int) -> nn.Module:
     mesh = init_device_mesh("cpu", (world,))
-    plan = {}
-    for i in range(len(model.model.layers)):
-        prefix = f"model.layers.{i}"
-        for name in (
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-        ):
-            plan[f"{prefix}.{name}"] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[f"{prefix}.{name}"] = RowwiseParallel()
+    styles = {"column": ColwiseParallel, "row": RowwiseParallel}
+    plan = {path: styles[kind]() for path, kind in megatron_layers(model).items()}
     return parallelize_module(model, mesh, plan)
+
+
+def megatron_plan(args: argparse.Namespace) -> autopart.Plan:
+    """autopart's plan with the layout pinned to the native side's (the solver would
+    choose its own on this CPU mesh, vocabulary-parallel embedding included)."""
+    model = build_model()
+    ids, _ = token_batch(args.batch, args.seq, model.config.vocab_size)
+    plan = autopart.plan(model, autopart.Mesh.local(), (ids,), tp=args.world)
+    dims = {"column": Shard(0), "row": Shard(1)}
+    layers = megatron_layers(model)
+    placements = {
+        fqn: (Replicate(), dims[layers[fqn.removesuffix(".weight")]])
+        if fqn.removesuffix(".weight") in layers
+        else (Replicate(), Replicate())
+        for fqn in plan.placements
+    }
+    return plan.with_changes(placements=placements)
 
 
 def native_tp_baseline(
@@ -77,7 +106,8 @@ def native_tp_baseline(
 
 
 def _bench(args: argparse.Namespace) -> dict:
-    return time_against_native(args, build_model, sgd, native_tp_baseline, tp=args.world)
+    plan = megatron_plan(args)
+    return time_against_native(args, build_model, sgd, native_tp_baseline, plan=plan)
 
 
 def main() -> None:

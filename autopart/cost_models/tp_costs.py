@@ -46,6 +46,7 @@ from autopart.cost_models.comm import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE
 from autopart.cost_models.memory import STATE_BYTES
 from autopart.cost_models.work import NodeWork, evaluate, node_work
 from autopart.ops.meta import BLOCK, SHAPE, TensorInfo
+from autopart.passes.blocks import block_counterparts
 from autopart.passes.tp_rules import Decision, Operands, R
 from autopart.policy import Precision
 
@@ -210,7 +211,8 @@ class TpCosts:
     def memory_price(self) -> float:
         """Seconds per byte: what recomputation takes to free a byte of the repeated
         blocks' activations (of the whole graph where it has no blocks)."""
-        nodes = [n for n in self.gm.graph.nodes if n.op == "call_function"]
+        copies = block_counterparts(self.gm)  # priced as their first copy: left out
+        nodes = [n for n in self.gm.graph.nodes if n.op == "call_function" and n not in copies]
         in_blocks = [n for n in nodes if BLOCK.get(n) is not None]
         seconds = saved = 0.0
         for node in in_blocks or nodes:

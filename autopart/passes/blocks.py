@@ -88,9 +88,8 @@ def block_counterparts(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     for members in instances.values():
         first, *others = members.values()
         for nodes in others:
-            if len(nodes) == len(first) and all(
-                op_name(a, gm) == op_name(b, gm) and str(SHAPE.get(a)) == str(SHAPE.get(b))
-                for a, b in zip(first, nodes)
-            ):
+            # Copies hash alike (operators, shapes, relative parameters); the same
+            # operator at every position confirms they are also laid out alike.
+            if len(nodes) == len(first) and all(a.target == b.target for a, b in zip(first, nodes)):
                 out.update(zip(nodes, first))
     return out
