@@ -21,7 +21,7 @@ from torch import fx, nn
 from torch.fx.graph import CodeGen, _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
-from autopart.ops.meta import SHAPE
+from autopart.ops.meta import SHAPE, TensorInfo
 from autopart.ops.stage_info import (
     PIPELINE_KEY,
     PipelineInfo,
@@ -77,7 +77,7 @@ def _live_values(graph: fx.Graph, stage_of: dict[fx.Node, int], count: int) -> l
             continue
         born = 0 if node.op == "placeholder" else stage_of[node]
         for k in range(born + 1, max(stage_of[u] for u in node.users) + 1):
-            if not isinstance(node.meta.get("val"), torch.Tensor):
+            if _dtype(node) is None:
                 raise PlanError(
                     f"{node.name} ({type(node.meta.get('val')).__name__}) is made in "
                     f"pipeline stage {born} and needed in stage {k}, but only tensors can "
@@ -97,11 +97,20 @@ def _carries_grad(graph: fx.Graph, trainable: set[str]) -> dict[fx.Node, bool]:
         else:
             upstream[node] = any(upstream[a] for a in node.all_input_nodes)
     return {
-        node: flag
-        and isinstance(node.meta.get("val"), torch.Tensor)
-        and node.meta["val"].dtype.is_floating_point
+        node: flag and (dtype := _dtype(node)) is not None and dtype.is_floating_point
         for node, flag in upstream.items()
     }
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype of the one tensor `node` makes, or None if it makes none. Nodes a rewrite
+    inserted (a tensor-parallel collective, a bias added after a reduction) carry their
+    shape (`SHAPE`) but no traced value."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.dtype
+    info = SHAPE.get(node, None)
+    return info.dtype if isinstance(info, TensorInfo) else None
 
 
 def _stage_module(
