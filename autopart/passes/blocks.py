@@ -5,7 +5,10 @@ Each candidate's operators form a small graph, labelled by operator, output shap
 parameter names relative to the block (data-dependent sizes renamed in order, so that
 two mixture-of-experts layers compare equal); networkx's Weisfeiler-Lehman hash names
 its structure. Copies with the same hash under the same container share a `block_id`, so
-the solver can decide once per structure and the cost models can price one copy.
+the solver can decide once per structure and the cost models can price one copy. The
+children of the model's main stack (the container with the most children) are blocks
+even when they are not copies: each unlike one is a kind of its own, so that pipeline
+cuts can fall between any two layers.
 """
 
 from __future__ import annotations
@@ -37,13 +40,20 @@ def blocks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             instances[instance_of[node]].append(node)
 
     by_structure: dict[tuple[str, str], list[str]] = defaultdict(list)
+    children: dict[str, int] = defaultdict(int)
     for instance, nodes in instances.items():
         container = instance.rpartition(".")[0]
         by_structure[(container, _structure_hash(gm, instance, nodes))].append(instance)
+        children[container] += 1
+    # The model's main stacks (the containers with the most children): every child is a
+    # block, copies of one another or not, so that unlike layers (alternating attention,
+    # dense and expert layers) can still be cut into pipeline stages.
+    most = max(children.values(), default=0)
+    stacks = {c for c, n in children.items() if n == most}
 
     info: dict[str, BlockInfo] = {}
     for kind, ((container, _), members) in enumerate(sorted(by_structure.items())):
-        if len(members) < 2:
+        if len(members) < 2 and container not in stacks:
             continue
         block_id = f"{container}#{kind}"
         for instance in members:

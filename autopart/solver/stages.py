@@ -1,6 +1,6 @@
-"""Where the pipeline stages begin: cuts at repeated-block boundaries, balanced in FLOPs.
+"""Where the pipeline stages begin: cuts at block boundaries, balanced in FLOPs.
 
-Candidates are the first operators of each repeated block instance ("model.layers.3"),
+Candidates are the first operators of each block instance ("model.layers.3"),
 in graph order; a cut there starts a stage with that block. With F(c) the forward FLOPs
 of the operators before candidate c (at the example batch), choosing stages-1 candidates
 c1 < c2 < ... splits the graph into stages costing F(c1), F(c2) - F(c1), ..., total -
@@ -27,8 +27,9 @@ def choose_stage_cuts(gm: fx.GraphModule, stages: int) -> tuple[str, ...]:
     names, before, total = _candidates(gm)
     if len(names) < stages - 1:
         raise PlanError(
-            f"{stages} pipeline stages need {stages - 1} cuts between repeated blocks, but "
-            f"the model has {len(names)} block boundaries: use fewer stages (pp × "
+            f"{stages} pipeline stages need {stages - 1} cuts between blocks (the layers of "
+            f"the model's main stack), but the model has {len(names)} block boundaries: use "
+            "fewer stages (pp × "
             "virtual_stages), or plan with pp=1 and set the cuts yourself with "
             "plan.with_changes(pp=..., schedule=..., stage_cuts=(module paths ...))"
         )

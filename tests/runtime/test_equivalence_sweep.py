@@ -40,3 +40,18 @@ def test_a_row_parallel_output_crossing_a_stage_cut_trains_like_one_device():
     )
     want = reference(case)
     assert {outcome(r[0], want) for r in run_world(run_cases, 4, [case])} == {"pass"}
+
+
+def test_a_stack_of_unlike_layers_is_cut_into_pipeline_stages():
+    """The main stack's layers are cut points whether or not they are copies: attention,
+    MLP and norm layers at pp=2 train like one device."""
+    case = Case(
+        width=8,
+        vocab=16,
+        blocks=("attention", "mlp", "rms_norm"),
+        tied=True,
+        pins=(("dp", 1), ("pp", 2), ("tp", 1)),
+        seed=3,
+    )
+    want = reference(case)
+    assert {outcome(r[0], want) for r in run_world(run_cases, 2, [case])} == {"pass"}
