@@ -2,6 +2,8 @@
 
     python benchmarks/pp_vs_pipelining.py [--world 2] [--schedule 1f1b] [--steps 30]
 
+`--schedule` is gpipe, 1f1b or interleaved-1f1b (two chunks per rank on both sides).
+
 Both train the same Llama-style model on the same global batch, in the same number of
 microbatches and the same schedule, over Gloo on local CPU processes (one pipeline stage
 per process). The hand split cuts the model where autopart's plan does, writes each stage
@@ -69,19 +71,27 @@ class HandStage(nn.Module):
 
 
 def native_pipeline(model, cuts: tuple[str, ...], schedule: str, microbatches: int):
-    """This rank's hand-written stage at autopart's cuts, and its schedule."""
+    """This rank's hand-written stages at autopart's cuts (chunk k on rank k mod world:
+    one chunk, or two under the interleaved schedule), and its schedule."""
     world, rank = dist.get_world_size(), dist.get_rank()
     bounds = [0] + [int(cut.rsplit(".", 1)[1]) for cut in cuts] + [len(model.model.layers)]
-    module = HandStage(model, bounds[rank], bounds[rank + 1])
+    chunks = len(bounds) - 1
+    mine = list(range(rank, chunks, world))
+    modules = [HandStage(model, bounds[k], bounds[k + 1]) for k in mine]
 
     def microbatch_loss(logits, target):
         return F.cross_entropy(logits.flatten(0, 1), target.flatten()) / microbatches
 
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    stages = [
+        PipelineStage(module, k, chunks, torch.device("cpu")) for k, module in zip(mine, modules)
+    ]
     runner = SCHEDULE_CLASSES[schedule](
-        stage, microbatches, loss_fn=microbatch_loss, scale_grads=False
+        stages if len(stages) > 1 else stages[0],
+        microbatches,
+        loss_fn=microbatch_loss,
+        scale_grads=False,
     )
-    return module, runner
+    return nn.ModuleList(modules), runner
 
 
 def pipelining_baseline(
@@ -113,12 +123,14 @@ def pipelining_baseline(
 def _bench(args: argparse.Namespace) -> dict:
     baseline = partial(pipelining_baseline, args.schedule, args.microbatches)
     pins = {"pp": args.world, "schedule": args.schedule, "microbatches": args.microbatches}
+    if args.schedule == "interleaved-1f1b":
+        pins["virtual_stages"] = 2
     return time_against_native(args, build_model, sgd, baseline, **pins)
 
 
 def main() -> None:
     parser = comparison_options(__doc__, steps=30, rounds=3, batch=16, seq=64)
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b")
     parser.add_argument("--microbatches", type=int, default=4)
     args = parser.parse_args()
     run_comparison(
