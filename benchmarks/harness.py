@@ -165,10 +165,14 @@ def compare(autopart_step: Step, native_step: Step, steps: int, rounds: int) -> 
     autopart_step()
     native_step()
     times: dict[str, list[float]] = {"autopart": [], "native": []}
+    per_round: dict[str, list[float]] = {"autopart": [], "native": []}
     for _ in range(rounds):
         for name, step in (("autopart", autopart_step), ("native", native_step)):
-            times[name] += [world_step_seconds(step) for _ in range(steps // rounds)]
-    return {name: statistics.median(t) for name, t in times.items()} | {"first": first}
+            run = [world_step_seconds(step) for _ in range(steps // rounds)]
+            times[name] += run
+            per_round[name].append(statistics.median(run))
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return medians | {"first": first, "rounds": per_round}
 
 
 def world_step_seconds(step: Callable[[], object]) -> float:
@@ -213,21 +217,31 @@ def run_comparison(
     """Run `bench(args)` (which returns `compare`'s result) on every rank of a local Gloo
     world of `args.world` processes and print the comparison's JSON line: `benchmark`,
     the `settings` of `args`, each median (a step is as slow as its slowest rank),
-    autopart / native, the target ratio, and both first losses as `loss_rank` saw them."""
+    autopart / native and its value in each round (the spread), the target ratio, and
+    both first losses as `loss_rank` saw them; fail if those differ."""
     per_rank = run_world(bench, args.world, args)
     autopart_s = max(r["autopart"] for r in per_rank)
     native_s = max(r["native"] for r in per_rank)
     first = per_rank[loss_rank]["first"]
+    # Each round's ratio (a round's step is as slow as its slowest rank): the spread.
+    rounds = zip(*(zip(r["rounds"]["autopart"], r["rounds"]["native"]) for r in per_rank))
+    ratios = [max(a for a, _ in ranks) / max(n for _, n in ranks) for ranks in rounds]
     print_json_line(
         {
             "benchmark": benchmark,
             **{name: getattr(args, name) for name in settings},
             **median_fields(autopart_s, native_s),
+            "ratio_per_round": [round(r, 3) for r in ratios],
             "target_ratio": target_ratio,
             "first_loss_autopart": round(first["autopart"], 6),
             "first_loss_native": round(first["native"], 6),
         }
     )
+    if abs(first["autopart"] - first["native"]) > 1e-5 * abs(first["native"]):
+        raise SystemExit(
+            f"{benchmark}: the first losses differ ({first['autopart']} vs {first['native']}):"
+            " the two sides do not train the same model, so their times do not compare"
+        )
 
 
 def median_fields(
