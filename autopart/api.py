@@ -95,7 +95,8 @@ def captured_for_planning(
     meta device is captured at its example batch, static: it runs at no batch (its
     ranks trace it again at theirs, `_program_capture`), the cost models scale a static
     batch to any microbatch, and torch.export traces it in half the time."""
-    on_meta = any(True for _ in model.parameters()) and all(p.is_meta for p in model.parameters())
+    params = list(model.parameters())
+    on_meta = bool(params) and all(p.is_meta for p in params)
     captured = capture(
         model, example_inputs, example_kwargs, autocast=autocast, dynamic_batch=not on_meta
     )

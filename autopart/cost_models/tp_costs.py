@@ -81,21 +81,15 @@ def collectives_of(ops: Operands, decision: Decision, output_grad: bool) -> list
         if have is None or isinstance(have, tuple) or _same(have, want, source):
             continue
         scatter = i in decision.gather_grad
-        shared = source.op != "get_attr"
         key = (str(want), scatter, str(have))
+        full = _nbytes(source)
         for op, backward in _conversion(have, want, scatter, ops.grads[i]):
-            full = _nbytes(source)
-            nbytes = full / tp if op == ALL_TO_ALL else full
-            out.append(TpCollective(op, nbytes, backward, shared, source if shared else None, key))
+            nbytes = full / tp if op == ALL_TO_ALL else full  # the send buffer: a shard
+            out.append(_of_operand(source, op, nbytes, backward, key))
     for i in decision.copy_to_group:
-        source = ops.flat[i]
         if ops.grads[i]:
-            shared = source.op != "get_attr"
-            out.append(
-                TpCollective(
-                    ALL_REDUCE, _nbytes(source), True, shared, source if shared else None, (COPY,)
-                )
-            )
+            source = ops.flat[i]
+            out.append(_of_operand(source, ALL_REDUCE, _nbytes(source), True, (COPY,)))
     if decision.reduce_to is not None:
         full = _nbytes(node)
         if decision.reduce_to == R:
@@ -105,6 +99,15 @@ def collectives_of(ops: Operands, decision: Decision, output_grad: bool) -> list
             if output_grad:
                 out.append(TpCollective(ALL_GATHER, full, True, True))
     return out
+
+
+def _of_operand(
+    source: fx.Node, op: str, nbytes: sympy.Expr | float, backward: bool, key: tuple
+) -> TpCollective:
+    """A collective on an operand: an activation's is shared by the consumers asking
+    for the same one; a parameter's is its consumer's own and travels in fp32."""
+    activation = source.op != "get_attr"
+    return TpCollective(op, nbytes, backward, activation, source if activation else None, key)
 
 
 def _conversion(

@@ -237,7 +237,6 @@ class TpSolution:
     placements: dict[str, Placement]  # FQN -> tp placement, for every sharded parameter
     cost: float  # the objective, seconds (unrounded)
     status: str
-    seconds: float
 
 
 def solve_layout(
@@ -285,7 +284,7 @@ def solve_layout(
         len(placements),
     )
     cost = sum(w for x, w in built.terms if solver.value(x))
-    return TpSolution(placements, cost, solver.status_name(status), seconds)
+    return TpSolution(placements, cost, solver.status_name(status))
 
 
 class _Model:
