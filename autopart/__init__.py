@@ -9,13 +9,15 @@ from autopart.capture import CaptureError, capture
 from autopart.degrees import Axis, Degrees, MeshError
 from autopart.mesh import DeviceSpec, Mesh
 from autopart.plan import Plan, PlanError
+from autopart.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from autopart.runtime.parallel_module import ParallelModule
-from autopart.runtime.weights import init_empty_weights, save_checkpoint
+from autopart.runtime.weights import init_empty_weights
 
 __all__ = [
     "Axis",
     "BatchError",
     "CaptureError",
+    "CheckpointError",
     "Degrees",
     "DeviceSpec",
     "Mesh",
@@ -25,6 +27,7 @@ __all__ = [
     "PlanError",
     "capture",
     "init_empty_weights",
+    "load_checkpoint",
     "parallelize",
     "plan",
     "save_checkpoint",

@@ -12,7 +12,10 @@
     full_state.py        whole parameters from this rank's pieces
     inputs.py            a step's inputs checked against the captured shapes
     faults.py            a peer lost mid-step, as an error that says how to resume
-    weights.py           meta-device models and distributed checkpoints
+    weights.py           models built on the meta device
+    checkpoint.py        sharded checkpoints: parameters and optimizer state, any plan
+    pieces.py            where a rank's tensors lie in the model's whole tensors
+    dcp_planners.py      torch.distributed.checkpoint planners that write those pieces
 
 The runtime imports `ops` and never `passes`: the graphs it runs arrive rewritten.
 """

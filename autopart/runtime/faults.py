@@ -130,5 +130,5 @@ def peer_lost(
     return PeerLost(
         f"autopart: {what}{_named(who())} Every rank stops here: relaunch the job (torchrun "
         "--max-restarts=N relaunches it for you) and resume from the latest checkpoint "
-        "written by autopart.save_checkpoint"
+        "written by autopart.save_checkpoint (autopart.load_checkpoint reads it, under any plan)"
     )

@@ -88,24 +88,24 @@ def _interrupted_save(checkpoint_dir, batch) -> dict:
     the first checkpoint must still be whole at the path."""
     import torch.distributed.checkpoint as dcp
 
-    import autopart.runtime.weights as weights
+    import autopart.runtime.checkpoint as checkpoint
 
     first = autopart.parallelize(tiny_llama(seed=0), autopart.Mesh.local(), (batch[0],))
     autopart.save_checkpoint(first, checkpoint_dir)
     second = autopart.parallelize(tiny_llama(seed=1), autopart.Mesh.local(), (batch[0],))
     real_save = dcp.save
 
-    def save_then_die(state, checkpoint_id):
-        real_save(state, checkpoint_id=checkpoint_id)
+    def save_then_die(state, checkpoint_id, planner):
+        real_save(state, checkpoint_id=checkpoint_id, planner=planner)
         raise _Interrupted  # the files are there, the swap never happens
 
-    weights.dcp.save = save_then_die
+    checkpoint.dcp.save = save_then_die
     try:
         autopart.save_checkpoint(second, checkpoint_dir)
     except _Interrupted:
         pass
     finally:
-        weights.dcp.save = real_save
+        checkpoint.dcp.save = real_save
     survived = _loaded(checkpoint_dir, batch)
     autopart.save_checkpoint(second, checkpoint_dir)  # a later save completes the swap
     return {

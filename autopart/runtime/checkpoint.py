@@ -1,0 +1,303 @@
+"""Sharded checkpoints of a ParallelModule: parameters and optimizer state, resumable
+under another plan.
+
+Every rank writes only what it holds and reads only what it will hold, through
+torch.distributed.checkpoint (dcp_planners.py); nothing is gathered whole. Entries are
+named as on one device, so the files do not depend on the plan that wrote them:
+
+    <fqn>                       a parameter, in pieces (pieces.py)
+    optimizer/<fqn>/<key>       the optimizer's state of that parameter: shaped like it
+                                (Adam's moments) in pieces; a scalar (Adam's step);
+                                or another shape, for a parameter held whole (Adafactor's
+                                row and column statistics)
+    optimizer/param_groups      the groups' settings (learning rate, betas...)
+    autopart/steps              training steps taken; autopart/loss_scale for fp16
+
+A ZeRO flat shard spans many parameters: its scalar state (the step) is written under
+each of them and read back from the bucket's first. Whatever the plan, a parameter's
+pieces cover it exactly once, so a checkpoint loads under any plan of the same model,
+with every optimizer's moments and step counts as they were.
+
+Writes are atomic: the checkpoint is written beside `path` (`<path>.partial`) and takes
+its place once every rank has written, so a job that dies mid-write leaves the previous
+checkpoint whole at `path`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+from autopart.degrees import Axis
+from autopart.ops.flat_buckets import FlatLayout
+from autopart.ops.zero3 import ZERO3, sharded_parameters
+from autopart.runtime.dcp_planners import LoadPieces, PieceState, SavePieces
+from autopart.runtime.pieces import (
+    Piece,
+    TensorParallelSlices,
+    distinct,
+    flat_pieces,
+    whole_pieces,
+)
+from autopart.runtime.zero_replicas import ReplicaShards
+
+if TYPE_CHECKING:
+    from autopart.runtime.parallel_module import ParallelModule
+
+OPTIMIZER = "optimizer"
+PARAM_GROUPS = "optimizer/param_groups"
+STEPS = "autopart/steps"
+LOSS_SCALE = "autopart/loss_scale"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not belong to this model, or state it cannot hold."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A tensor this rank holds (a parameter, or a ZeRO shard) and where it lies."""
+
+    names: tuple[str, ...]  # the parameters it holds pieces of
+    first_size: tuple[int, ...]  # the whole shape of the first
+    pieces: Callable[[torch.Tensor], list[Piece]]  # of any tensor laid out like it
+    whole: bool  # one parameter, neither flat-sharded nor tensor-parallel
+
+
+class _Holdings:
+    """Every tensor of a ParallelModule that holds parameter values, and its layout."""
+
+    def __init__(self, pm: ParallelModule) -> None:
+        tp = TensorParallelSlices(pm.tp_layout, pm.plan.tp, pm.groups.rank(Axis.TP))
+        dp_rank = pm.groups.rank(Axis.DP)
+        self.own: list[tuple[torch.Tensor, _Held]] = []  # each value written once
+        self.copies: list[tuple[torch.Tensor, _Held]] = []  # ZeRO-1/2 shards of those
+        name_of: dict[int, str] = {}
+        for gm in pm.stages:
+            for name, p in gm.named_parameters():
+                if not name.startswith(f"{ZERO3}."):
+                    name_of[id(p)] = name
+                    size = tp.whole_size(name, p.shape)
+                    pieces = partial(whole_pieces, name, tp=tp)
+                    self.own.append((p, _Held((name,), size, pieces, name not in tp.layout)))
+            zero3 = sharded_parameters(gm)
+            for b, shard in enumerate(zero3.shards if zero3 else ()):
+                assert zero3 is not None
+                self.own.append((shard, _flat(zero3.names[b], zero3.layouts[b], dp_rank, tp)))
+        for part in getattr(pm.state, "parts", ()):
+            if isinstance(part, ReplicaShards):
+                for bucket in part.buckets:
+                    names = [name_of[id(p)] for p in bucket.params]
+                    self.copies.append((bucket.shard, _flat(names, bucket.layout, dp_rank, tp)))
+        self._by_id = {id(t): held for t, held in (*self.own, *self.copies)}
+
+    def of(self, tensor: torch.Tensor) -> _Held:
+        return self._by_id[id(tensor)]
+
+    def parameters(self, loading: bool) -> PieceState:
+        """Each parameter's pieces on this rank. For saving, each box once; for
+        loading, every view that must receive it, ZeRO-1/2's flat shards included
+        (they hold copies of the parameters' values)."""
+        entries: dict[str, list[Piece]] = {}
+        for tensor, held in (*self.own, *(self.copies if loading else ())):
+            for piece in held.pieces(tensor.detach()):
+                entries.setdefault(piece.name, []).append(piece)
+        if loading:
+            return dict(entries)
+        return {name: distinct(pieces) for name, pieces in entries.items()}
+
+
+def _flat(names: Sequence[str], layout: FlatLayout, rank: int, tp: TensorParallelSlices) -> _Held:
+    pieces = partial(flat_pieces, names=names, layout=layout, rank=rank, tp=tp)
+    return _Held(tuple(names), tp.whole_size(names[0], layout.shapes[0]), pieces, False)
+
+
+def _stepped(pm: ParallelModule) -> list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]]:
+    """(tensor, its state, its group) for every tensor the optimizer steps."""
+    optimizer = pm.optimizer
+    if optimizer is None:
+        return []
+    groups = optimizer.param_groups
+    return [(t, optimizer.state[t], group) for group in groups for t in group["params"]]
+
+
+# -- saving ------------------------------------------------------------------------------
+
+
+def _to_save(pm: ParallelModule) -> PieceState:
+    holdings = _Holdings(pm)
+    state = holdings.parameters(loading=False)
+    entries: dict[str, list[Piece]] = {}
+    for tensor, values, _ in _stepped(pm):
+        held = holdings.of(tensor)
+        for key, value in values.items():
+            for piece in _state_pieces(held, tensor, key, value):
+                entries.setdefault(piece.name, []).append(piece)
+    state.update((name, distinct(pieces)) for name, pieces in entries.items())
+    if pm.optimizer is not None:
+        state[PARAM_GROUPS] = [
+            {k: v for k, v in group.items() if k != "params"} for group in pm.optimizer.param_groups
+        ]
+    state[STEPS] = pm.steps
+    if pm.precision.scaler is not None:
+        state[LOSS_SCALE] = pm.precision.scaler.value
+    return state
+
+
+def _state_pieces(held: _Held, tensor: torch.Tensor, key: str, value: Any) -> list[Piece]:
+    if value is None:  # nothing kept (SGD's momentum buffer without momentum)
+        return []
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(
+            f"the optimizer's state {key!r} is a {type(value).__name__}, not a tensor: "
+            "autopart checkpoints tensor state only"
+        )
+    value = value.detach()
+    if value.shape == tensor.shape:  # shaped like what it steps: where that lies
+        return [replace(p, name=f"{OPTIMIZER}/{p.name}/{key}") for p in held.pieces(value)]
+    if value.dim() == 0:  # one number for everything the tensor holds
+        return [Piece(f"{OPTIMIZER}/{name}/{key}", (), (), value) for name in held.names]
+    if not held.whole:
+        raise CheckpointError(
+            f"the optimizer's state {key!r} of {held.names[0]} has shape "
+            f"{tuple(value.shape)}, unlike the parameter's piece {tuple(tensor.shape)}: "
+            "state of its own shape is checkpointed only for parameters held whole "
+            "(no tensor parallelism over them, no ZeRO-3)"
+        )
+    name = held.names[0]
+    return [Piece(f"{OPTIMIZER}/{name}/{key}", tuple(value.shape), (0,) * value.dim(), value)]
+
+
+def save_checkpoint(pm: ParallelModule, path: str | os.PathLike) -> None:
+    """Write `pm`'s parameters and optimizer state as a sharded distributed checkpoint
+    (collective: every rank calls it, and writes only its own pieces). It loads under
+    any plan of the same model (`load_checkpoint`), and as `weights=` of `parallelize`.
+
+    The write is atomic: the checkpoint is written beside `path` (`<path>.partial`) and
+    takes its place only once every rank has written, so a job that dies mid-write
+    leaves the previous checkpoint at `path` whole (and a `.partial` the next save
+    replaces). The swap itself is two renames on rank 0: between them the previous
+    checkpoint is at `<path>.previous`."""
+    final = Path(path)
+    partial = final.with_name(final.name + ".partial")
+    previous = final.with_name(final.name + ".previous")
+    state = _to_save(pm)
+    leader = not dist.is_initialized() or dist.get_rank() == 0
+    if leader:
+        shutil.rmtree(partial, ignore_errors=True)  # what an earlier, interrupted save left
+    _barrier()
+    dcp.save(state, checkpoint_id=str(partial), planner=SavePieces())
+    _barrier()  # every rank's files are written
+    if leader:
+        shutil.rmtree(previous, ignore_errors=True)
+        if final.exists():
+            final.rename(previous)
+        partial.rename(final)
+        shutil.rmtree(previous, ignore_errors=True)
+    _barrier()
+
+
+# -- loading -----------------------------------------------------------------------------
+
+
+def load_checkpoint(pm: ParallelModule, path: str | os.PathLike) -> None:
+    """Load a checkpoint written by `save_checkpoint`, under this plan or any other of
+    the same model, into `pm`'s parameters and optimizer state (collective). Training
+    then goes on as if it had never stopped."""
+    if not Path(path).is_dir():
+        raise CheckpointError(f"{path}: no checkpoint there (save_checkpoint writes a directory)")
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    holdings = _Holdings(pm)
+    state = holdings.parameters(loading=True)
+    _check_parameters(state, metadata, path)
+    for tensor, values, group in _stepped(pm):
+        state.update(_state_request(holdings.of(tensor), tensor, values, group, metadata))
+    extras = [PARAM_GROUPS, STEPS, LOSS_SCALE]
+    state.update((k, None) for k in extras if k in metadata.state_dict_metadata)
+    planner = LoadPieces()
+    dcp.load(state, checkpoint_id=str(path), planner=planner)
+    _restore_extras(pm, planner.objects)
+
+
+def _check_parameters(state: PieceState, metadata: Metadata, path: str | os.PathLike) -> None:
+    stored = metadata.state_dict_metadata
+    for name, pieces in state.items():
+        entry = stored.get(name)
+        if entry is None or isinstance(entry, BytesStorageMetadata):
+            raise CheckpointError(
+                f"{path} has no parameter {name!r}: it was saved from another model"
+            )
+        if tuple(entry.size) != pieces[0].size:
+            raise CheckpointError(
+                f"{path} holds {name!r} with shape {tuple(entry.size)}, but this model's is "
+                f"{pieces[0].size}: it was saved from another model"
+            )
+
+
+def _state_request(
+    held: _Held,
+    tensor: torch.Tensor,
+    values: dict[str, Any],
+    group: dict[str, Any],
+    metadata: Metadata,
+) -> PieceState:
+    """The entries to read for `tensor`'s optimizer state, after creating that state
+    (as its optimizer would on its first step) in `values`."""
+    prefix = f"{OPTIMIZER}/{held.names[0]}/"
+    request: dict[str, list[Piece]] = {}
+    for name, entry in metadata.state_dict_metadata.items():
+        if not name.startswith(prefix):
+            continue
+        key = name[len(prefix) :]
+        assert not isinstance(entry, BytesStorageMetadata), "state is saved as tensors"
+        dtype = entry.properties.dtype
+        if tuple(entry.size) == held.first_size:
+            values[key] = torch.zeros_like(tensor, dtype=dtype)
+            for p in held.pieces(values[key]):
+                request.setdefault(f"{OPTIMIZER}/{p.name}/{key}", []).append(p)
+        elif len(entry.size) == 0:
+            on_device = group.get("capturable") or group.get("fused")
+            values[key] = torch.zeros((), dtype=dtype, device=tensor.device if on_device else "cpu")
+            request[name] = [Piece(name, (), (), values[key])]
+        elif held.whole:
+            values[key] = torch.zeros(entry.size, dtype=dtype, device=tensor.device)
+            request[name] = [Piece(name, tuple(entry.size), (0,) * len(entry.size), values[key])]
+        else:
+            raise CheckpointError(
+                f"{name} has shape {tuple(entry.size)}, unlike its parameter: this plan "
+                "holds that parameter in pieces (tensor parallelism or ZeRO-3), which "
+                "cannot take state of its own shape; load it under a plan that keeps the "
+                "parameter whole"
+            )
+    return dict(request)
+
+
+def _restore_extras(pm: ParallelModule, objects: dict[str, Any]) -> None:
+    if PARAM_GROUPS in objects and pm.optimizer is not None:
+        saved, groups = objects[PARAM_GROUPS], pm.optimizer.param_groups
+        if len(saved) not in (1, len(groups)):
+            raise CheckpointError(
+                f"the checkpoint's optimizer has {len(saved)} parameter groups, this one "
+                f"{len(groups)}: autopart cannot tell which settings go where"
+            )
+        for i, group in enumerate(groups):
+            group.update(saved[i if len(saved) == len(groups) else 0])
+    if STEPS in objects:
+        pm.steps = objects[STEPS]
+    if LOSS_SCALE in objects and pm.precision.scaler is not None:
+        pm.precision.scaler.value = objects[LOSS_SCALE]
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
