@@ -220,7 +220,7 @@ class Mesh:
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
                 if backend == "nccl":
                     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-                dist.init_process_group(backend, timeout=timeout)
+                dist.init_process_group(backend, timeout=timeout, **_launcher_store(timeout))
             else:
                 dist.init_process_group(
                     backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -271,6 +271,27 @@ class Mesh:
                 f"torch.distributed world has {world} processes: launch {self.world_size} "
                 f"processes or plan for a mesh of {world}"
             )
+
+
+def _launcher_store(timeout: timedelta | None) -> dict[str, Any]:
+    """The store for the world's process groups, where torchrun shares its own.
+
+    torchrun's agent keeps one store for the whole job, and a relaunch (--max-restarts)
+    finds there the keys its previous attempt wrote: a process group could then read a
+    dead peer's address and fail to connect, or wait. Each attempt gets keys of its own
+    under the restart count (the same on every rank: torchrun relaunches every worker)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}  # init_process_group reads the launcher's variables itself
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    wait = timeout or timedelta(minutes=5)
+    shared = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=wait
+    )
+    return {
+        "store": dist.PrefixStore(f"autopart/attempt_{attempt}/", shared),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
 
 
 def _guess_device() -> str:
