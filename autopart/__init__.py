@@ -10,6 +10,7 @@ from autopart.degrees import Axis, Degrees, MeshError
 from autopart.mesh import DeviceSpec, Mesh
 from autopart.plan import Plan, PlanError
 from autopart.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from autopart.runtime.export import export
 from autopart.runtime.parallel_module import ParallelModule
 from autopart.runtime.weights import init_empty_weights
 
@@ -26,6 +27,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "capture",
+    "export",
     "init_empty_weights",
     "load_checkpoint",
     "parallelize",

@@ -16,6 +16,7 @@
     checkpoint.py        sharded checkpoints: parameters and optimizer state, any plan
     pieces.py            where a rank's tensors lie in the model's whole tensors
     dcp_planners.py      torch.distributed.checkpoint planners that write those pieces
+    export.py            the whole model's state dict, for one device (from_pretrained)
 
 The runtime imports `ops` and never `passes`: the graphs it runs arrive rewritten.
 """

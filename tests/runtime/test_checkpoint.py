@@ -5,6 +5,7 @@ of a run that never stopped (AdamW moments and step counts included)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopart
 from autopart.testing import run_world
@@ -88,3 +89,23 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
     messages = run_world(_load_another_models_checkpoint, 2, str(tmp_path / "c"), token_batch(8))
     assert messages[0] == messages[1]
     assert "model.layers.1." in messages[0] and "another model" in messages[0]
+
+
+def _export(directory, batch):
+    model = tiny_llama(seed=0)
+    pm = parallelize_lm(model, batch, tp=2)
+    train_losses(pm, batch, BEFORE)
+    autopart.export(pm, directory, config=model.config)
+
+
+def test_export_writes_a_model_that_from_pretrained_reads(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    batch = token_batch(8)
+    run_world(_export, 2, str(tmp_path), batch)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path)
+    reference = train_single_device("llama", "adamw", BEFORE, batch)
+    got = {name: p.detach() for name, p in loaded.named_parameters()}
+    assert got.keys() == reference["params"].keys()
+    for name, want in reference["params"].items():  # Adam's rounding noise, not layout
+        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=name)
