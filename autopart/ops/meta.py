@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeAlias, TypeVar
 import sympy
 import torch
 from torch import fx
+from torch.distributed.tensor import Placement
 
 T = TypeVar("T")
 _REQUIRED: Any = object()
@@ -122,6 +123,10 @@ PARAMS: MetaKey[tuple[str, ...]] = MetaKey("params", "params_pass")
 SAVED_BYTES: MetaKey[sympy.Expr] = MetaKey("saved_bytes", "saved_for_backward_pass")
 BLOCK: MetaKey[BlockInfo | None] = MetaKey("block", "blocks_pass")
 COLLECTIVE: MetaKey[CollectiveInfo] = MetaKey("collective", "a rewrite pass")
+# How a node's local value relates to its single-device value after the tensor-parallel
+# rewrite: its tp placement (Shard, Replicate, Partial), or None where it is no piece of
+# it (a row-parallel product whose bias moved after the reduction). For autopart.verify.
+TP_PLACE: MetaKey[Placement | None] = MetaKey("tp_place", "tensor_parallel_pass")
 
 # Tensor-parallel parameters of a rewritten graph: FQN -> (sharded dim, parts of a fused
 # weight), for slicing checkpoints and reassembling whole parameters.

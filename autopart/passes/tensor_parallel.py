@@ -31,7 +31,15 @@ from torch.utils import _pytree as pytree
 from autopart.degrees import Axis
 from autopart.ops import collectives as c
 from autopart.ops.aten import op_name
-from autopart.ops.meta import COLLECTIVE, SHAPE, TP_LAYOUT, CollectiveInfo, inherit, tensor_info
+from autopart.ops.meta import (
+    COLLECTIVE,
+    SHAPE,
+    TP_LAYOUT,
+    TP_PLACE,
+    CollectiveInfo,
+    inherit,
+    tensor_info,
+)
 from autopart.ops.shards import local_shard
 from autopart.ops.vocab_parallel import LOCAL_OPS
 from autopart.passes.runner import PassContext
@@ -46,6 +54,9 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     places = {fqn: plan.placement(fqn, Axis.TP) for fqn in sorted(set(ctx.params.values()))}
     result = propagate(gm, ctx.params, places, plan.tp, plan.sequence_parallel)
     _warn_fallbacks(gm, result)
+    for node, place in result.places.items():
+        if isinstance(place, Placement):
+            TP_PLACE.set(node, place)
     rewriter = _Rewriter(gm, result, groups.group_name(Axis.TP), plan.tp)
     for node in list(gm.graph.nodes):
         if node in result.decisions:
@@ -183,6 +194,9 @@ class _Rewriter:
             else:
                 bias = node.args[0]
                 node.target, node.args = torch.ops.aten.mm.default, node.args[1:3]
+        # The product's own value is now a partial sum (of the unbiased product, where
+        # the bias moved after the reduction: then no piece of the original value).
+        TP_PLACE.set(node, Partial() if bias is None else None)
         users = list(node.users)
         with self.graph.inserting_after(node):
             if isinstance(target, Shard):

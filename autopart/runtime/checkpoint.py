@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,18 +36,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from autopart.degrees import Axis
-from autopart.ops.flat_buckets import FlatLayout
-from autopart.ops.zero3 import ZERO3, sharded_parameters
 from autopart.runtime.dcp_planners import LoadPieces, PieceState, SavePieces
-from autopart.runtime.pieces import (
-    Piece,
-    TensorParallelSlices,
-    distinct,
-    flat_pieces,
-    whole_pieces,
-)
-from autopart.runtime.zero_replicas import ReplicaShards
+from autopart.runtime.holdings import Held, Holdings
+from autopart.runtime.pieces import Piece, distinct
 
 if TYPE_CHECKING:
     from autopart.runtime.parallel_module import ParallelModule
@@ -62,64 +51,6 @@ LOSS_SCALE = "autopart/loss_scale"
 
 class CheckpointError(ValueError):
     """A checkpoint that does not belong to this model, or state it cannot hold."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Held:
-    """A tensor this rank holds (a parameter, or a ZeRO shard) and where it lies."""
-
-    names: tuple[str, ...]  # the parameters it holds pieces of
-    first_size: tuple[int, ...]  # the whole shape of the first
-    pieces: Callable[[torch.Tensor], list[Piece]]  # of any tensor laid out like it
-    whole: bool  # one parameter, neither flat-sharded nor tensor-parallel
-
-
-class _Holdings:
-    """Every tensor of a ParallelModule that holds parameter values, and its layout."""
-
-    def __init__(self, pm: ParallelModule) -> None:
-        tp = TensorParallelSlices(pm.tp_layout, pm.plan.tp, pm.groups.rank(Axis.TP))
-        dp_rank = pm.groups.rank(Axis.DP)
-        self.own: list[tuple[torch.Tensor, _Held]] = []  # each value written once
-        self.copies: list[tuple[torch.Tensor, _Held]] = []  # ZeRO-1/2 shards of those
-        name_of: dict[int, str] = {}
-        for gm in pm.stages:
-            for name, p in gm.named_parameters():
-                if not name.startswith(f"{ZERO3}."):
-                    name_of[id(p)] = name
-                    size = tp.whole_size(name, p.shape)
-                    pieces = partial(whole_pieces, name, tp=tp)
-                    self.own.append((p, _Held((name,), size, pieces, name not in tp.layout)))
-            zero3 = sharded_parameters(gm)
-            for b, shard in enumerate(zero3.shards if zero3 else ()):
-                assert zero3 is not None
-                self.own.append((shard, _flat(zero3.names[b], zero3.layouts[b], dp_rank, tp)))
-        for part in getattr(pm.state, "parts", ()):
-            if isinstance(part, ReplicaShards):
-                for bucket in part.buckets:
-                    names = [name_of[id(p)] for p in bucket.params]
-                    self.copies.append((bucket.shard, _flat(names, bucket.layout, dp_rank, tp)))
-        self._by_id = {id(t): held for t, held in (*self.own, *self.copies)}
-
-    def of(self, tensor: torch.Tensor) -> _Held:
-        return self._by_id[id(tensor)]
-
-    def parameters(self, loading: bool) -> PieceState:
-        """Each parameter's pieces on this rank. For saving, each box once; for
-        loading, every view that must receive it, ZeRO-1/2's flat shards included
-        (they hold copies of the parameters' values)."""
-        entries: dict[str, list[Piece]] = {}
-        for tensor, held in (*self.own, *(self.copies if loading else ())):
-            for piece in held.pieces(tensor.detach()):
-                entries.setdefault(piece.name, []).append(piece)
-        if loading:
-            return dict(entries)
-        return {name: distinct(pieces) for name, pieces in entries.items()}
-
-
-def _flat(names: Sequence[str], layout: FlatLayout, rank: int, tp: TensorParallelSlices) -> _Held:
-    pieces = partial(flat_pieces, names=names, layout=layout, rank=rank, tp=tp)
-    return _Held(tuple(names), tp.whole_size(names[0], layout.shapes[0]), pieces, False)
 
 
 def _stepped(pm: ParallelModule) -> list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]]:
@@ -135,8 +66,8 @@ def _stepped(pm: ParallelModule) -> list[tuple[torch.Tensor, dict[str, Any], dic
 
 
 def _to_save(pm: ParallelModule) -> PieceState:
-    holdings = _Holdings(pm)
-    state = holdings.parameters(loading=False)
+    holdings = Holdings(pm)
+    state: PieceState = dict(holdings.parameters(loading=False))
     entries: dict[str, list[Piece]] = {}
     for tensor, values, _ in _stepped(pm):
         held = holdings.of(tensor)
@@ -154,7 +85,7 @@ def _to_save(pm: ParallelModule) -> PieceState:
     return state
 
 
-def _state_pieces(held: _Held, tensor: torch.Tensor, key: str, value: Any) -> list[Piece]:
+def _state_pieces(held: Held, tensor: torch.Tensor, key: str, value: Any) -> list[Piece]:
     if value is None:  # nothing kept (SGD's momentum buffer without momentum)
         return []
     if not isinstance(value, torch.Tensor):
@@ -217,8 +148,8 @@ def load_checkpoint(pm: ParallelModule, path: str | os.PathLike) -> None:
     if not Path(path).is_dir():
         raise CheckpointError(f"{path}: no checkpoint there (save_checkpoint writes a directory)")
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    holdings = _Holdings(pm)
-    state = holdings.parameters(loading=True)
+    holdings = Holdings(pm)
+    state: PieceState = dict(holdings.parameters(loading=True))
     _check_parameters(state, metadata, path)
     for tensor, values, group in _stepped(pm):
         state.update(_state_request(holdings.of(tensor), tensor, values, group, metadata))
@@ -245,7 +176,7 @@ def _check_parameters(state: PieceState, metadata: Metadata, path: str | os.Path
 
 
 def _state_request(
-    held: _Held,
+    held: Held,
     tensor: torch.Tensor,
     values: dict[str, Any],
     group: dict[str, Any],

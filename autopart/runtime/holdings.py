@@ -1,0 +1,91 @@
+"""What a rank holds of the model's whole parameters, and where each piece lies.
+
+A ParallelModule's parameter values live in its stages' parameters (whole, or as their
+tensor-parallel slices), in ZeRO-3's flat shards, and, under ZeRO-1/2, also in the flat
+shards the optimizer steps (copies of the parameters' values). `Holdings` finds every
+one of them and describes it as pieces of whole, named parameters (pieces.py); anything
+laid out like one of them (its gradient, the optimizer's moments) has the same pieces.
+Checkpoints (checkpoint.py) and `autopart.verify` read a rank's state through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+
+from autopart.degrees import Axis
+from autopart.ops.flat_buckets import FlatLayout
+from autopart.ops.zero3 import ZERO3, sharded_parameters
+from autopart.runtime.pieces import (
+    Piece,
+    TensorParallelSlices,
+    distinct,
+    flat_pieces,
+    whole_pieces,
+)
+from autopart.runtime.zero_replicas import ReplicaShards
+
+if TYPE_CHECKING:
+    from autopart.runtime.parallel_module import ParallelModule
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A tensor this rank holds (a parameter, or a ZeRO shard) and where it lies."""
+
+    names: tuple[str, ...]  # the parameters it holds pieces of
+    first_size: tuple[int, ...]  # the whole shape of the first
+    pieces: Callable[[torch.Tensor], list[Piece]]  # of any tensor laid out like it
+    whole: bool  # one parameter, neither flat-sharded nor tensor-parallel
+
+
+class Holdings:
+    """Every tensor of a ParallelModule that holds parameter values, and its layout."""
+
+    def __init__(self, pm: ParallelModule) -> None:
+        tp = TensorParallelSlices(pm.tp_layout, pm.plan.tp, pm.groups.rank(Axis.TP))
+        dp_rank = pm.groups.rank(Axis.DP)
+        self.own: list[tuple[torch.Tensor, Held]] = []  # each value written once
+        self.copies: list[tuple[torch.Tensor, Held]] = []  # ZeRO-1/2 shards of those
+        name_of: dict[int, str] = {}
+        for gm in pm.stages:
+            for name, p in gm.named_parameters():
+                if not name.startswith(f"{ZERO3}."):
+                    name_of[id(p)] = name
+                    size = tp.whole_size(name, p.shape)
+                    pieces = partial(whole_pieces, name, tp=tp)
+                    self.own.append((p, Held((name,), size, pieces, name not in tp.layout)))
+            zero3 = sharded_parameters(gm)
+            for b, shard in enumerate(zero3.shards if zero3 else ()):
+                assert zero3 is not None
+                self.own.append((shard, _flat(zero3.names[b], zero3.layouts[b], dp_rank, tp)))
+        for part in getattr(pm.state, "parts", ()):
+            if isinstance(part, ReplicaShards):
+                for bucket in part.buckets:
+                    names = [name_of[id(p)] for p in bucket.params]
+                    self.copies.append((bucket.shard, _flat(names, bucket.layout, dp_rank, tp)))
+        self._by_id = {id(t): held for t, held in (*self.own, *self.copies)}
+
+    def of(self, tensor: torch.Tensor) -> Held:
+        return self._by_id[id(tensor)]
+
+    def parameters(self, loading: bool) -> dict[str, list[Piece]]:
+        """Each parameter's pieces on this rank. For saving, each box once; for
+        loading, every view that must receive it, ZeRO-1/2's flat shards included
+        (they hold copies of the parameters' values)."""
+        entries: dict[str, list[Piece]] = {}
+        for tensor, held in (*self.own, *(self.copies if loading else ())):
+            for piece in held.pieces(tensor.detach()):
+                entries.setdefault(piece.name, []).append(piece)
+        if loading:
+            return dict(entries)
+        return {name: distinct(pieces) for name, pieces in entries.items()}
+
+
+def _flat(names: Sequence[str], layout: FlatLayout, rank: int, tp: TensorParallelSlices) -> Held:
+    pieces = partial(flat_pieces, names=names, layout=layout, rank=rank, tp=tp)
+    return Held(tuple(names), tp.whole_size(names[0], layout.shapes[0]), pieces, False)
