@@ -1,7 +1,7 @@
 """`autopart plan | report | calibrate`: the command line.
 
     autopart plan --model pkg.module:factory --mesh h100-80g:8x8 [--tp 8 ...] --out plan.json
-    autopart report plan.json
+    autopart report plan.json [--html DIR]
     autopart calibrate --out profile.json [--quick] [--name NAME] [--dtypes fp32,bf16]
 
 `factory()` returns `(model, example_inputs)`; with `--meta` it is called under the meta
@@ -13,10 +13,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
 from autopart.policy import PRECISIONS, SCHEDULES
+
+if TYPE_CHECKING:
+    from autopart.plan import Plan
 
 # Integer pins besides the mesh axes, which are pinned by name (`--dp 8`).
 INT_PINS = ("zero", "microbatches", "virtual_stages")
@@ -67,8 +71,22 @@ def cmd_report(args: argparse.Namespace) -> int:
     from autopart.plan import Plan
 
     plan = Plan.load(args.plan)
+    if args.html:
+        return _write_report(plan, args.html)
     print(plan, end="\n\n")
     print(plan.explain())
+    return 0
+
+
+def _write_report(plan: Plan, directory: str) -> int:
+    """The HTML report; matplotlib is imported only here (an optional extra)."""
+    from autopart.report import MatplotlibMissing, write_html
+
+    try:
+        path = write_html(plan, directory)
+    except MatplotlibMissing as e:
+        raise SystemExit(f"autopart report --html: {e}") from e
+    print(path)
     return 0
 
 
@@ -105,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the plan JSON here")
     p.set_defaults(run=cmd_plan)
 
-    r = sub.add_parser("report", help="print a saved plan and explain it")
+    r = sub.add_parser("report", help="print a saved plan and explain it, or draw it as HTML")
     r.add_argument("plan")
+    r.add_argument("--html", metavar="DIR", help="write DIR/index.html with the plan's figures")
     r.set_defaults(run=cmd_report)
 
     c = sub.add_parser("calibrate", help="measure this machine into a device profile")

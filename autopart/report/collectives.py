@@ -1,0 +1,229 @@
+"""The collectives a plan's step runs, with their bytes and axis, from the plan alone.
+
+A saved plan holds predictions, not the graph, so the traffic is recovered from what
+the cost models recorded, with the cost models' own rules (`cost_models.predict`,
+`cost_models.memory`), for the rank whose memory breakdown the plan keeps (the one with
+the largest peak):
+
+    its parameters     the breakdown's "parameters" over the bytes per parameter
+                       (times dp under ZeRO-3, which shards them)
+    dp gradient sync   ZeRO-0 all-reduces the gradients once per step; ZeRO-1/2
+                       reduce-scatter them and all-gather the updated parameters;
+                       ZeRO-3 gathers the parameters in forward and again in backward and
+                       reduce-scatters the gradients, every microbatch
+    pp transfers       one activation forward and one gradient backward per chunk and
+                       microbatch; the activation's size is the breakdown's "buffers"
+                       less what ZeRO stages there (`MemoryModel.buffer_bytes`), halved
+                       (a rank holds one activation to send and one received). Under
+                       ZeRO-3 the buffers also hold gathered blocks of unrecorded size,
+                       so the transfer's bytes are unknown
+    tp collectives     the plan records their time per rank (`StageFigures.tp_comm_s`),
+                       not their bytes, which depend on the graph's layout: time only
+    the loss           one all-reduce of a 4-byte scalar over the world per step
+
+Times come from the communication model on the plan's mesh: each collective's transfer
+time per step, before any overlap with compute hides it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopart.cost_models.comm import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    SEND_RECV,
+    CommModel,
+)
+from autopart.cost_models.memory import STATE_BYTES, MemoryModel
+from autopart.cost_models.pipeline import bucket_runs
+from autopart.cost_models.predict import LOSS_BYTES
+from autopart.degrees import Axis, MeshError
+from autopart.mesh import Mesh
+from autopart.plan import Plan, Predicted
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One kind of collective in a step, on one rank. `nbytes` is the buffer bytes it
+    moves per step (summed over its calls), None where the plan does not hold them;
+    `seconds` its modeled transfer time per step, None where the mesh's device is
+    unknown here."""
+
+    name: str
+    op: str
+    axis: str
+    group: int
+    calls: int | None  # None: not recorded
+    nbytes: float | None
+    seconds: float | None
+    note: str = ""
+
+
+def step_collectives(plan: Plan) -> list[Collective]:
+    """Every collective of the plan's step that moves data (module docstring)."""
+    predicted = _predicted(plan)
+    comm = _comm_model(plan)
+    params = _parameters(plan, predicted)
+    found = [
+        *_dp_sync(plan, params, comm),
+        *_pp_transfers(plan, predicted, params, comm),
+        *_tp_collectives(plan, predicted),
+    ]
+    if plan.mesh.world_size > 1:
+        seconds = comm.time(ALL_REDUCE, LOSS_BYTES, plan.mesh.world_size) if comm else None
+        found.append(
+            Collective(
+                "loss average", ALL_REDUCE, "world", plan.mesh.world_size, 1, LOSS_BYTES, seconds
+            )
+        )
+    return found
+
+
+def recorded_rank(predicted: Predicted) -> int:
+    """The pipeline rank whose memory breakdown the plan keeps: the first with the
+    largest peak, as the cost models choose it."""
+    peaks = [s.peak_memory_bytes for s in predicted.stages]
+    return peaks.index(predicted.peak_memory_bytes) if predicted.peak_memory_bytes in peaks else 0
+
+
+def _predicted(plan: Plan) -> Predicted:
+    if plan.predicted is None:
+        raise ValueError("the plan carries no predictions: make it with autopart.plan()")
+    return plan.predicted
+
+
+def _comm_model(plan: Plan) -> CommModel | None:
+    """The communication model of the plan's mesh; None where its device is a profile
+    this machine does not have."""
+    try:
+        mesh = Mesh.cluster(plan.mesh.device, plan.mesh.nodes, plan.mesh.per_node)
+    except MeshError:
+        return None
+    return CommModel(mesh)
+
+
+def _parameters(plan: Plan, predicted: Predicted) -> float:
+    """Parameters on the recorded rank: its tensor-parallel share of its stage's."""
+    param_bytes = STATE_BYTES[plan.precision][0]
+    sharded = plan.dp if plan.zero == 3 else 1
+    return predicted.memory.get("parameters", 0) * sharded / param_bytes
+
+
+def _time(comm: CommModel | None, op: str, nbytes: float, plan: Plan, axis: Axis) -> float | None:
+    if comm is None:
+        return None
+    return comm.time(op, nbytes, plan.degrees[axis], plan.degrees.stride(axis))
+
+
+def _bucketed_time(
+    comm: CommModel | None, op: str, nbytes: float, plan: Plan
+) -> tuple[int, float | None]:
+    """(calls, seconds) of `op` over dp on `nbytes` of gradients cut into the runtime's
+    buckets, as the cost models price it."""
+    memory = MemoryModel(plan.precision)
+    runs = bucket_runs(nbytes, memory.bucket_bytes, memory.first_bucket_bytes)
+    calls = sum(n for _, n in runs)
+    if comm is None:
+        return calls, None
+    seconds = sum(n * (_time(comm, op, size, plan, Axis.DP) or 0.0) for size, n in runs)
+    return calls, seconds
+
+
+def _dp_sync(plan: Plan, params: float, comm: CommModel | None) -> list[Collective]:
+    if plan.dp == 1:
+        return []
+    param_bytes, grad_bytes = STATE_BYTES[plan.precision][:2]
+    grads, weights = params * grad_bytes, params * param_bytes
+    if plan.zero == 3:
+        m = plan.microbatches
+        gather = _time(comm, ALL_GATHER, weights, plan, Axis.DP)
+        scatter = _time(comm, REDUCE_SCATTER, grads, plan, Axis.DP)
+        note = (
+            "every microbatch, in buckets (timed as one buffer); a tied weight gathered "
+            "again is not counted"
+        )
+        return [
+            Collective(
+                "ZeRO-3 parameter gather",
+                ALL_GATHER,
+                "dp",
+                plan.dp,
+                2 * m,
+                2 * m * weights,
+                _scaled(gather, 2 * m),
+                note,
+            ),
+            Collective(
+                "ZeRO-3 gradient reduce-scatter",
+                REDUCE_SCATTER,
+                "dp",
+                plan.dp,
+                m,
+                m * grads,
+                _scaled(scatter, m),
+                note,
+            ),
+        ]
+    op = ALL_REDUCE if plan.zero == 0 else REDUCE_SCATTER
+    calls, seconds = _bucketed_time(comm, op, grads, plan)
+    out = [Collective("gradient sync", op, "dp", plan.dp, calls, grads, seconds, "bucketed")]
+    if plan.zero in (1, 2):
+        gather = _time(comm, ALL_GATHER, weights, plan, Axis.DP)
+        out.append(
+            Collective("updated parameter gather", ALL_GATHER, "dp", plan.dp, 1, weights, gather)
+        )
+    return out
+
+
+def _scaled(seconds: float | None, factor: float) -> float | None:
+    return None if seconds is None else seconds * factor
+
+
+def _pp_transfers(
+    plan: Plan, predicted: Predicted, params: float, comm: CommModel | None
+) -> list[Collective]:
+    """Stage-to-stage sends of activations and their gradients."""
+    if plan.pp == 1:
+        return []
+    calls = 2 * plan.microbatches * plan.virtual_stages
+    name = "stage transfers (activation, gradient)"
+    if plan.zero == 3:
+        note = "the plan does not record the activation's size under ZeRO-3"
+        return [Collective(name, SEND_RECV, "pp", plan.pp, calls, None, None, note)]
+    staged = MemoryModel(plan.precision).buffer_bytes(params, plan.dp, plan.zero, 0.0, 0.0)
+    activation = max(0.0, predicted.memory.get("buffers", 0) - staged) / 2
+    one = _time(comm, SEND_RECV, activation, plan, Axis.PP)
+    return [
+        Collective(
+            name,
+            SEND_RECV,
+            "pp",
+            plan.pp,
+            calls,
+            calls * activation,
+            _scaled(one, calls),
+            f"{activation:.0f} bytes each",
+        )
+    ]
+
+
+def _tp_collectives(plan: Plan, predicted: Predicted) -> list[Collective]:
+    """Time only: the plan holds each rank's tensor-parallel seconds per step."""
+    if plan.tp == 1:
+        return []
+    note = "time only: the plan records their seconds, not their bytes"
+    return [
+        Collective(
+            f"tensor-parallel collectives, pipeline rank {r}",
+            "layout's",
+            "tp",
+            plan.tp,
+            None,
+            None,
+            stage.tp_comm_s,
+            note,
+        )
+        for r, stage in enumerate(predicted.stages)
+    ]
