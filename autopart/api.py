@@ -85,7 +85,8 @@ def parallelize(
     groups = MeshGroups(mesh.device_mesh(plan.degrees, limit), mesh.group_options(limit))
     runs = _program_capture(model, captured, plan, example_kwargs, groups.device)
     program = rank_program(runs.gm, runs.context(target=RankTarget(plan, groups, weights)))
-    return ParallelModule(program, plan, groups, loss_fn, optimizer, captured.input_shapes())
+    shapes, ranges = captured.input_shapes(), captured.dim_ranges
+    return ParallelModule(program, plan, groups, loss_fn, optimizer, shapes, ranges)
 
 
 def captured_for_planning(

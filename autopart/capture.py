@@ -29,13 +29,14 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from autopart.batch import batch_size
-from autopart.ops.meta import SHAPE, TensorInfo
+from autopart.ops.meta import EXAMPLE_DIMS, SHAPE, TensorInfo
 from autopart.passes.runner import PassContext
 
 log = logging.getLogger("autopart.capture")
 
 
 BATCH = "batch"  # the name of the dynamic batch dim
+SEQ = "seq"  # the name of the dynamic sequence dim (dim 1 of token inputs)
 
 
 class CaptureError(RuntimeError):
@@ -135,7 +136,24 @@ def capture(
         dynamic_shapes = _dynamic_batch(model, args, kwargs)
     device_type = _device_type(model, args)
     with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
-        return _capture_either(model, args, kwargs, dynamic_shapes)
+        captured = _capture_either(model, args, kwargs, dynamic_shapes)
+    _bound_sequence(captured, model)
+    EXAMPLE_DIMS.set(captured.gm, captured.dim_sizes)
+    return captured
+
+
+def _bound_sequence(captured: Captured, model: nn.Module) -> None:
+    """A dynamic sequence no longer than the positions the model is configured for
+    (Hugging Face's `max_position_embeddings`, or GPT-2's `n_positions`): the exporter
+    cannot see that a learned position table ends there, and a longer batch would fail
+    inside the step, on the ranks that read the table only."""
+    if SEQ not in captured.dim_ranges:
+        return
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if isinstance(limit, int):
+        low, high = captured.dim_ranges[SEQ]
+        captured.dim_ranges[SEQ] = (low, min(high, limit))
 
 
 def _dynamic_batch(model: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -150,8 +168,15 @@ def _dynamic_batch(model: nn.Module, args: tuple, kwargs: dict) -> Any:
 
 
 def _batch_spec(value: Any) -> Any:
+    """Dim 0 of a tensor is the batch; dim 1 of an integer tensor (token ids, masks) the
+    sequence. AUTO lets the exporter keep a dim static where the model needs it to be
+    (a fixed-length position table), so the spec never makes a capture fail."""
     if isinstance(value, torch.Tensor):
-        return {0: torch.export.Dim.AUTO} if value.dim() else None
+        if not value.dim():
+            return None
+        if value.dim() >= 2 and not value.is_floating_point():
+            return {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
+        return {0: torch.export.Dim.AUTO}
     if isinstance(value, tuple | list):
         return type(value)(_batch_spec(v) for v in value)
     if isinstance(value, dict):
@@ -239,11 +264,18 @@ def _named_dims(
             continue
         val = node.meta.get("val")
         for dim, d in spec.items():
-            name = getattr(d, "__name__", None) or (BATCH if dim == 0 else f"dim{dim}")
+            name = getattr(d, "__name__", None) or {0: BATCH, 1: SEQ}.get(dim, f"dim{dim}")
             size = val.shape[dim]
-            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                named = dims.setdefault(name, sympy.Symbol(name, positive=True, integer=True))
-                symbols[size.node.expr] = named
+            if not isinstance(size, torch.SymInt) or not isinstance(size.node.expr, sympy.Symbol):
+                continue
+            if size.node.expr in symbols:
+                continue
+            if name in dims and name != BATCH and getattr(d, "__name__", None) is None:
+                # Another input's dim 1 of another length (a decoder's sequence beside an
+                # encoder's): a dim of its own.
+                name = f"{name}{sum(n.startswith(name) for n in dims)}"
+            named = dims.setdefault(name, sympy.Symbol(name, positive=True, integer=True))
+            symbols[size.node.expr] = named
     return dims, symbols
 
 

@@ -61,10 +61,11 @@ def test_capture_on_meta_device():
     assert all(v.device.type == "meta" for v in vals if isinstance(v, torch.Tensor))
 
 
-def test_batch_dim_is_dynamic_by_default_and_named_dims_follow_user_dims():
+def test_batch_and_sequence_dims_are_dynamic_by_default_and_named_dims_follow_user_dims():
     ids = token_batch(4)[0]
     captured = capture(tiny_gpt2(), (ids,))
-    assert set(captured.dims) == {"batch"}
+    assert set(captured.dims) == {"batch", "seq"}  # dim 1 of token ids is the sequence
+    assert captured.dim_ranges["seq"] == (2, 64)  # at most GPT-2's n_positions
     assert captured.admits_batch(2) and captured.admits_batch(64)
     named = capture(tiny_gpt2(), (ids,), dynamic_shapes=({0: Dim("batch"), 1: Dim("seq", max=64)},))
     assert set(named.dims) == {"batch", "seq"}
@@ -150,7 +151,7 @@ def test_the_batch_is_dynamic_in_any_signature():
     for model, args, kwargs in cases:
         captured = capture(model, args, kwargs)
         assert captured.frontend == "export"
-        assert captured.dim_sizes == {"batch": 4}
+        assert captured.dim_sizes == {"batch": 4, "seq": 16}
         assert captured.admits_batch(2)
 
 

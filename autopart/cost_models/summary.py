@@ -39,7 +39,7 @@ from autopart.cost_models.precision import bytes_scale, is_mixed
 from autopart.cost_models.tp_costs import TpCollective, collectives_of, distributed, split_by
 from autopart.cost_models.work import OTHER, NodeWork, evaluate, node_work, op_kind
 from autopart.ops.aten import op_name
-from autopart.ops.meta import BLOCK, MODULE_PATH, PARAMS, SHAPE, TensorInfo
+from autopart.ops.meta import BLOCK, EXAMPLE_DIMS, MODULE_PATH, PARAMS, SHAPE, TensorInfo
 from autopart.passes.tp_propagate import operands_of, propagate
 from autopart.passes.tp_rules import R
 from autopart.policy import Precision
@@ -177,6 +177,7 @@ class GraphSummary:
         self.param_bytes = {k: p.numel() * p.element_size() for k, p in params.items()}
         self.segments = _segments(gm, {k: p.numel() for k, p in params.items()}, layout)
         self.captured_batch = _static_batch(gm)
+        self.example_dims = EXAMPLE_DIMS.get(gm, {})
         self._cache: dict[tuple, tuple[SegmentWork, ...]] = {}
         self._sharded: dict[tuple, tuple[SegmentWork, ...]] = {}
 
@@ -190,7 +191,8 @@ class GraphSummary:
     def evaluate(self, dims: Mapping[str, int]) -> tuple[SegmentWork, ...]:
         """Every segment's work at `dims` ({"batch": microbatch, "seq": ...}). A graph
         captured with a static batch is evaluated as captured and scaled linearly to
-        `dims["batch"]`."""
+        `dims["batch"]`. A named dim not in `dims` is taken at its example size."""
+        dims = {**self.example_dims, **dims}
         key = tuple(sorted(dims.items()))
         if key not in self._cache:
             self._cache[key] = self._evaluate(dims)

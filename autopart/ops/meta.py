@@ -131,6 +131,9 @@ TP_PLACE: MetaKey[Placement | None] = MetaKey("tp_place", "tensor_parallel_pass"
 # Tensor-parallel parameters of a rewritten graph: FQN -> (sharded dim, parts of a fused
 # weight), for slicing checkpoints and reassembling whole parameters.
 TP_LAYOUT: GraphKey[dict[str, tuple[int, int]]] = GraphKey("tp_layout", "tensor_parallel_pass")
+# The size of each named dim ("batch", "seq") in the example the graph was captured with:
+# what a cost is evaluated at where a caller does not give a dim's size.
+EXAMPLE_DIMS: GraphKey[dict[str, int]] = GraphKey("example_dims", "capture")
 
 
 def inherit(node: fx.Node, source: fx.Node, shape: Any = _REQUIRED) -> None:

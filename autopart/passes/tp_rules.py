@@ -361,10 +361,13 @@ def _equal(a: sympy.Expr, b: sympy.Expr) -> bool:
 
 
 def _lt(a: sympy.Expr, b: sympy.Expr) -> bool:
+    """a < b for sizes. With named dims (batch, seq: at least 2 each, as captured) the
+    comparison is decided where b is a multiple of a: batch < batch·seq."""
     try:
         return bool(sympy.Lt(a, b))
     except TypeError:
-        return False
+        numerator, denominator = sympy.fraction(sympy.cancel(sympy.sympify(b) / a))
+        return denominator == 1 and numerator != 1
 
 
 def _split(ops: Operands) -> Decision:

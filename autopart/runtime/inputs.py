@@ -8,7 +8,7 @@ stage's receive buffers, export's guards), or leave the other ranks waiting.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -19,9 +19,18 @@ from autopart.batch import BatchError
 from autopart.ops.meta import TensorInfo
 
 
-def check_inputs(inputs: Any, expected: Sequence[TensorInfo | None]) -> None:
+def check_inputs(
+    inputs: Any,
+    expected: Sequence[TensorInfo | None],
+    ranges: Mapping[str, tuple[int, float]] | None = None,
+    multiples: Mapping[str, int] | None = None,
+) -> None:
     """Raise BatchError unless each tensor of `inputs` (flattened) has the captured
-    rank, dtype and fixed sizes, and the named dims ("batch", ...) one size each."""
+    rank, dtype and fixed sizes, and the named dims ("batch", "seq", ...) one size
+    each, within the sizes the capture allows (`ranges`, by dim name: a sequence no
+    longer than a learned position table) and a multiple of what splits them
+    (`multiples`: the sequence under sequence parallelism). The batch is checked for
+    divisibility where it is split."""
     leaves = pytree.tree_leaves(inputs)
     if len(leaves) > len(expected):
         raise BatchError(
@@ -32,7 +41,9 @@ def check_inputs(inputs: Any, expected: Sequence[TensorInfo | None]) -> None:
     for i, (leaf, info) in enumerate(zip(leaves, expected)):
         if info is None or not isinstance(leaf, torch.Tensor):
             continue
-        problem = _mismatch(tuple(leaf.shape), leaf.dtype, info, bound)
+        problem = _mismatch(
+            tuple(leaf.shape), leaf.dtype, info, bound, ranges or {}, multiples or {}
+        )
         if problem:
             captured = "(" + ", ".join(str(d) for d in info.shape) + ")"
             raise BatchError(
@@ -44,7 +55,12 @@ def check_inputs(inputs: Any, expected: Sequence[TensorInfo | None]) -> None:
 
 
 def _mismatch(
-    shape: tuple[int, ...], dtype: torch.dtype, info: TensorInfo, bound: dict[sympy.Expr, int]
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    info: TensorInfo,
+    bound: dict[sympy.Expr, int],
+    ranges: Mapping[str, tuple[int, float]],
+    multiples: Mapping[str, int],
 ) -> str | None:
     if len(shape) != len(info.shape):
         return f"{len(shape)} dims instead of {len(info.shape)}"
@@ -56,4 +72,13 @@ def _mismatch(
             return f"dim {dim} is fixed at {want}"
         if want.is_Symbol and bound.setdefault(want, got) != got:
             return f"dim {dim} ({want}) is {bound[want]} in another input"
+        low, high = ranges.get(str(want), (0, float("inf"))) if want.is_Symbol else (0, 0)
+        if want.is_Symbol and str(want) != "batch" and not low <= got <= high:
+            return f"dim {dim} ({want}) is {got}, outside the {low}..{high:g} the model allows"
+        multiple = multiples.get(str(want), 1) if want.is_Symbol else 1
+        if got % multiple:
+            return (
+                f"dim {dim} ({want}) is {got}, not a multiple of {multiple}, the tensor-"
+                f"parallel ranks that sequence parallelism splits it over"
+            )
     return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -37,12 +37,15 @@ class ParallelModule(nn.Module):
         loss_fn: LossFn | None,
         optimizer: OptimizerFactory | None,
         input_shapes: Sequence[TensorInfo | None] = (),
+        dim_ranges: Mapping[str, tuple[int, float]] | None = None,
     ) -> None:
         """`input_shapes`: the model's (flattened) inputs at the global batch, as
-        captured; each step's inputs are checked against them."""
+        captured, and `dim_ranges` the sizes each named dim may take; each step's inputs
+        are checked against them."""
         super().__init__()
         self.stages = nn.ModuleList(program.stages)
         self.input_shapes = tuple(input_shapes)
+        self.dim_ranges = dict(dim_ranges or {})
         self.steps = 0  # training steps begun, for errors that name one
         register_process()  # so that a survivor can name a rank that is lost
         self.stage_ids = program.stage_ids
@@ -98,7 +101,8 @@ class ParallelModule(nn.Module):
         if self.executor is None or self.state is None:
             raise ValueError("train_step needs parallelize(..., loss_fn=..., optimizer=...)")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        check_inputs(args, self.input_shapes)
+        split_seq = {"seq": self.plan.tp} if self.plan.sequence_parallel else {}
+        check_inputs(args, self.input_shapes, self.dim_ranges, split_seq)
         self.steps += 1
         try:
             return self._step(args, target)

@@ -16,6 +16,7 @@ after the data-parallel all-reduce has started on them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from itertools import chain
 from typing import Any
@@ -41,6 +42,8 @@ from autopart.plan import Plan
 from autopart.policy import Schedule
 from autopart.runtime.precision import Precision
 from autopart.runtime.shared_params import SharedParameters
+
+log = logging.getLogger("autopart.pipeline")
 
 SCHEDULE_CLASSES = {
     Schedule.GPIPE: ScheduleGPipe,
@@ -120,6 +123,8 @@ class PipelineExecutor:
         key = tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor))
         if key not in self._schedules:
             sizes = _bind_dims(self.infos[0].model_inputs, leaves)
+            if self._schedules:  # the first shape is the example's
+                log.info("pipeline stages for a new microbatch shape %s", key)
             stages = [
                 self._stage(module, info, sizes, leaves)
                 for module, info in zip(self.modules, self.infos)

@@ -40,14 +40,15 @@ def test_megatron_flops_formula_with_recomputation(gpt_graph):
     # iteration with full recomputation: 4× the transformer layers' forward, 3× the LM head's.
     b, s, layers, h, v = GPT["batch"], GPT["seq"], GPT["layers"], GPT["hidden"], GPT["vocab"]
     formula = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
-    segments = GraphSummary(gpt_graph).evaluate({"batch": b})
+    segments = GraphSummary(gpt_graph).evaluate({"batch": b, "seq": s})
     flops = sum(
         (training_flops(seg.nodes, recompute=seg.is_block) for seg in segments), PhaseCost()
     )
     assert flops.total == pytest.approx(formula, rel=0.03)
     # The forward alone: 24·B·s·l·h²·(1 + s/(6h)) + 2·B·s·h·V.
     forward = 24 * b * s * layers * h**2 * (1 + s / (6 * h)) + 2 * b * s * h * v
-    assert evaluate(total_flops(gpt_graph), {"batch": b}) == pytest.approx(forward, rel=0.03)
+    at = {"batch": b, "seq": s}
+    assert evaluate(total_flops(gpt_graph), at) == pytest.approx(forward, rel=0.03)
     assert flops.forward == pytest.approx(forward, rel=0.03)
     assert flops.backward == pytest.approx(2 * forward, rel=0.03)
 
@@ -98,7 +99,8 @@ def test_tiny_operators_and_views_pay_the_launch_floor_python_items_do_not():
 
 
 def test_views_and_tuple_items_are_told_apart_in_a_graph(gpt_graph):
-    works = [node_work(n, gpt_graph, {"batch": 2}, {}) for n in gpt_graph.graph.nodes]
+    at = {"batch": 2, "seq": GPT["seq"]}
+    works = [node_work(n, gpt_graph, at, {}) for n in gpt_graph.graph.nodes]
     names = [op_name(n, gpt_graph) for n in gpt_graph.graph.nodes]
     dispatched = {name for name, w in zip(names, works) if w.dispatched}
     assert {"view", "transpose", "addmm"} <= dispatched
@@ -145,7 +147,7 @@ def test_transcendentals_cost_their_measured_rate_and_again_in_backward_where_re
 
 
 def test_attention_evaluates_exp_once_per_score_gelu_tanh_once_per_element(gpt_graph):
-    dims = {"batch": GPT["batch"]}
+    dims = {"batch": GPT["batch"], "seq": GPT["seq"]}
     works = {
         op_name(n, gpt_graph): node_work(n, gpt_graph, dims, {})
         for n in gpt_graph.graph.nodes
@@ -175,8 +177,9 @@ def test_nodes_cost_prices_a_subset(gpt_graph):
     model = ComputeModel(H100, "bf16-mixed")
     nodes = gpt_graph.graph.nodes
     block = [n for n in nodes if MODULE_PATH.get(n).startswith("transformer.h.0")]
-    whole = model.nodes_cost(gpt_graph, {"batch": 2})
-    one_block = model.nodes_cost(gpt_graph, {"batch": 2}, block)
+    at = {"batch": 2, "seq": GPT["seq"]}
+    whole = model.nodes_cost(gpt_graph, at)
+    one_block = model.nodes_cost(gpt_graph, at, block)
     assert 0 < one_block.total < whole.total / GPT["layers"]
 
 

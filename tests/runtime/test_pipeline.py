@@ -132,10 +132,11 @@ def test_uneven_stages_and_partial_recomputation_match_single_device(world):
 
 
 def _batch_of_another_shape(batch) -> dict:
-    """A step whose sequence is longer than the example's: every rank raises the same
-    error before the step's first collective, under a pipeline and without one."""
+    """A step whose sequence is longer than the model's positions (64): every rank
+    raises the same error before the step's first collective, under a pipeline and
+    without one."""
     ids, target = batch
-    longer = (ids.repeat(1, 2), target.repeat(1, 2))
+    longer = (ids.repeat(1, 5), target.repeat(1, 5))
     messages = {}
     for pins in ({"pp": 2, "schedule": "1f1b", "microbatches": 2}, {"dp": 2}):
         pm = parallelize_lm(LM_FACTORIES["llama"](layers=4), batch, **pins)
@@ -152,5 +153,5 @@ def test_a_batch_of_another_shape_fails_on_every_rank_at_once():
     per_rank = run_world(_batch_of_another_shape, 2, token_batch(batch=8))
     assert per_rank[0] == per_rank[1]
     for message in per_rank[0].values():
-        assert "input 0 of train_step has shape (8, 32)" in message, message
-        assert "dim 1 is fixed at 16" in message, message
+        assert "input 0 of train_step has shape (8, 80)" in message, message
+        assert "dim 1 (seq) is 80, outside the 2..64 the model allows" in message, message

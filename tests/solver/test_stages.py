@@ -27,8 +27,8 @@ def _captured():
 
 
 def _slowest_stage(captured, cuts: tuple[str, ...]) -> float:
-    """The largest forward FLOPs of a stage, at the example batch."""
-    batch = {captured.dims["batch"]: 8}
+    """The largest forward FLOPs of a stage, at the example's sizes."""
+    batch = {captured.dims[name]: size for name, size in captured.dim_sizes.items()}
     per_stage = [0.0] * (len(cuts) + 1)
     for node, stage in assign_stages(captured.gm.graph, cuts).items():
         per_stage[stage] += float(FLOPS.get(node).subs(batch))
