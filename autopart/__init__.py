@@ -13,6 +13,7 @@ from autopart.runtime.checkpoint import CheckpointError, load_checkpoint, save_c
 from autopart.runtime.export import export
 from autopart.runtime.parallel_module import ParallelModule
 from autopart.runtime.weights import init_empty_weights
+from autopart.verify import verify
 
 __all__ = [
     "Axis",
@@ -33,4 +34,5 @@ __all__ = [
     "parallelize",
     "plan",
     "save_checkpoint",
+    "verify",
 ]

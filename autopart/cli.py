@@ -2,16 +2,21 @@
 
     autopart plan --model pkg.module:factory --mesh h100-80g:8x8 [--tp 8 ...] --out plan.json
     autopart report plan.json [--html DIR]
+    autopart verify --model pkg.module:case --plan plan.json [--world 4] [--steps 3]
     autopart calibrate --out profile.json [--quick] [--name NAME] [--dtypes fp32,bf16]
 
 `factory()` returns `(model, example_inputs)`; with `--meta` it is called under the meta
-device, so models far larger than this machine can be planned.
+device, so models far larger than this machine can be planned. For `verify`, the
+factory returns a whole training case, `(model, inputs, target, loss_fn, optimizer)`,
+each picklable (importable functions, `functools.partial`): they go to the local Gloo
+processes that run the plan.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from typing import TYPE_CHECKING
 
@@ -108,7 +113,33 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    import autopart
+    from autopart.plan import Plan
+
+    plan = Plan.load(args.plan)
+    case = _factory(args.model)()
+    if not isinstance(case, tuple) or len(case) != 5:
+        raise SystemExit(
+            "autopart verify: --model's factory must return (model, inputs, target, "
+            f"loss_fn, optimizer), not {type(case).__name__}"
+        )
+    if args.world is not None and args.world != plan.degrees.world_size:
+        raise SystemExit(
+            f"autopart verify: --world {args.world} does not match the plan, made for "
+            f"{plan.degrees.world_size} devices: verify runs a plan on a world of its own size"
+        )
+    model, inputs, target, loss_fn, optimizer = case
+    report = autopart.verify(model, plan, inputs, target, loss_fn, optimizer, args.steps)
+    print(report)
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    # autopart's INFO log on stderr: what the solver priced and, in a solve longer than
+    # a couple of seconds, how far it has got
+    logging.basicConfig(format="%(message)s", stream=sys.stderr)
+    logging.getLogger("autopart").setLevel(logging.INFO)
     parser = argparse.ArgumentParser(prog="autopart", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -127,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("plan")
     r.add_argument("--html", metavar="DIR", help="write DIR/index.html with the plan's figures")
     r.set_defaults(run=cmd_report)
+
+    v = sub.add_parser("verify", help="run a plan on local Gloo processes beside one device")
+    v.add_argument("--model", required=True, help="package.module:factory -> a training case")
+    v.add_argument("--plan", required=True, help="the plan JSON to check")
+    v.add_argument("--world", type=int, help="processes (the plan's world size)")
+    v.add_argument("--steps", type=int, default=3, help="training steps to compare")
+    v.set_defaults(run=cmd_verify)
 
     c = sub.add_parser("calibrate", help="measure this machine into a device profile")
     c.add_argument("--out", required=True, help="where to write the device profile JSON")

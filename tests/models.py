@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -95,6 +97,14 @@ def make_optimizer(kind: str):
     # noise into full-size updates of random sign. The larger eps keeps the comparison
     # about the distributed arithmetic rather than about amplified noise.
     return lambda params: torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01)
+
+
+def llama_training_case():
+    """A whole training case, as `autopart verify --model` takes one: (model, inputs,
+    target, loss_fn, optimizer), each picklable."""
+    ids, target = token_batch(8)
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-6)  # see make_optimizer
+    return tiny_llama(), (ids,), target, lm_loss, optimizer
 
 
 def llama3_8b_on_meta() -> nn.Module:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import autopart
 from autopart.cli import main
 from autopart.plan import Plan
 from tests.models import tiny_gpt2, token_batch
@@ -40,3 +41,18 @@ def test_unknown_options_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["report", "plan.json", "--bogus"])
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_verify_runs_a_saved_plan_beside_one_device(tmp_path, capsys):
+    from tests.models import llama_training_case
+
+    model, inputs, _, _, _ = llama_training_case()
+    plan = autopart.plan(model, autopart.Mesh.cluster("cpu", nodes=1, per_node=2), inputs, tp=2)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    args = ["verify", "--model", "tests.models:llama_training_case", "--plan", str(path)]
+    assert main([*args, "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "dp=1 tp=2" in out and "the plan matches one device" in out
+    with pytest.raises(SystemExit, match="does not match the plan, made for 2 devices"):
+        main([*args, "--world", "4"])

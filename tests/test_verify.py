@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 import autopart
@@ -72,6 +73,7 @@ def test_a_plan_with_a_collective_removed_is_caught_at_the_first_operator_it_bre
     assert "first divergence: model.layers.0" in str(report)
 
 
+@pytest.mark.slow  # a world of 4 processes: kept out of the quick suite
 def test_a_pipeline_with_microbatches_and_tensor_parallelism_is_verified():
     report = run_world(_verify, 4, {"tp": 2, "pp": 2, "microbatches": 2}, token_batch(8))[0]
     assert report.ok, report
