@@ -72,6 +72,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("autopart.solver")
 
+PROGRESS_EVERY_S = 2.0  # a solve longer than this reports how far it has got
+
+
+class Progress:
+    """Logs `what` and how many of `total` are done, at most every PROGRESS_EVERY_S
+    seconds, so a long solve shows it is moving (the CLI prints autopart's INFO log)."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total = what, total
+        self.start = self.last = time.perf_counter()
+
+    def update(self, done: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            log.info("%s: %d of %d (%.0f s)", self.what, done, self.total, now - self.start)
+
+
 SLACK = 0.05
 # How much faster the inner model's stage cuts can make a pipeline than the cuts balanced
 # by compute that the search prices first: measured on Llama-3-8B's candidates, at most
@@ -189,7 +207,9 @@ def _price(
     start, memory = time.perf_counter(), mesh.device.memory_bytes
     models = CostModels.of(mesh, choices[0].precision) if choices else None
     best, out = math.inf, []
-    for c in sorted(choices, key=lambda c: not _usual_microbatches(c)):
+    progress = Progress("solver: pricing plans", len(choices))
+    for done, c in enumerate(sorted(choices, key=lambda c: not _usual_microbatches(c))):
+        progress.update(done)
         assert models is not None
         summary = layouts.summary(c.tp)
         floor = step_time_lower_bound(summary, c, dims, models) if best < math.inf else 0.0
@@ -204,7 +224,9 @@ def _price(
         key=lambda i: out[i].predicted.step_time_s,
     )
     inner = 0
-    for i in overflowing:
+    progress = Progress("solver: fitting plans with the inner model", len(overflowing))
+    for done, i in enumerate(overflowing):
+        progress.update(done)
         c, predicted = out[i].choices, out[i].predicted
         if predicted.step_time_s * (1 - REBALANCE_GAIN) > (1 + SLACK) * best:
             break

@@ -67,6 +67,7 @@ def test_a_checkpoint_resumes_under_another_plan_on_two_ranks(tmp_path):
     _check(per_rank, train_single_device("llama", "adamw", BEFORE + AFTER, batch))
 
 
+@pytest.mark.slow  # a world of 4 processes: kept out of the quick suite
 def test_a_checkpoint_from_tensor_and_pipeline_parallelism_resumes_under_zero3(tmp_path):
     batch = token_batch(8)
     cases = [({"tp": 2, "pp": 2}, {"dp": 4, "zero": 3})]

@@ -24,6 +24,7 @@ def _single_device_losses() -> list[float]:
     return module.train_single_device(STEPS, BATCH)
 
 
+@pytest.mark.slow  # launches processes of its own: kept out of the quick suite
 def test_a_job_that_loses_a_rank_resumes_from_its_checkpoint_after_a_relaunch(tmp_path):
     log = tmp_path / "losses.jsonl"
     command = [

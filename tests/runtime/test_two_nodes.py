@@ -86,6 +86,7 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
+@pytest.mark.slow  # launches processes of its own: kept out of the quick suite
 def test_two_launchers_give_a_two_node_mesh_with_tp_inside_each_node(tmp_path):
     port, run_id, out = _free_port(), f"two-nodes-{uuid.uuid4().hex}", tmp_path / "report.json"
     commands = [_launcher(node == 0, port, run_id, out) for node in (0, 1)]

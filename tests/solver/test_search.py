@@ -137,3 +137,18 @@ def test_a_deep_pipeline_gets_many_small_microbatches():
     pins = Pins.of(dp=1, tp=1, pp=4, zero=0, recompute=(), schedule="1f1b", precision="bf16-mixed")
     plan = make_plan(captured, tight, pins)
     assert plan.microbatches in (32, 64)
+
+
+def test_a_long_solve_reports_its_progress(monkeypatch, caplog):
+    """Progress is logged every PROGRESS_EVERY_S seconds; at 0, after every plan."""
+    import logging
+
+    import autopart
+    from autopart.solver import search
+    from tests.models import tiny_gpt2, token_batch
+
+    monkeypatch.setattr(search, "PROGRESS_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="autopart.solver"):
+        autopart.plan(tiny_gpt2(), autopart.Mesh.cluster("cpu", 1, 4), (token_batch(8)[0],))
+    lines = [r.getMessage() for r in caplog.records if "solver: pricing plans:" in r.getMessage()]
+    assert lines and lines[-1].startswith("solver: pricing plans: ") and " of " in lines[-1]
