@@ -21,6 +21,19 @@ def _run(command: list[str], cwd: Path) -> str:
 
 
 @pytest.mark.slow  # launches processes of its own: kept out of the quick suite
+def test_the_main_job_prints_its_plan_and_matches_one_device(tmp_path):
+    output = _run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+            *("--nproc-per-node", "2", str(EXAMPLES / "train_llama.py"), "--steps", "3"),
+        ],
+        tmp_path,
+    )
+    assert "predicted" in output.lower()  # the plan, printed
+    assert "2 processes vs one device: losses match" in output
+
+
+@pytest.mark.slow  # launches processes of its own: kept out of the quick suite
 def test_the_compile_backend_example_trains_like_one_device(tmp_path):
     output = _run(
         [
