@@ -32,11 +32,12 @@ def tiny_gpt2(seed: int = 0, layers: int = 2) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def tiny_llama(seed: int = 0, layers: int = 2) -> nn.Module:
+def tiny_llama(seed: int = 0, layers: int = 2, pad_token_id: int | None = None) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
+        pad_token_id=pad_token_id,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,

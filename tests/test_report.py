@@ -117,9 +117,15 @@ def test_without_a_pipeline_microbatches_run_one_after_another():
     assert rank[-1].end == pytest.approx(7.0)
 
 
-def test_interleaving_needs_whole_rounds():
-    with pytest.raises(ValueError, match="rounds of p=2"):
-        simulate([StageDurations(1.0, 2.0)] * 2, 3, "interleaved-1f1b", 2)
+def test_interleaving_runs_any_count_torch_accepts():
+    """pp=2 with 3 microbatches is one round of 3, as torch's schedule runs it; pp=4
+    with 9 is two rounds that cannot be equal, which torch refuses too."""
+    slots = simulate([StageDurations(1.0, 2.0)] * 2, 3, "interleaved-1f1b", 2)
+    for rank in slots:
+        done = [(s.kind, s.chunk, s.microbatch) for s in rank if s.kind in (FORWARD, BACKWARD)]
+        assert len(done) == 2 * 3 * 2  # every microbatch through both chunks, both ways
+    with pytest.raises(ValueError, match="equal rounds"):
+        simulate([StageDurations(1.0, 2.0)] * 4, 9, "interleaved-1f1b", 2)
 
 
 # ---------------------------------------------------------------------------------------

@@ -173,10 +173,10 @@ def _requires_grad(gm: fx.GraphModule, target: str) -> bool:
 
 
 def _seq_divisible(node: fx.Node, tp: int) -> bool:
-    """Whether the sequence dim can be split over tp: a fixed size tp divides, or a named
-    dynamic one (the runtime then refuses a batch whose sequence tp does not divide)."""
+    """Whether the sequence dim can be split over tp: a fixed size tp divides, or the
+    dynamic "seq" (the runtime refuses a batch whose sequence tp does not divide)."""
     info = SHAPE.get(node)
     if not isinstance(info, TensorInfo) or len(info.shape) < 3:
         return False
     seq = sympy.sympify(info.shape[1])
-    return seq.is_Symbol or (seq.is_Integer and int(seq) % tp == 0)
+    return (seq.is_Symbol and seq.name == "seq") or (seq.is_Integer and int(seq) % tp == 0)

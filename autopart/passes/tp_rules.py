@@ -467,7 +467,10 @@ def _embedding(ops: Operands) -> Decision:
     vocabulary (dim 0) with whole ids: each rank looks up its rows, giving partial sums
     (`vocab_parallel_embedding`); needs the default padding and dense gradients."""
     weight, ids = ops.places[0], ops.places[1]
-    defaults = all(v in (-1, False) for v in ops.flat[2:])  # padding_idx, scale, sparse
+    given = list(ops.flat[2:5])
+    padding_idx, scale, sparse = given + [-1, False, False][len(given) :]
+    # `is False`, not `== False`: a padding row at index 0 equals False in Python.
+    defaults = padding_idx == -1 and scale is False and sparse is False
     if _normalized(weight, 2) == Shard(0) and ids == R and defaults:
         return Decision(output=P, local_op="vocab_parallel_embedding")
     if weight != R:

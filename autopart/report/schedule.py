@@ -45,7 +45,6 @@ FORWARD = "forward"
 BACKWARD = "backward"
 RECOMPUTE = "recompute"
 IDLE = "idle"
-KINDS = (FORWARD, BACKWARD, RECOMPUTE, IDLE)
 FORWARD_SHARE = 1 / 3  # of a microbatch's compute; backward takes the rest
 
 
@@ -115,9 +114,16 @@ def rank_orders(p: int, m: int, schedule: str | None, v: int = 1) -> list[list[O
     if schedule in (None, Schedule.ONE_F_ONE_B):
         v, warmup = 1, [p - 1 - r for r in range(p)]
     elif schedule == Schedule.INTERLEAVED_1F1B:
-        if m % p:
-            raise ValueError(f"interleaved 1F1B runs microbatches in rounds of p={p}, not {m}")
-        warmup = [2 * (p - 1 - r) + (v - 1) * p for r in range(p)]
+        # As torch's ScheduleInterleaved1F1B: m // p rounds (at least one) of equal size.
+        rounds = max(1, m // p)
+        if m % rounds:
+            raise ValueError(f"interleaved 1F1B runs {m} microbatches in {rounds} equal rounds")
+        size = m // rounds
+        warmup = [2 * (p - 1 - r) + (v - 1) * size for r in range(p)]
+        return [
+            _one_f_one_b(_forwards(r, p, m, v, size), _backwards(r, p, m, v, size), warmup[r])
+            for r in range(p)
+        ]
     else:
         raise ValueError(f"unknown schedule {schedule!r}")
     return [
@@ -129,23 +135,26 @@ def _gpipe(rank: int, m: int) -> list[Op]:
     return [Op(FORWARD, rank, i) for i in range(m)] + [Op(BACKWARD, rank, i) for i in range(m)]
 
 
-def _forwards(rank: int, p: int, m: int, v: int) -> list[Op]:
-    """Groups of p microbatches, each through the rank's chunks in model order."""
+def _forwards(rank: int, p: int, m: int, v: int, size: int | None = None) -> list[Op]:
+    """Rounds of `size` microbatches (p by default), each through the rank's chunks in
+    model order."""
+    size = size or p
     return [
         Op(FORWARD, j * p + rank, mb)
-        for group in range(0, m, p)
+        for group in range(0, m, size)
         for j in range(v)
-        for mb in range(group, min(group + p, m))
+        for mb in range(group, min(group + size, m))
     ]
 
 
-def _backwards(rank: int, p: int, m: int, v: int) -> list[Op]:
+def _backwards(rank: int, p: int, m: int, v: int, size: int | None = None) -> list[Op]:
     """As `_forwards`, through the chunks in reverse."""
+    size = size or p
     return [
         Op(BACKWARD, j * p + rank, mb)
-        for group in range(0, m, p)
+        for group in range(0, m, size)
         for j in reversed(range(v))
-        for mb in range(group, min(group + p, m))
+        for mb in range(group, min(group + size, m))
     ]
 
 

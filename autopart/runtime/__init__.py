@@ -14,6 +14,7 @@
     faults.py            a peer lost mid-step, as an error that says how to resume
     weights.py           models built on the meta device
     checkpoint.py        sharded checkpoints: parameters and optimizer state, any plan
+    holdings.py          every tensor of a rank that holds parameter values, as pieces
     pieces.py            where a rank's tensors lie in the model's whole tensors
     dcp_planners.py      torch.distributed.checkpoint planners that write those pieces
     export.py            the whole model's state dict, for one device (from_pretrained)

@@ -69,10 +69,18 @@ def _to_save(pm: ParallelModule) -> PieceState:
     holdings = Holdings(pm)
     state: PieceState = dict(holdings.parameters(loading=False))
     entries: dict[str, list[Piece]] = {}
-    for tensor, values, _ in _stepped(pm):
+    stepped = _stepped(pm)
+    scalars = {
+        key
+        for tensor, values, _ in stepped
+        if tensor.dim() > 0
+        for key, value in values.items()
+        if isinstance(value, torch.Tensor) and value.dim() == 0
+    }
+    for tensor, values, _ in stepped:
         held = holdings.of(tensor)
         for key, value in values.items():
-            for piece in _state_pieces(held, tensor, key, value):
+            for piece in _state_pieces(held, tensor, key, value, key in scalars):
                 entries.setdefault(piece.name, []).append(piece)
     state.update((name, distinct(pieces)) for name, pieces in entries.items())
     if pm.optimizer is not None:
@@ -85,7 +93,13 @@ def _to_save(pm: ParallelModule) -> PieceState:
     return state
 
 
-def _state_pieces(held: Held, tensor: torch.Tensor, key: str, value: Any) -> list[Piece]:
+def _state_pieces(
+    held: Held, tensor: torch.Tensor, key: str, value: Any, scalar: bool
+) -> list[Piece]:
+    """`value`, the state `key` of `tensor`, as pieces: one number per parameter where
+    the key is a scalar (Adam's step: 0-dim beside any parameter with dims, so a 0-dim
+    parameter's step is not taken for state shaped like it); where `tensor`'s pieces
+    lie, for state shaped like it; else whole, for a parameter held whole."""
     if value is None:  # nothing kept (SGD's momentum buffer without momentum)
         return []
     if not isinstance(value, torch.Tensor):
@@ -94,10 +108,10 @@ def _state_pieces(held: Held, tensor: torch.Tensor, key: str, value: Any) -> lis
             "autopart checkpoints tensor state only"
         )
     value = value.detach()
-    if value.shape == tensor.shape:  # shaped like what it steps: where that lies
-        return [replace(p, name=f"{OPTIMIZER}/{p.name}/{key}") for p in held.pieces(value)]
-    if value.dim() == 0:  # one number for everything the tensor holds
+    if scalar or (value.dim() == 0 and tensor.dim() > 0):
         return [Piece(f"{OPTIMIZER}/{name}/{key}", (), (), value) for name in held.names]
+    if value.shape == tensor.shape:
+        return [replace(p, name=f"{OPTIMIZER}/{p.name}/{key}") for p in held.pieces(value)]
     if not held.whole:
         raise CheckpointError(
             f"the optimizer's state {key!r} of {held.names[0]} has shape "
@@ -151,8 +165,10 @@ def load_checkpoint(pm: ParallelModule, path: str | os.PathLike) -> None:
     holdings = Holdings(pm)
     state: PieceState = dict(holdings.parameters(loading=True))
     _check_parameters(state, metadata, path)
+    scalars = _scalar_keys(metadata)
     for tensor, values, group in _stepped(pm):
-        state.update(_state_request(holdings.of(tensor), tensor, values, group, metadata))
+        held = holdings.of(tensor)
+        state.update(_state_request(held, tensor, values, group, metadata, scalars))
     extras = [PARAM_GROUPS, STEPS, LOSS_SCALE]
     state.update((k, None) for k in extras if k in metadata.state_dict_metadata)
     planner = LoadPieces()
@@ -175,12 +191,27 @@ def _check_parameters(state: PieceState, metadata: Metadata, path: str | os.Path
             )
 
 
+def _scalar_keys(metadata: Metadata) -> set[str]:
+    """The optimizer's scalar state keys: 0-dim beside a parameter that has dims."""
+    stored = metadata.state_dict_metadata
+    out = set()
+    for name, entry in stored.items():
+        if not name.startswith(f"{OPTIMIZER}/") or isinstance(entry, BytesStorageMetadata):
+            continue
+        fqn, _, key = name[len(OPTIMIZER) + 1 :].rpartition("/")
+        parameter = stored.get(fqn)
+        if len(entry.size) == 0 and getattr(parameter, "size", ()) != torch.Size(()):
+            out.add(key)
+    return out
+
+
 def _state_request(
     held: Held,
     tensor: torch.Tensor,
     values: dict[str, Any],
     group: dict[str, Any],
     metadata: Metadata,
+    scalars: set[str],
 ) -> PieceState:
     """The entries to read for `tensor`'s optimizer state, after creating that state
     (as its optimizer would on its first step) in `values`."""
@@ -192,14 +223,14 @@ def _state_request(
         key = name[len(prefix) :]
         assert not isinstance(entry, BytesStorageMetadata), "state is saved as tensors"
         dtype = entry.properties.dtype
-        if tuple(entry.size) == held.first_size:
-            values[key] = torch.zeros_like(tensor, dtype=dtype)
-            for p in held.pieces(values[key]):
-                request.setdefault(f"{OPTIMIZER}/{p.name}/{key}", []).append(p)
-        elif len(entry.size) == 0:
+        if key in scalars:
             on_device = group.get("capturable") or group.get("fused")
             values[key] = torch.zeros((), dtype=dtype, device=tensor.device if on_device else "cpu")
             request[name] = [Piece(name, (), (), values[key])]
+        elif tuple(entry.size) == held.first_size:
+            values[key] = torch.zeros_like(tensor, dtype=dtype)
+            for p in held.pieces(values[key]):
+                request.setdefault(f"{OPTIMIZER}/{p.name}/{key}", []).append(p)
         elif held.whole:
             values[key] = torch.zeros(entry.size, dtype=dtype, device=tensor.device)
             request[name] = [Piece(name, tuple(entry.size), (0,) * len(entry.size), values[key])]

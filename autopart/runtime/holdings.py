@@ -60,14 +60,15 @@ class Holdings:
                     pieces = partial(whole_pieces, name, tp=tp)
                     self.own.append((p, Held((name,), size, pieces, name not in tp.layout)))
             zero3 = sharded_parameters(gm)
-            for b, shard in enumerate(zero3.shards if zero3 else ()):
-                assert zero3 is not None
-                self.own.append((shard, _flat(zero3.names[b], zero3.layouts[b], dp_rank, tp)))
+            if zero3 is not None:
+                for shard, names, layout in zip(zero3.shards, zero3.names, zero3.layouts):
+                    self.own.append((shard, _flat(names, layout, dp_rank, tp)))
         for part in getattr(pm.state, "parts", ()):
             if isinstance(part, ReplicaShards):
                 for bucket in part.buckets:
-                    names = [name_of[id(p)] for p in bucket.params]
-                    self.copies.append((bucket.shard, _flat(names, bucket.layout, dp_rank, tp)))
+                    of_bucket = [name_of[id(p)] for p in bucket.params]
+                    copy = _flat(of_bucket, bucket.layout, dp_rank, tp)
+                    self.copies.append((bucket.shard, copy))
         self._by_id = {id(t): held for t, held in (*self.own, *self.copies)}
 
     def of(self, tensor: torch.Tensor) -> Held:
@@ -82,7 +83,7 @@ class Holdings:
             for piece in held.pieces(tensor.detach()):
                 entries.setdefault(piece.name, []).append(piece)
         if loading:
-            return dict(entries)
+            return entries
         return {name: distinct(pieces) for name, pieces in entries.items()}
 
 

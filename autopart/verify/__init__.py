@@ -132,6 +132,12 @@ def on_rank(
 ) -> VerifyReport | None:
     """The per-rank half of `verify` in a running world: rank 0 returns the report."""
     args = inputs if isinstance(inputs, tuple) else (inputs,)
+    if plan.precision != "fp32":
+        raise ValueError(
+            f"autopart verify compares fp32 plans with an fp32 run on one device; this plan "
+            f"is {plan.precision}: verify plan.with_changes(precision='fp32'), which lays "
+            "the work out the same way"
+        )
     mesh = Mesh.local()
     reference = copy.deepcopy(model) if dist.get_rank() == 0 else None
     if plan.mesh.world_size == mesh.world_size:  # numbers do not depend on the device

@@ -88,8 +88,12 @@ def _join_tensor_parallel(pieces: Sequence[RankValue], parts: int) -> torch.Tens
 
 def _join_batch(rows: list[torch.Tensor], want: torch.Tensor) -> torch.Tensor | None:
     """The rows (replica-major, then microbatch) laid along the dim they split."""
-    if len(rows) == 1 or all(r.shape == want.shape for r in rows):
-        return rows[0]  # not batched: every replica computes the whole
+    if len(rows) == 1:
+        return rows[0]
+    if all(r.shape == want.shape for r in rows):
+        # Not batched, every replica computes the whole, and they agree; or an
+        # operator that reduces over the batch (a batch mean), whose parts are not it.
+        return rows[0] if all(torch.equal(r, rows[0]) for r in rows) else None
     first = rows[0].shape
     split = [
         d

@@ -26,6 +26,7 @@ from tests.models import (
     tiny_gpt2,
     tiny_llama,
     token_batch,
+    train_reference,
     train_single_device,
 )
 
@@ -217,4 +218,33 @@ def test_vocabulary_parallel_embedding_and_head_match_single_device(world, pins)
     reference = train_single_device("llama", "adamw", STEPS, batch)
     for rank, result in enumerate(per_rank):
         assert result.pop("vocab_parallel"), rank
+        assert_matches(result, reference)
+
+
+def _train_padded_vocabulary(batch):
+    """A table with a padding row at index 0, pinned to shard over the vocabulary: the
+    masked lookup would lose the padding row's zero gradient, so the rule gathers the
+    table for a whole lookup instead (index 0 once passed for `False`, crashing it)."""
+    ids, _ = batch
+    model = tiny_llama(pad_token_id=0)
+    plan = autopart.plan(model, autopart.Mesh.local(), (ids,), tp=2)
+    placements = dict(plan.placements)
+    fqn = "model.embed_tokens.weight"
+    placements[fqn] = (placements[fqn][0], Shard(0))
+    plan = plan.with_changes(placements=placements)
+
+    def lookups(pm):
+        ops = {str(n.target) for n in pm.graph.graph.nodes}
+        return {"vocab_parallel": any("vocab_parallel_embedding" in op for op in ops)}
+
+    return train_case(model, batch, STEPS, inspect=lookups, plan=plan)
+
+
+def test_a_padding_row_keeps_the_embedding_lookup_whole():
+    batch = token_batch(batch=8)
+    per_rank = run_world(_train_padded_vocabulary, 2, batch)
+    model = tiny_llama(pad_token_id=0)
+    reference = train_reference(model, "adamw", STEPS, (batch[0],), batch[1])
+    for rank, result in enumerate(per_rank):
+        assert not result.pop("vocab_parallel"), rank
         assert_matches(result, reference)

@@ -10,7 +10,14 @@ import torch
 import autopart
 from autopart.testing import run_world
 from tests.harness import parallelize_lm, train_losses
-from tests.models import assert_matches, tiny_llama, token_batch, train_single_device
+from tests.models import (
+    assert_matches,
+    make_optimizer,
+    tiny_llama,
+    token_batch,
+    train_reference,
+    train_single_device,
+)
 
 BEFORE, AFTER = 2, 2  # steps under the first plan, then under the second
 
@@ -110,3 +117,51 @@ def test_export_writes_a_model_that_from_pretrained_reads(tmp_path):
     assert got.keys() == reference["params"].keys()
     for name, want in reference["params"].items():  # Adam's rounding noise, not layout
         torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+class _ScaledHead(torch.nn.Module):
+    """A 0-dim parameter used last: first in a ZeRO bucket (backward order), whose
+    optimizer step, a scalar, must not be taken for state shaped like it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x))) * self.scale
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def _scaled_batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _resume_scaled(first: dict, second: dict, path: str) -> list[float]:
+    x, y = _scaled_batch()
+    optimizer = make_optimizer("adamw")
+    mesh = autopart.Mesh.local()
+    pm = autopart.parallelize(_ScaledHead(), mesh, (x,), loss_fn=_mse, optimizer=optimizer, **first)
+    losses = [pm.train_step(x, y).item() for _ in range(BEFORE)]
+    autopart.save_checkpoint(pm, path)
+    pm.close()
+    resumed = autopart.parallelize(
+        _ScaledHead(), mesh, (x,), loss_fn=_mse, optimizer=optimizer, **second
+    )
+    autopart.load_checkpoint(resumed, path)
+    return losses + [resumed.train_step(x, y).item() for _ in range(AFTER)]
+
+
+def test_a_zero_dimensional_parameter_resumes_with_its_optimizer_state(tmp_path):
+    x, y = _scaled_batch()
+    reference = train_reference(_ScaledHead(), "adamw", BEFORE + AFTER, (x,), y, _mse)
+    cases = [({"dp": 2, "zero": 1}, {"dp": 2, "zero": 0}), ({"dp": 2, "zero": 0}, {"zero": 2})]
+    for i, (first, second) in enumerate(cases):
+        losses = run_world(_resume_scaled, 2, first, second, str(tmp_path / str(i)))[0]
+        assert losses == pytest.approx(reference["losses"], rel=1e-5), (first, second)
