@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from train_llama import batches, build_model, loss_fn, optimizer, train_single_device
+from train_llama import batches, build_model, check_against_one_device, loss_fn, optimizer
 
 import autopart
 
@@ -72,15 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         lines = Path(args.losses).read_text().splitlines()
         logged = {e["step"]: e["loss"] for e in map(json.loads, lines)}
         losses = [logged[s] for s in range(1, args.steps + 1)]
-        reference = train_single_device(args.steps, args.batch)
-        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-        verdict = "match" if worst <= args.rtol else "DO NOT match"
-        print(
-            f"{args.steps} steps over {attempt + 1} attempts vs one device: losses {verdict} "
-            f"(largest relative difference {worst:.2e}, tolerance {args.rtol:.0e})",
-            flush=True,
-        )
-        status = 0 if worst <= args.rtol else 1
+        what = f"{args.steps} steps over {attempt + 1} attempts"
+        status = check_against_one_device(what, losses, args.batch, args.rtol)
     pm.close()
     dist.destroy_process_group()
     return status

@@ -69,6 +69,19 @@ def train_single_device(steps: int, batch: int) -> list[float]:
     return losses
 
 
+def check_against_one_device(what: str, losses: list[float], batch: int, rtol: float) -> int:
+    """Print whether `losses` match the same steps on one device; the exit status."""
+    reference = train_single_device(len(losses), batch)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    verdict = "match" if worst <= rtol else "DO NOT match"
+    print(
+        f"{what} vs one device: losses {verdict} (largest relative difference {worst:.2e}, "
+        f"tolerance {rtol:.0e}); loss {losses[0]:.3f} -> {losses[-1]:.3f}",
+        flush=True,
+    )
+    return 0 if worst <= rtol else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -93,16 +106,9 @@ def main(argv: list[str] | None = None) -> int:
 
     status = 0
     if rank == 0:
-        reference = train_single_device(args.steps, args.batch)
-        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-        verdict = "match" if worst <= args.rtol else "DO NOT match"
-        print(
-            f"\n{mesh.world_size} processes vs one device: losses {verdict} "
-            f"(largest relative difference {worst:.2e}, tolerance {args.rtol:.0e}); "
-            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}",
-            flush=True,
-        )
-        status = 0 if worst <= args.rtol else 1
+        print()
+        what = f"{mesh.world_size} processes"
+        status = check_against_one_device(what, losses, args.batch, args.rtol)
     pm.close()
     dist.destroy_process_group()
     return status
