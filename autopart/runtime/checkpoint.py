@@ -177,18 +177,36 @@ def load_checkpoint(pm: ParallelModule, path: str | os.PathLike) -> None:
 
 
 def _check_parameters(state: PieceState, metadata: Metadata, path: str | os.PathLike) -> None:
+    """Refuse, on every rank alike (before the collective load, which would otherwise
+    wait on a rank that stopped), a checkpoint whose parameters are not this model's:
+    one missing, of another shape, or one this model does not have."""
     stored = metadata.state_dict_metadata
+    problem = None
     for name, pieces in state.items():
         entry = stored.get(name)
         if entry is None or isinstance(entry, BytesStorageMetadata):
-            raise CheckpointError(
-                f"{path} has no parameter {name!r}: it was saved from another model"
-            )
-        if tuple(entry.size) != pieces[0].size:
-            raise CheckpointError(
+            problem = f"{path} has no parameter {name!r}: it was saved from another model"
+        elif tuple(entry.size) != pieces[0].size:
+            problem = (
                 f"{path} holds {name!r} with shape {tuple(entry.size)}, but this model's is "
                 f"{pieces[0].size}: it was saved from another model"
             )
+        if problem:
+            break
+    reports = [(problem, set(state))]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        reports = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(reports, (problem, set(state)))
+    problems = [p for p, _ in reports if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    loaded = set().union(*(names for _, names in reports))
+    extra = sorted(n for n in stored if "/" not in n and n not in loaded)
+    if extra:
+        raise CheckpointError(
+            f"{path} holds {len(extra)} parameters this model does not have (e.g. "
+            f"{extra[0]!r}): it was saved from another model"
+        )
 
 
 def _scalar_keys(metadata: Metadata) -> set[str]:

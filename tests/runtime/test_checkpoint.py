@@ -82,21 +82,29 @@ def test_a_checkpoint_from_tensor_and_pipeline_parallelism_resumes_under_zero3(t
     _check(per_rank, train_single_device("llama", "adamw", BEFORE + AFTER, batch))
 
 
-def _load_another_models_checkpoint(checkpoint_dir, batch) -> str:
-    pm = parallelize_lm(tiny_llama(seed=0, layers=1), batch, dp=2)
-    autopart.save_checkpoint(pm, checkpoint_dir)
-    other = parallelize_lm(tiny_llama(seed=0, layers=2), batch, dp=2)
-    try:
-        autopart.load_checkpoint(other, checkpoint_dir)
-    except autopart.CheckpointError as e:
-        return str(e)
-    return "loaded"
+def _load_another_models_checkpoint(checkpoint_dir, batch) -> dict:
+    """A 1-layer model's checkpoint into 2 layers, and a 2-layer one into 1 layer, the
+    second under a pipeline whose ranks hold different parameters."""
+    messages = {}
+    for saved, loaded, pins in ((1, 2, {"dp": 2}), (2, 1, {"pp": 2})):
+        path = f"{checkpoint_dir}/{saved}"
+        pm = parallelize_lm(tiny_llama(seed=0, layers=saved), batch, dp=2)
+        autopart.save_checkpoint(pm, path)
+        other = parallelize_lm(tiny_llama(seed=0, layers=loaded), batch, **pins)
+        try:
+            autopart.load_checkpoint(other, path)
+            messages[saved] = "loaded"
+        except autopart.CheckpointError as e:
+            messages[saved] = str(e)
+    return messages
 
 
-def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
-    messages = run_world(_load_another_models_checkpoint, 2, str(tmp_path / "c"), token_batch(8))
+def test_a_checkpoint_of_another_model_is_refused_by_name_on_every_rank(tmp_path):
+    messages = run_world(_load_another_models_checkpoint, 2, str(tmp_path), token_batch(8))
     assert messages[0] == messages[1]
-    assert "model.layers.1." in messages[0] and "another model" in messages[0]
+    lacking, extra = messages[0][1], messages[0][2]
+    assert "has no parameter 'model.layers.1." in lacking and "another model" in lacking
+    assert "parameters this model does not have" in extra and "model.layers.1." in extra
 
 
 def _export(directory, batch):
