@@ -35,7 +35,14 @@ from torch import nn  # noqa: E402
 import autopart  # noqa: E402
 from autopart.runtime.faults import PeerLost  # noqa: E402
 from autopart.testing import run_world  # noqa: E402
-from tests.models import assert_matches, make_optimizer, train_reference  # noqa: E402
+from tests.models import (  # noqa: E402
+    assert_matches,
+    make_optimizer,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_t5,
+    train_reference,
+)
 
 VOCAB = 128
 SEQ = 16
@@ -74,29 +81,8 @@ def _decoder_sizes() -> dict[str, Any]:
     }
 
 
-def gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        vocab_size=VOCAB,
-        n_positions=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-        resid_pdrop=0.0,  # no dropout: the comparison with one device must be exact
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return GPT2LMHeadModel(config)
-
-
 def llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(**_decoder_sizes()))
+    return tiny_llama(pad_token_id=0)  # a padding row, as released checkpoints have
 
 
 def mistral() -> nn.Module:
@@ -181,36 +167,6 @@ def vit() -> nn.Module:
     return key_biases_off_zero(ViTForImageClassification(config))
 
 
-class Seq2Seq(nn.Module):
-    """T5 taking (encoder ids, decoder ids) positionally, as train_step passes them: T5's
-    own second positional argument is the attention mask."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor, decoder_ids: torch.Tensor):
-        return self.model(input_ids=ids, decoder_input_ids=decoder_ids)
-
-
-def t5() -> nn.Module:
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=64,
-        d_kv=16,
-        d_ff=128,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        dropout_rate=0.0,
-        use_cache=False,
-        decoder_start_token_id=0,
-    )
-    return Seq2Seq(T5ForConditionalGeneration(config))
-
-
 class Varargs(nn.Module):
     """A `forward(self, *args)` adapter, a common way to fit a model to a training loop."""
 
@@ -290,7 +246,7 @@ class ZooCase:
 
 
 MODELS: dict[str, ZooCase] = {
-    "gpt2": ZooCase(gpt2, token_batch, token_loss),
+    "gpt2": ZooCase(tiny_gpt2, token_batch, token_loss),
     "llama": ZooCase(llama, token_batch, token_loss),
     "mistral": ZooCase(mistral, token_batch, token_loss),
     "qwen2": ZooCase(qwen2, token_batch, token_loss),
@@ -299,7 +255,7 @@ MODELS: dict[str, ZooCase] = {
     "mixtral": ZooCase(mixtral, token_batch, token_loss),
     "bert": ZooCase(bert, token_batch, token_loss),
     "vit": ZooCase(vit, image_batch, class_loss),
-    "t5": ZooCase(t5, seq2seq_batch, token_loss),
+    "t5": ZooCase(tiny_t5, seq2seq_batch, token_loss),
     "llama_varargs": ZooCase(llama_varargs, token_batch, token_loss),
     "llama_dict_output": ZooCase(llama_dict_output, token_batch, token_loss),
 }

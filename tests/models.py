@@ -52,6 +52,38 @@ def tiny_llama(seed: int = 0, layers: int = 2, pad_token_id: int | None = None) 
     return LlamaForCausalLM(config)
 
 
+class Seq2Seq(nn.Module):
+    """An encoder-decoder taking (encoder ids, decoder ids) positionally, as train_step
+    passes them (T5's own second positional argument is the attention mask)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, decoder_ids: torch.Tensor):
+        return self.model(input_ids=ids, decoder_input_ids=decoder_ids)
+
+
+def tiny_t5(seed: int = 0) -> nn.Module:
+    """T5 with its learned relative-position attention bias."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+    )
+    return Seq2Seq(T5ForConditionalGeneration(config))
+
+
 class MLP(nn.Module):
     def __init__(self, width: int = 32, depth: int = 3) -> None:
         super().__init__()

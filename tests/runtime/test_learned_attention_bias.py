@@ -10,40 +10,10 @@ import torch.nn.functional as F
 
 import autopart
 from autopart.testing import run_world
-from tests.models import assert_matches, make_optimizer, train_reference
+from tests.models import assert_matches, make_optimizer, tiny_t5, train_reference
 
 STEPS = 3
 CASES = [{"dp": 2}, {"tp": 2}]
-
-
-class _Seq2Seq(torch.nn.Module):
-    """T5 taking (encoder ids, decoder ids) positionally, as train_step passes them."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor, decoder_ids: torch.Tensor):
-        return self.model(input_ids=ids, decoder_input_ids=decoder_ids)
-
-
-def _t5():
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=128,
-        d_model=64,
-        d_kv=16,
-        d_ff=128,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        dropout_rate=0.0,
-        use_cache=False,
-        decoder_start_token_id=0,
-    )
-    return _Seq2Seq(T5ForConditionalGeneration(config))
 
 
 def _batch():
@@ -63,7 +33,7 @@ def _train(batch) -> dict:
     out = {}
     for pins in CASES:
         pm = autopart.parallelize(
-            _t5(),
+            tiny_t5(),
             autopart.Mesh.local(),
             (ids, decoder_ids),
             loss_fn=_loss,
@@ -79,8 +49,9 @@ def _train(batch) -> dict:
 def test_a_learned_attention_bias_trains_like_one_device():
     batch = _batch()
     ids, decoder_ids, target = batch
-    reference = train_reference(_t5(), "adamw", STEPS, (ids, decoder_ids), target, _loss)
-    assert any(p.requires_grad for n, p in _t5().named_parameters() if "relative_attention" in n)
+    reference = train_reference(tiny_t5(), "adamw", STEPS, (ids, decoder_ids), target, _loss)
+    learned = [p for n, p in tiny_t5().named_parameters() if "relative_attention" in n]
+    assert any(p.requires_grad for p in learned)
     for results in run_world(_train, 2, batch):
         for pins in CASES:
             assert_matches(results[tuple(pins.items())], reference)
