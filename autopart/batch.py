@@ -7,6 +7,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+# The names of the dynamic dims a capture gives the inputs: dim 0 of every input, and
+# dim 1 of an integer input (token ids, masks). Costs, checks and rules read them by name.
+BATCH = "batch"
+SEQ = "seq"
+
 
 class BatchError(ValueError):
     """A batch that cannot be split as the plan asks."""

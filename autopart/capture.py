@@ -28,15 +28,11 @@ from torch import fx, nn
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from autopart.batch import batch_size
+from autopart.batch import BATCH, SEQ, batch_size
 from autopart.ops.meta import EXAMPLE_DIMS, SHAPE, TensorInfo
 from autopart.passes.runner import PassContext
 
 log = logging.getLogger("autopart.capture")
-
-
-BATCH = "batch"  # the name of the dynamic batch dim
-SEQ = "seq"  # the name of the dynamic sequence dim (dim 1 of token inputs)
 
 
 class CaptureError(RuntimeError):

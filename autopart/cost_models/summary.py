@@ -35,6 +35,7 @@ import sympy
 from torch import fx
 from torch.distributed.tensor import Placement
 
+from autopart.batch import BATCH
 from autopart.cost_models.precision import bytes_scale, is_mixed
 from autopart.cost_models.tp_costs import TpCollective, collectives_of, distributed, split_by
 from autopart.cost_models.work import OTHER, NodeWork, evaluate, node_work, op_kind
@@ -44,7 +45,6 @@ from autopart.passes.tp_propagate import operands_of, propagate
 from autopart.passes.tp_rules import R
 from autopart.policy import Precision
 
-BATCH = "batch"
 _NO_WORK = ("placeholder", "get_attr", "output")
 
 

@@ -15,6 +15,7 @@ import sympy
 from torch import fx
 from torch.distributed.tensor import Placement, Shard
 
+from autopart.batch import SEQ
 from autopart.ops.aten import VIEW_OPS, op_name
 from autopart.ops.meta import SHAPE, TensorInfo
 from autopart.passes.tp_rules import (
@@ -179,4 +180,4 @@ def _seq_divisible(node: fx.Node, tp: int) -> bool:
     if not isinstance(info, TensorInfo) or len(info.shape) < 3:
         return False
     seq = sympy.sympify(info.shape[1])
-    return (seq.is_Symbol and seq.name == "seq") or (seq.is_Integer and int(seq) % tp == 0)
+    return (seq.is_Symbol and seq.name == SEQ) or (seq.is_Integer and int(seq) % tp == 0)

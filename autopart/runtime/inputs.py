@@ -15,7 +15,7 @@ import sympy
 import torch
 from torch.utils import _pytree as pytree
 
-from autopart.batch import BatchError
+from autopart.batch import BATCH, BatchError
 from autopart.ops.meta import TensorInfo
 
 
@@ -73,7 +73,7 @@ def _mismatch(
         if want.is_Symbol and bound.setdefault(want, got) != got:
             return f"dim {dim} ({want}) is {bound[want]} in another input"
         low, high = ranges.get(str(want), (0, float("inf"))) if want.is_Symbol else (0, 0)
-        if want.is_Symbol and str(want) != "batch" and not low <= got <= high:
+        if want.is_Symbol and str(want) != BATCH and not low <= got <= high:
             return f"dim {dim} ({want}) is {got}, outside the {low}..{high:g} the model allows"
         multiple = multiples.get(str(want), 1) if want.is_Symbol else 1
         if got % multiple:

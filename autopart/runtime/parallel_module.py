@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autopart.batch import split_batch
+from autopart.batch import SEQ, split_batch
 from autopart.degrees import MESH_AXES, Axis
 from autopart.ops.groups import MeshGroups
 from autopart.ops.meta import COLLECTIVE, CollectiveInfo, TensorInfo
@@ -101,7 +101,7 @@ class ParallelModule(nn.Module):
         if self.executor is None or self.state is None:
             raise ValueError("train_step needs parallelize(..., loss_fn=..., optimizer=...)")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        split_seq = {"seq": self.plan.tp} if self.plan.sequence_parallel else {}
+        split_seq = {SEQ: self.plan.tp} if self.plan.sequence_parallel else {}
         check_inputs(args, self.input_shapes, self.dim_ranges, split_seq)
         self.steps += 1
         try:

@@ -47,6 +47,7 @@ from ortools.sat.python import cp_model
 from torch import fx
 from torch.distributed.tensor import Placement
 
+from autopart.batch import BATCH
 from autopart.cost_models import (
     Choices,
     CostModels,
@@ -127,7 +128,7 @@ def search(
     layouts: TpLayouts, mesh: Mesh, pins: Pins, global_batch: int, dims: Mapping[str, int]
 ) -> list[Candidate]:
     """The chosen candidate first, then the other plans that fit, fastest first."""
-    first = layouts.summary(1).evaluate({**dims, "batch": 1})
+    first = layouts.summary(1).evaluate({**dims, BATCH: 1})
     blocks = tuple(s.key for s in first if s.is_block)
     choices = list(_choices(layouts, mesh, pins, global_batch, blocks))
     candidates = _price(layouts, mesh, dims, choices, recomputable=pins.recompute is None)
@@ -156,7 +157,7 @@ class TpLayouts:
         precision: str = Precision.FP32,
     ) -> None:
         self.gm, self.param_names, self.sequence_parallel = gm, param_names, sequence_parallel
-        self.mesh, self.dims, self.precision = mesh, {**dims, "batch": 1}, precision
+        self.mesh, self.dims, self.precision = mesh, {**dims, BATCH: 1}, precision
         self._placements: dict[int, dict[str, Placement]] = {1: {}}
         self._summaries: dict[int, GraphSummary] = {}
 
