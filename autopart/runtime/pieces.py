@@ -19,7 +19,7 @@ name, so that another plan reads back whatever boxes it needs
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +37,11 @@ class Piece:
     size: tuple[int, ...]
     offsets: tuple[int, ...]
     view: torch.Tensor
+
+    @property
+    def region(self) -> tuple[slice, ...]:
+        """Where the piece lies in its whole tensor, as an index."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.view.shape))
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,4 +144,18 @@ def distinct(pieces: Iterator[Piece] | list[Piece]) -> list[Piece]:
         if key not in seen:
             seen.add(key)
             out.append(piece)
+    return out
+
+
+def assemble(pieces: Iterable[Piece]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each whole tensor the pieces name, rebuilt from them (on the CPU), with a mask of
+    the elements some piece covered."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for piece in pieces:
+        if piece.name not in out:
+            whole = torch.zeros(piece.size, dtype=piece.view.dtype)
+            out[piece.name] = (whole, torch.zeros(piece.size, dtype=torch.bool))
+        whole, covered = out[piece.name]
+        whole[piece.region] = piece.view.cpu()
+        covered[piece.region] = True
     return out

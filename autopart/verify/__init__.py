@@ -9,7 +9,8 @@ the loss (over `steps` steps), of the model's outputs and of each parameter's gr
 (first step). Every operator's output in the first step's forward is recorded on every
 rank and on one device (probes.py) and set side by side (compare.py): on a mismatch the
 report names the first operator, in the single-device graph's order, whose output
-diverges beyond tolerance, by module path and op.
+diverges beyond tolerance, by module path and op. The single-device side is
+reference.py; the report's types and limits, report.py.
 
 `on_rank` is the per-rank half, for a world that is already running (under torchrun);
 `verify` starts the world itself (`autopart.testing.run_world`), so what it is given is
@@ -20,7 +21,7 @@ lambdas, and call it under `if __name__ == "__main__":` in a script.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,79 +29,20 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.tensor import Replicate
 
-from autopart.api import captured_for_planning, parallelize
+from autopart.api import parallelize
 from autopart.degrees import Axis
 from autopart.mesh import Mesh
 from autopart.ops.aten import op_name
 from autopart.ops.meta import MODULE_PATH, TP_PLACE
 from autopart.plan import MeshSpec, Plan
 from autopart.runtime.parallel_module import LossFn, OptimizerFactory, ParallelModule
+from autopart.runtime.pieces import assemble
+from autopart.verify import reference as single_device
 from autopart.verify.compare import RankValue, node_difference, relative_difference
 from autopart.verify.probes import GradientRecorder, Recorder, install_probes
+from autopart.verify.report import LOSS_RTOL, TENSOR_RTOL, Divergence, VerifyReport
 
-__all__ = ["Divergence", "VerifyReport", "on_rank", "verify"]
-
-# A difference beyond these is a mismatch: fp32 reductions in another order stay orders
-# of magnitude below them; a missing collective or a wrong scale is O(1).
-LOSS_RTOL = 1e-4
-TENSOR_RTOL = 1e-3
-
-
-@dataclass(frozen=True, slots=True)
-class Divergence:
-    """An operator whose output differs from one device's."""
-
-    module_path: str
-    op: str
-    node: str
-    difference: float
-
-    def __str__(self) -> str:
-        where = self.module_path or "(the model's top level)"
-        return f"{where}: {self.op} (node {self.node}), relative difference {self.difference:.3g}"
-
-
-@dataclass(frozen=True, slots=True)
-class VerifyReport:
-    plan: str
-    world: int
-    steps: int
-    loss: float  # largest relative difference over the steps
-    outputs: float
-    gradients: dict[str, float]
-    compared: int  # operators whose outputs were set side by side
-    not_compared: int  # recomputed or not reassembled
-    first_divergence: Divergence | None
-    losses: list[float] = field(default_factory=list)
-    reference_losses: list[float] = field(default_factory=list)
-
-    @property
-    def worst_gradient(self) -> tuple[str, float]:
-        return max(self.gradients.items(), key=lambda kv: kv[1], default=("", 0.0))
-
-    @property
-    def ok(self) -> bool:
-        return (
-            self.loss <= LOSS_RTOL
-            and self.outputs <= TENSOR_RTOL
-            and self.worst_gradient[1] <= TENSOR_RTOL
-            and self.first_divergence is None
-        )
-
-    def __str__(self) -> str:
-        name, worst = self.worst_gradient
-        verdict = "matches one device" if self.ok else "DOES NOT match one device"
-        return "\n".join(
-            [
-                f"autopart verify: {self.plan} on {self.world} Gloo processes, {self.steps} steps",
-                f"  loss        {self.loss:.2e}  (largest relative gap; limit {LOSS_RTOL:g})",
-                f"  outputs     {self.outputs:.2e}  (limit {TENSOR_RTOL:g})",
-                f"  gradients   {worst:.2e}  ({name or 'none'}; limit {TENSOR_RTOL:g})",
-                f"  operators   {self.compared} compared, {self.not_compared} not comparable",
-                f"  first divergence: {self.first_divergence or 'none'}",
-                f"the plan {verdict}",
-            ]
-        )
+__all__ = ["LOSS_RTOL", "TENSOR_RTOL", "Divergence", "VerifyReport", "on_rank", "verify"]
 
 
 def verify(
@@ -179,8 +121,8 @@ def _report(
     ranks: list[dict[str, Any]],
 ) -> VerifyReport:
     plan = pm.plan
-    values, order, outputs, graph = _single_device_values(model, args)
-    reference_losses, reference_grads = _single_device_training(
+    values, order, outputs, graph = single_device.operator_values(model, args)
+    reference_losses, reference_grads = single_device.training(
         model, args, target, loss_fn, optimizer, steps
     )
     compared, skipped, first, output_gap = 0, 0, None, 0.0
@@ -228,68 +170,15 @@ def _rank_values(ranks: list[dict[str, Any]], name: str) -> list[RankValue]:
     return out
 
 
-def _single_device_values(
-    model: nn.Module, args: tuple
-) -> tuple[dict[str, torch.Tensor], list[str], set[str], dict[str, fx.Node]]:
-    """Each operator's output on one device, in graph order; the nodes the model's
-    outputs come from; the nodes by name."""
-    captured = captured_for_planning(copy.deepcopy(model), args)
-    gm = captured.gm
-    graph = {n.name: n for n in gm.graph.nodes}
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    outputs = {n.name for n in output.all_input_nodes}
-    recorder = Recorder()
-    install_probes(gm, recorder)
-    with torch.no_grad():
-        gm(*args)
-    values = {name: vs[0] for name, vs in recorder.values.items()}
-    return values, list(values), outputs, graph
-
-
-def _single_device_training(
-    model: nn.Module,
-    args: tuple,
-    target: Any,
-    loss_fn: LossFn,
-    optimizer: OptimizerFactory,
-    steps: int,
-) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The losses of `steps` steps on one device, and the first step's gradients."""
-    opt = optimizer(model.parameters())
-    losses, grads = [], {}
-    for step in range(steps):
-        opt.zero_grad()
-        loss = loss_fn(model(*args), target)
-        loss.backward()
-        if step == 0:
-            grads = {
-                n: p.grad.detach().float().clone()
-                for n, p in model.named_parameters()
-                if p.grad is not None
-            }
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads
-
-
 def _gradient_differences(
     ranks: list[dict[str, Any]], reference: dict[str, torch.Tensor]
 ) -> dict[str, float]:
-    """Each parameter's gradient, rebuilt from every rank's pieces, against one device's."""
-    whole: dict[str, torch.Tensor] = {}
-    covered: dict[str, torch.Tensor] = {}
-    for rank in ranks:
-        for piece in rank["gradients"]:
-            if piece.name not in whole:
-                whole[piece.name] = torch.zeros(piece.size)
-                covered[piece.name] = torch.zeros(piece.size, dtype=torch.bool)
-            region = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.view.shape))
-            whole[piece.name][region] = piece.view
-            covered[piece.name][region] = True
+    """Each parameter's gradient, rebuilt from every rank's pieces, against one device's;
+    infinite where some part of it no rank holds."""
+    whole = assemble(piece for rank in ranks for piece in rank["gradients"])
     out = {}
     for name, want in reference.items():
-        if name not in whole or not bool(covered[name].all()):
-            out[name] = float("inf")  # a gradient some part of which no rank holds
-        else:
-            out[name] = relative_difference(whole[name], want)
+        got = whole.get(name)
+        complete = got is not None and bool(got[1].all())
+        out[name] = relative_difference(got[0], want) if got and complete else float("inf")
     return out

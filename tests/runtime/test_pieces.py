@@ -25,9 +25,8 @@ def _rebuild(pieces, shapes):
     hits = {name: torch.zeros(shape) for name, shape in shapes.items()}
     for piece in pieces:
         assert piece.size == tuple(shapes[piece.name])
-        region = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.view.shape))
-        out[piece.name][region] = piece.view
-        hits[piece.name][region] += 1
+        out[piece.name][piece.region] = piece.view
+        hits[piece.name][piece.region] += 1
     return out, hits
 
 
