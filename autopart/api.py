@@ -3,6 +3,7 @@ capture → analyze → solve → rewrite → run. Each stage lives in its own p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -11,14 +12,16 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autopart.batch import split_batch
+from autopart.batch import batch_size, split_batch
 from autopart.capture import Captured, capture
 from autopart.mesh import Mesh
 from autopart.ops.groups import MeshGroups
+from autopart.ops.meta import TensorInfo
+from autopart.ops.program import RankProgram, sharing_tensors
 from autopart.passes import analyze
-from autopart.passes.materialize import Weights
+from autopart.passes.materialize import Weights, materialize_pass
 from autopart.passes.rewrite import rank_program
-from autopart.passes.runner import RankTarget
+from autopart.passes.runner import RankTarget, pass_name
 from autopart.plan import Plan, PlanError
 from autopart.policy import (
     COLLECTIVE_TIMEOUT_S,
@@ -83,10 +86,44 @@ def parallelize(
         raise PlanError(refusal)
     limit = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
     groups = MeshGroups(mesh.device_mesh(plan.degrees, limit), mesh.group_options(limit))
-    runs = _program_capture(model, captured, plan, example_kwargs, groups.device)
-    program = rank_program(runs.gm, runs.context(target=RankTarget(plan, groups, weights)))
+    program = _rank_program(model, captured, example_kwargs, RankTarget(plan, groups, weights))
     shapes, ranges = captured.input_shapes(), captured.dim_ranges
-    return ParallelModule(program, plan, groups, loss_fn, optimizer, shapes, ranges)
+    again = functools.partial(_program_again, model, plan, groups, example_kwargs, program)
+    return ParallelModule(program, plan, groups, loss_fn, optimizer, shapes, ranges, again)
+
+
+def _rank_program(
+    model: nn.Module,
+    captured: Captured,
+    example_kwargs: Any,
+    target: RankTarget,
+    disabled: frozenset[str] = frozenset(),
+) -> RankProgram:
+    """This rank's program of the target's plan: the capture it runs, rewritten."""
+    runs = _program_capture(model, captured, target.plan, example_kwargs, target.groups.device)
+    return rank_program(runs.gm, runs.context(target=target, disabled=disabled))
+
+
+def _program_again(
+    model: nn.Module,
+    plan: Plan,
+    groups: MeshGroups,
+    example_kwargs: Any,
+    held: RankProgram,
+    inputs: tuple,
+) -> tuple[RankProgram, tuple[TensorInfo | None, ...], dict[str, tuple[int, float]]]:
+    """This rank's program of `plan` for inputs of other shapes than the example's,
+    which the program `held` does not take: `model` captured again at them, rewritten
+    as `held` was, and given `held`'s tensors (trained since; not loaded again from the
+    weights), with the inputs it takes."""
+    captured = captured_for_planning(model, inputs, example_kwargs)
+    target = RankTarget(plan, groups)
+    program = _rank_program(model, captured, example_kwargs, target, _KEEPS_TENSORS)
+    return sharing_tensors(program, held), captured.input_shapes(), captured.dim_ranges
+
+
+# A program made again takes the first one's tensors: no weights are loaded into it.
+_KEEPS_TENSORS = frozenset({pass_name(materialize_pass)})
 
 
 def captured_for_planning(
@@ -115,7 +152,7 @@ def _program_capture(
     specialized on the batch size."""
     inputs = captured.example_args
     parts = plan.dp * plan.microbatches
-    specialized = not captured.admits_batch(plan.global_batch // parts)
+    specialized = not captured.admits_batch(batch_size(inputs) // parts)
     if specialized:
         inputs = split_batch(inputs, 0, parts)
     autocast = LOW_DTYPES.get(plan.precision)

@@ -109,8 +109,44 @@ class ConvNet(nn.Module):
         return self.head(x.flatten(1))
 
 
+class FixedLengthLM(nn.Module):
+    """A small language model, hand-written as many are: a learned absolute position
+    table read up to the sequence's length taken as a Python int. It trains at any
+    length up to `max_len`, but torch.export keeps the length static at the example's
+    (the int specializes it). Returns the logits."""
+
+    def __init__(self, width: int = 32, layers: int = 2, max_len: int = 64, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, width)
+        self.positions = nn.Parameter(torch.randn(max_len, width) * 0.02)
+        self.layers = nn.ModuleList(_Block(width) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        length = int(ids.shape[1])
+        x = self.embed(ids) + self.positions[:length]
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
 def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+    """Cross-entropy of the logits (`output.logits`, or `output` itself) per token."""
+    logits = getattr(output, "logits", output)
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 def token_batch(batch: int = 8, seq: int = SEQ, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,8 @@
     zero3.py         ZeRO-3's sharded parameters and their gather start / wait
     groups.py        this rank's coordinate and process group on each mesh axis
     stage_info.py    what the runtime knows of a pipeline stage beyond its graph
-    program.py       RankProgram: what the rewrite hands the runtime
+    program.py       RankProgram: what the rewrite hands the runtime; a program made
+                     again for new input shapes, holding the first one's tensors
 
 Passes insert calls to these functions and modules into graphs; the runtime runs them.
 Nothing here imports passes, runtime, cost_models, solver or api.

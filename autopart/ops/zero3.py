@@ -105,9 +105,12 @@ class ShardedParameters(nn.Module):
         return self._reducer
 
     def install(self, gm: fx.GraphModule) -> None:
-        """Run the stage's forward under the saved-tensor hooks."""
-        gm.register_forward_pre_hook(self._enter_forward)
-        gm.register_forward_hook(self._exit_forward, always_call=True)
+        """Run the stage's forward under the saved-tensor hooks. The hooks find the
+        shards the stage holds when it runs, not these: a program made again for inputs
+        of a new shape takes the first program's shards in place of its own
+        (ops/program.py `sharing_tensors`)."""
+        gm.register_forward_pre_hook(_enter_forward)
+        gm.register_forward_hook(_exit_forward, always_call=True)
 
     # -- the step (ShardedPart) --------------------------------------------------------
 
@@ -226,6 +229,20 @@ class _GatherBucket(torch.autograd.Function):
         # The shard's gradient arrives asynchronously (GradientReducer), not through autograd.
         ctx.params.reduce_gradients(ctx.bucket, grads)
         return None, None, None, None
+
+
+def _enter_forward(stage: nn.Module, args: Any) -> None:
+    _held(stage)._enter_forward(stage, args)
+
+
+def _exit_forward(stage: nn.Module, args: Any, output: Any) -> None:
+    _held(stage)._exit_forward(stage, args, output)
+
+
+def _held(stage: nn.Module) -> ShardedParameters:
+    params = sharded_parameters(stage)
+    assert params is not None, "zero3_pass installs the hooks on a stage it gives shards"
+    return params
 
 
 def all_gather_start(params: ShardedParameters, bucket: int) -> _Pending:

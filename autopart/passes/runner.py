@@ -79,7 +79,7 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Iterable[Pass]) -> 
     for p in passes:
         name = pass_name(p)
         if name in ctx.disabled:
-            log.info("pass %s disabled", name)
+            log.debug("pass %s disabled", name)  # a program made again skips materialize
             continue
         start = time.perf_counter()
         gm = p(gm, ctx)

@@ -11,6 +11,7 @@
     precision.py         autocast and fp16 loss scaling
     full_state.py        whole parameters from this rank's pieces
     inputs.py            a step's inputs checked against the captured shapes
+    programs.py          the plan's programs by input shape: made again for new static sizes
     faults.py            a peer lost mid-step, as an error that says how to resume
     weights.py           models built on the meta device
     checkpoint.py        sharded checkpoints: parameters and optimizer state, any plan

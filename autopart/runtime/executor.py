@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from autopart.batch import split_batch
+from autopart.ops.program import RankProgram
 from autopart.runtime.precision import Precision
 
 
@@ -40,6 +41,10 @@ class LocalExecutor:
             self.precision.scale(loss).backward()
             losses.append(loss.detach().float())
         return torch.stack(losses).sum()
+
+    def for_program(self, program: RankProgram) -> LocalExecutor:
+        """The same over another program of the plan (made for inputs of other shapes)."""
+        return LocalExecutor(program.stages[0], self.loss_fn, self.microbatches, self.precision)
 
     def close(self) -> None:
         """Nothing to release: no hooks of its own."""

@@ -24,13 +24,16 @@ def check_inputs(
     expected: Sequence[TensorInfo | None],
     ranges: Mapping[str, tuple[int, float]] | None = None,
     multiples: Mapping[str, int] | None = None,
+    *,
+    static_sizes: bool = True,
 ) -> None:
     """Raise BatchError unless each tensor of `inputs` (flattened) has the captured
     rank, dtype and fixed sizes, and the named dims ("batch", "seq", ...) one size
     each, within the sizes the capture allows (`ranges`, by dim name: a sequence no
     longer than a learned position table) and a multiple of what splits them
     (`multiples`: the sequence under sequence parallelism). The batch is checked for
-    divisibility where it is split."""
+    divisibility where it is split. With `static_sizes` False, a dim captured static
+    may have another size: what a new capture at the step's shapes can mend."""
     leaves = pytree.tree_leaves(inputs)
     if len(leaves) > len(expected):
         raise BatchError(
@@ -42,7 +45,7 @@ def check_inputs(
         if info is None or not isinstance(leaf, torch.Tensor):
             continue
         problem = _mismatch(
-            tuple(leaf.shape), leaf.dtype, info, bound, ranges or {}, multiples or {}
+            tuple(leaf.shape), leaf.dtype, info, bound, ranges or {}, multiples or {}, static_sizes
         )
         if problem:
             captured = "(" + ", ".join(str(d) for d in info.shape) + ")"
@@ -54,6 +57,21 @@ def check_inputs(
             )
 
 
+def changed_static_dims(
+    inputs: Any, expected: Sequence[TensorInfo | None]
+) -> list[tuple[int, int]]:
+    """(input, dim) of each dim the capture kept static whose size `inputs` change."""
+    changed = []
+    for i, (leaf, info) in enumerate(zip(pytree.tree_leaves(inputs), expected)):
+        if info is None or not isinstance(leaf, torch.Tensor) or leaf.dim() != len(info.shape):
+            continue
+        for dim, (got, want) in enumerate(zip(leaf.shape, info.shape)):
+            want = sympy.sympify(want)
+            if want.is_Integer and int(want) != got:
+                changed.append((i, dim))
+    return changed
+
+
 def _mismatch(
     shape: tuple[int, ...],
     dtype: torch.dtype,
@@ -61,6 +79,7 @@ def _mismatch(
     bound: dict[sympy.Expr, int],
     ranges: Mapping[str, tuple[int, float]],
     multiples: Mapping[str, int],
+    static_sizes: bool,
 ) -> str | None:
     if len(shape) != len(info.shape):
         return f"{len(shape)} dims instead of {len(info.shape)}"
@@ -68,7 +87,7 @@ def _mismatch(
         return "another dtype"
     for dim, (got, want) in enumerate(zip(shape, info.shape)):
         want = sympy.sympify(want)
-        if want.is_Integer and int(want) != got:
+        if want.is_Integer and int(want) != got and static_sizes:
             return f"dim {dim} is fixed at {want}"
         if want.is_Symbol and bound.setdefault(want, got) != got:
             return f"dim {dim} ({want}) is {bound[want]} in another input"

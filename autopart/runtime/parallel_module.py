@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -20,10 +20,18 @@ from autopart.runtime.data_parallel import OptimizerFactory, build_data_parallel
 from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.faults import peer_lost, register_process
 from autopart.runtime.full_state import full_state_dict
-from autopart.runtime.inputs import check_inputs
 from autopart.runtime.precision import Precision
+from autopart.runtime.programs import ProgramsByShape, ShapedProgram
+
+if TYPE_CHECKING:
+    from autopart.runtime.pipeline import PipelineExecutor
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+# Given a step's inputs of new shapes: this rank's program of the same plan made for
+# them (holding the first program's tensors), its input shapes and dim ranges.
+MakeProgram = Callable[
+    [tuple], tuple[RankProgram, Sequence[TensorInfo | None], Mapping[str, tuple[int, float]]]
+]
 
 
 class ParallelModule(nn.Module):
@@ -38,10 +46,12 @@ class ParallelModule(nn.Module):
         optimizer: OptimizerFactory | None,
         input_shapes: Sequence[TensorInfo | None] = (),
         dim_ranges: Mapping[str, tuple[int, float]] | None = None,
+        make_program: MakeProgram | None = None,
     ) -> None:
         """`input_shapes`: the model's (flattened) inputs at the global batch, as
         captured, and `dim_ranges` the sizes each named dim may take; each step's inputs
-        are checked against them."""
+        are checked against them. `make_program` makes the program again for inputs
+        that differ only in sizes the capture kept static (runtime/programs.py)."""
         super().__init__()
         self.stages = nn.ModuleList(program.stages)
         self.input_shapes = tuple(input_shapes)
@@ -55,6 +65,15 @@ class ParallelModule(nn.Module):
         self.loss_fn = loss_fn
         self.precision = Precision(plan.precision, device_type=groups.device_type)
         self.executor = self._executor(program, loss_fn) if loss_fn else None
+        self.programs = (
+            ProgramsByShape(
+                ShapedProgram(self.executor, self.input_shapes, self.dim_ranges),
+                self._again(make_program) if make_program else None,
+                groups,
+            )
+            if self.executor
+            else None
+        )
         self.state = (
             build_data_parallel_state(
                 plan.zero, program.stages, groups.group(Axis.DP), optimizer, plan.microbatches
@@ -63,12 +82,21 @@ class ParallelModule(nn.Module):
             else None
         )
 
-    def _executor(self, program: RankProgram, loss_fn: LossFn):
+    def _executor(self, program: RankProgram, loss_fn: LossFn) -> LocalExecutor | PipelineExecutor:
         if self.plan.pp == 1:
             return LocalExecutor(program.stages[0], loss_fn, self.plan.microbatches, self.precision)
         from autopart.runtime.pipeline import PipelineExecutor
 
         return PipelineExecutor(program, self.plan, self.groups, loss_fn, self.precision)
+
+    def _again(self, make_program: MakeProgram) -> Callable[[tuple], ShapedProgram]:
+        def again(inputs: tuple) -> ShapedProgram:
+            assert self.executor is not None, "programs are made again for train_step only"
+            program, shapes, ranges = make_program(inputs)
+            runner = self.executor.for_program(program)
+            return ShapedProgram(runner, tuple(shapes), dict(ranges))
+
+        return again
 
     @property
     def graph(self) -> fx.GraphModule:
@@ -97,25 +125,29 @@ class ParallelModule(nn.Module):
 
     def train_step(self, inputs: Any, target: Any) -> torch.Tensor:
         """Forward, backward, gradient sync and optimizer step on the global batch
-        `inputs`; returns the global mean loss, the same on every rank."""
-        if self.executor is None or self.state is None:
+        `inputs`; returns the global mean loss, the same on every rank. Inputs that
+        differ from the example only in sizes the capture kept static run a program
+        made for their shapes (runtime/programs.py)."""
+        if self.programs is None or self.state is None:
             raise ValueError("train_step needs parallelize(..., loss_fn=..., optimizer=...)")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         split_seq = {SEQ: self.plan.tp} if self.plan.sequence_parallel else {}
-        check_inputs(args, self.input_shapes, self.dim_ranges, split_seq)
+        executor = self.programs.serving(args, split_seq)
         self.steps += 1
         try:
-            return self._step(args, target)
+            return self._step(executor, args, target)
         except RuntimeError as e:
             lost = peer_lost(e, self.steps - 1, self.groups.timeout)
             if lost is None:
                 raise
             raise lost from e
 
-    def _step(self, args: tuple, target: Any) -> torch.Tensor:
-        assert self.executor is not None and self.state is not None
+    def _step(
+        self, executor: LocalExecutor | PipelineExecutor, args: tuple, target: Any
+    ) -> torch.Tensor:
+        assert self.state is not None, "train_step checked it"
         self.state.begin()
-        local_loss = self.executor.run(self.local_batch(args), self.local_batch(target))
+        local_loss = executor.run(self.local_batch(args), self.local_batch(target))
         self.state.finish()
         loss = self._global_loss(local_loss)
         if self.precision.unscale(self.state.optimizer):

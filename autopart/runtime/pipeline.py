@@ -16,6 +16,7 @@ after the data-parallel all-reduce has started on them.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from itertools import chain
@@ -64,20 +65,32 @@ class PipelineExecutor:
         precision: Precision | None = None,
     ) -> None:
         self.precision = precision or Precision(plan.precision, groups.device_type)
-        self.modules = [_StageOutputs(gm, self.precision) for gm in program.stages]
-        self.infos = [pipeline_info(gm) for gm in program.stages]
-        self.stage_ids = program.stage_ids
-        self.num_stages = self.infos[0].stages
         assert plan.schedule is not None, "a plan with pp > 1 has a schedule (Plan checks it)"
         self.schedule_type = SCHEDULE_CLASSES[Schedule(plan.schedule)]
         self.microbatches = plan.microbatches
         self.group = groups.group(Axis.PP)
         self.loss_fn = loss_fn
-        self.device = _device(program.stages[0])
         self.shared = SharedParameters(program.stages, program.stage_ids, groups, plan.microbatches)
-        self._schedules: dict[tuple, Any] = {}
         self._targets: list[Any] = []
         self._losses: list[torch.Tensor] = []
+        self._use(program)
+
+    def _use(self, program: RankProgram) -> None:
+        """Run `program`'s stages, in schedules made for them."""
+        self.modules = [_StageOutputs(gm, self.precision) for gm in program.stages]
+        self.infos = [pipeline_info(gm) for gm in program.stages]
+        self.stage_ids = program.stage_ids
+        self.num_stages = self.infos[0].stages
+        self.device = _device(program.stages[0])
+        self._schedules: dict[tuple, Any] = {}
+
+    def for_program(self, program: RankProgram) -> PipelineExecutor:
+        """The same pipeline over another program of the plan (made for inputs of other
+        shapes): its stages and schedules are the program's own; the tied weights'
+        process groups and hooks, on the tensors every program shares, are this one's."""
+        other = copy.copy(self)
+        other._use(program)
+        return other
 
     @property
     def runs_first(self) -> bool:
