@@ -6,6 +6,7 @@ capture (torch.export) → analysis passes → solver → rewrite passes → run
 from autopart.api import parallelize, plan
 from autopart.batch import BatchError
 from autopart.capture import CaptureError, capture
+from autopart.compile import backend
 from autopart.degrees import Axis, Degrees, MeshError
 from autopart.mesh import DeviceSpec, Mesh
 from autopart.plan import Plan, PlanError
@@ -27,6 +28,7 @@ __all__ = [
     "ParallelModule",
     "Plan",
     "PlanError",
+    "backend",
     "capture",
     "export",
     "init_empty_weights",
