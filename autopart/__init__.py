@@ -6,7 +6,7 @@ capture (torch.export) → analysis passes → solver → rewrite passes → run
 from autopart.api import parallelize, plan
 from autopart.batch import BatchError
 from autopart.capture import CaptureError, capture
-from autopart.compile import backend
+from autopart.compile import backend, gathered
 from autopart.degrees import Axis, Degrees, MeshError
 from autopart.mesh import DeviceSpec, Mesh
 from autopart.plan import Plan, PlanError
@@ -31,6 +31,7 @@ __all__ = [
     "backend",
     "capture",
     "export",
+    "gathered",
     "init_empty_weights",
     "load_checkpoint",
     "parallelize",

@@ -47,7 +47,7 @@ from torch.optim.optimizer import (
 
 from autopart.capture import from_graph_module
 from autopart.compile.tensor_parallel import TensorParallelGraph, plan_tensor_parallel
-from autopart.compile.zero import ParameterGradients, gather_on_use
+from autopart.compile.zero import ParameterGradients, gather_on_use, gathered
 from autopart.degrees import Axis, Degrees
 from autopart.mesh import Mesh
 from autopart.ops.groups import MeshGroups
@@ -56,6 +56,8 @@ from autopart.plan import PlanError
 from autopart.policy import COLLECTIVE_TIMEOUT_S
 
 log = logging.getLogger("autopart.compile")
+
+__all__ = ["AutopartBackend", "autopart_backend", "backend", "gathered"]
 
 _PINS = ("dp", "tp", "zero")
 
@@ -244,7 +246,7 @@ def _after_break() -> str:
     from torch._dynamo.utils import counters  # dynamo's own record; loaded once it ran
 
     breaks = list(counters["graph_break"])
-    return f" (after the graph break: {breaks[-1]})" if breaks else ""
+    return f" (after the graph break: {breaks[-1].strip().splitlines()[0]})" if breaks else ""
 
 
 def _signature(gm: fx.GraphModule) -> int:

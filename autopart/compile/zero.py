@@ -19,6 +19,8 @@ or not.
   gathers it (a broadcast from the owner) right before its first use and frees it after
   its last use in forward; what autograd saves of it for backward is kept as a handle
   that gathers it again when backward needs it, freed once its gradient is complete.
+  Outside forward and backward, read the parameters inside `gathered(model)`: a freed
+  parameter keeps its shape (dynamo guards it) but has no memory to read.
 
 A later backward adds to the gradients an earlier one left (accumulation without
 `zero_grad`), as on one device.
@@ -26,8 +28,9 @@ A later backward adds to the gradients an earlier one left (accumulation without
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import AbstractContextManager
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +153,7 @@ class OwnerStorage:
         self._gathered: set[int] = set()
         for p in params:
             self._free(p)
+        _STORAGES.add(self)
 
     def gather(self, p: nn.Parameter) -> nn.Parameter:
         """`p` whole on this rank, broadcast from its owner unless already gathered."""
@@ -195,6 +199,29 @@ class OwnerStorage:
             return saved
         p = self.gather(saved.param)
         return p.detach().as_strided(saved.size, saved.stride, saved.offset)
+
+
+_STORAGES: weakref.WeakSet[OwnerStorage] = weakref.WeakSet()
+
+
+@contextmanager
+def gathered(model: nn.Module) -> Iterator[nn.Module]:
+    """Every parameter of `model` whole on every rank inside the block, for reading
+    (`state_dict()`, saving, printing): under ZeRO-3 a rank holds only the parameters it
+    owns outside forward and backward, and the others' memory is given back. Collective:
+    every rank enters the block."""
+    mine = {id(p) for p in model.parameters()}
+    storages = [s for s in _STORAGES if any(i in mine for i in s.params)]
+    with torch.no_grad():
+        for storage in storages:
+            for i, p in storage.params.items():
+                if i in mine:
+                    storage.gather(p)
+    try:
+        yield model
+    finally:
+        for storage in storages:
+            storage.release_all()
 
 
 def _alone(p: nn.Parameter) -> bool:
