@@ -1,12 +1,15 @@
-"""Data-parallel training through torch.compile, with an unchanged training loop.
+"""Training through torch.compile, with an unchanged training loop.
 
-    torchrun --standalone --nproc-per-node 2 examples/compile_backend.py
+    torchrun --standalone --nproc-per-node 2 examples/compile_backend.py [--tp 2] [--zero 3]
 
 `torch.compile(model, backend="autopart")` captures the model with dynamo; autopart
 analyzes each graph and, in a world of several processes, averages the gradients over
-it as DistributedDataParallel does, overlapped with backward. The loop is plain
-PyTorch: `loss.backward(); optimizer.step()`. Each rank trains on its own slice of the
-global batch; rank 0 then replays the same steps on one device and compares the losses.
+it as DistributedDataParallel does, overlapped with backward. With
+`backend=autopart.backend(tp=..., zero=...)` it also lays each graph out for tensor
+parallelism and shards optimizer state, gradients and parameters (ZeRO) by owner. The
+loop is plain PyTorch: `loss.backward(); optimizer.step()`. Each data-parallel replica
+trains on its own slice of the global batch (the ranks of a tp group on the same one);
+rank 0 then replays the same steps on one device and compares the losses.
 """
 
 from __future__ import annotations
@@ -26,18 +29,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--rtol", type=float, default=1e-4)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--zero", type=int, default=0, help="ZeRO stage (0-3)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     autopart.Mesh.local()  # joins the torchrun world (Gloo on CPU)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     model = build_model()
-    compiled = torch.compile(model, backend="autopart")
+    plain = args.tp == 1 and args.zero == 0
+    backend = "autopart" if plain else autopart.backend(tp=args.tp, zero=args.zero)
+    compiled = torch.compile(model, backend=backend)
     opt = optimizer(model.parameters())
     losses = []
     for ids, target in batches(args.steps, args.batch):
-        share = args.batch // world  # this rank's slice of the global batch
-        mine = slice(rank * share, (rank + 1) * share)
+        replica, replicas = rank // args.tp, world // args.tp
+        share = args.batch // replicas  # this replica's slice of the global batch
+        mine = slice(replica * share, (replica + 1) * share)
         opt.zero_grad()
         loss = loss_fn(compiled(ids[mine]), target[mine])
         loss.backward()
@@ -48,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
 
     status = 0
     if rank == 0:
-        what = f"torch.compile(backend='autopart') on {world} processes"
+        name = repr(backend)  # 'autopart', or autopart.backend(tp=..., zero=...)
+        what = f"torch.compile(backend={name}) on {world} processes"
         status = check_against_one_device(what, losses, args.batch, args.rtol)
     dist.destroy_process_group()
     return status

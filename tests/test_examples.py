@@ -34,15 +34,20 @@ def test_the_main_job_prints_its_plan_and_matches_one_device(tmp_path):
 
 
 @pytest.mark.slow  # launches processes of its own: kept out of the quick suite
-def test_the_compile_backend_example_trains_like_one_device(tmp_path):
+@pytest.mark.parametrize(
+    ("pins", "backend"),
+    [((), "'autopart'"), (("--tp", "2", "--zero", "3"), "autopart.backend(tp=2, zero=3)")],
+)
+def test_the_compile_backend_example_trains_like_one_device(tmp_path, pins, backend):
     output = _run(
         [
             *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
             *("--nproc-per-node", "2", str(EXAMPLES / "compile_backend.py"), "--steps", "3"),
+            *pins,
         ],
         tmp_path,
     )
-    assert "torch.compile(backend='autopart') on 2 processes vs one device: losses match" in output
+    assert f"torch.compile(backend={backend}) on 2 processes vs one device: losses match" in output
 
 
 @pytest.mark.slow  # plans a 70B model on the meta device: about half a minute

@@ -92,6 +92,10 @@ class AutopartBackend:
         self._step_hooks: list[Any] = []
         self._graphs = 0
 
+    def __repr__(self) -> str:
+        pins = {"dp": self.dp, "tp": self.tp if self.tp > 1 else None, "zero": self.zero or None}
+        return "autopart.backend(" + ", ".join(f"{k}={v}" for k, v in pins.items() if v) + ")"
+
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any
     ) -> Callable[..., Any]:
