@@ -12,6 +12,7 @@ tp-sharded parameter is fed as this rank's slice of the user's whole parameter
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ from autopart.passes.rewrite import rank_program
 from autopart.passes.runner import RankTarget
 from autopart.plan import Plan
 from autopart.solver import Pins, make_plan
+
+log = logging.getLogger("autopart.compile")
 
 # What the user's loop fixes: one forward and one backward per call, no pipeline.
 LOOP_PINS = {"pp": 1, "microbatches": 1, "recompute": False, "sequence_parallel": False}
@@ -88,6 +91,16 @@ def plan_tensor_parallel(
     order, out_spec = lift_parameters(program, dict(ctx.params))
     _feed_slices(program, order, program_plan, groups.rank(Axis.TP), rewritten.tp_layout)
     params = [model.get_parameter(name) for name in order]
+    sharded = [
+        p for name, p in zip(order, params) if isinstance(plan.placement(name, Axis.TP), Shard)
+    ]
+    log.info(
+        "autopart: graph planned for tp=%d: %d of %d parameters sharded (%.0f%% of the elements)",
+        plan.tp,
+        len(sharded),
+        len(params),
+        100 * sum(p.numel() for p in sharded) / max(1, sum(p.numel() for p in params)),
+    )
     is_data = [slot is None for slot in model.slots]
     return TensorParallelGraph(program, plan, params, is_data, out_spec)
 
