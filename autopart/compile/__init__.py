@@ -115,11 +115,11 @@ class AutopartBackend:
         self._graphs += 1
         program = self._tensor_parallel(gm, example_inputs) if self.tp > 1 else None
         if program is None:
-            graph, run = gm, gm.forward
+            graph = gm
             slots = zip(gm.graph.find_nodes(op="placeholder"), example_inputs)
             param_inputs = [(n, x) for n, x in slots if isinstance(x, nn.Parameter)]
         else:
-            graph, run = program.program, program
+            graph = program.program
             param_inputs = list(zip(program.parameter_inputs, program.params))
         params = list({id(p): p for _, p in param_inputs}.values())
         # Inputs follow first use in forward; backward runs the other way.
@@ -127,7 +127,7 @@ class AutopartBackend:
         if sync.storage is not None:
             gather_on_use(graph, [node for node, _ in param_inputs], sync.storage)
         return _CompiledGraph(
-            run,
+            program or graph.forward,  # after the edit: recompiling replaces `forward`
             _signature(gm),
             sync,
             params[0].device,
