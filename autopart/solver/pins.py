@@ -6,8 +6,9 @@ pinned by name (`dp=2`, `tp=4`, ...: every axis of `Degrees`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from autopart.capture import BATCH, Captured
 from autopart.cost_models import Choices, predict
 from autopart.degrees import Axis, Degrees, MeshError, axis_names
 from autopart.mesh import Mesh
+from autopart.passes.batch_mixing import batch_mixing
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
 from autopart.policy import PRECISION_ALIASES, Precision, check_choice, zero_refusal
@@ -77,6 +79,8 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     """The plan for `captured` on `mesh`: the search's choice among what `pins` allow,
     with its tensor-parallel layout, pipeline cuts, predictions and runners-up."""
     batch = batch_size((captured.example_args, captured.example_kwargs))
+    mixing = batch_mixing(captured.gm)
+    pins = _whole_batch(pins, mixing, mesh)
     _check_pins(pins, mesh, batch)
     dims = {k: v for k, v in captured.dim_sizes.items() if k != BATCH}
     layouts = TpLayouts(
@@ -85,7 +89,9 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     try:
         found = search(layouts, mesh, pins, batch, dims)
     except NoPlanFits as e:
-        raise PlanError(f"{e}{_what_fits(captured, mesh, pins, batch, dims)}") from None
+        whole = f"; the batch stays whole (dp=1, one microbatch): {'; '.join(mixing)}"
+        fits = _what_fits(captured, mesh, pins, batch, dims, mixing)
+        raise PlanError(f"{e}{whole if mixing else ''}{fits}") from None
     # The plan as it will run (its own stage cuts) is priced again; should it no longer
     # fit, the next plan that fits takes its place.
     for candidate in found:
@@ -102,6 +108,33 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     others = [c for c in found if c is not candidate]
     alternatives = tuple(_alternative(c) for c in others[:MAX_ALTERNATIVES])
     return plan.with_changes(predicted=predicted, alternatives=alternatives)
+
+
+def _whole_batch(pins: Pins, mixing: list[str], mesh: Mesh) -> Pins:
+    """`pins` with dp and microbatches fixed at 1 where the model mixes the examples of
+    its batch (`mixing`, passes.batch_mixing): splitting the batch would change what it
+    computes. Pins that split it are refused, saying where the model mixes them."""
+    if not mixing:
+        return pins
+    split = {"dp": pins.degree(Axis.DP) or _dp_left(pins, mesh), "microbatches": pins.microbatches}
+    splitting = [f"{k}={v}" for k, v in split.items() if v is not None and v > 1]
+    if splitting:
+        raise PlanError(
+            f"{' and '.join(splitting)} would split the batch, but the model mixes the "
+            f"examples of a batch: {'; '.join(mixing)}. Each part would compute something "
+            "else than one device does on the whole batch. Pin dp=1 and microbatches=1 "
+            "(tensor or pipeline parallelism), or keep the examples apart (for BatchNorm: "
+            "GroupNorm or LayerNorm, or BatchNorm in eval mode, its statistics frozen)"
+        )
+    return replace(pins, degrees={**pins.degrees, str(Axis.DP): 1}, microbatches=1)
+
+
+def _dp_left(pins: Pins, mesh: Mesh) -> int | None:
+    """The dp degree the other axes leave where they are all pinned, else None."""
+    others = [n for axis, n in pins.degrees.items() if axis != Axis.DP]
+    if len(others) < len(axis_names()) - 1:
+        return None
+    return mesh.world_size // math.prod(others)
 
 
 def _check_pins(pins: Pins, mesh: Mesh, batch: int) -> None:
@@ -158,9 +191,11 @@ def _plan_of(
     )
 
 
-def _what_fits(captured: Captured, mesh: Mesh, pins: Pins, batch: int, dims: dict) -> str:
+def _what_fits(
+    captured: Captured, mesh: Mesh, pins: Pins, batch: int, dims: dict, mixing: list[str]
+) -> str:
     """With every axis unpinned, the plan that would fit, as advice."""
-    open_pins = Pins(precision=pins.precision)
+    open_pins = _whole_batch(Pins(precision=pins.precision), mixing, mesh)
     if pins == open_pins:
         return ""
     try:

@@ -9,7 +9,7 @@ Candidates, every combination the pins allow:
   ZeRO stage 0-3 (0 when dp = 1);
   microbatches: 1 without a pipeline; pp, 2pp and 4pp (dividing the replica's batch)
     with one; schedule 1F1B, and interleaved 1F1B over 2 virtual stages where the blocks
-    allow;
+    allow (GPipe where one microbatch is pinned);
   no recomputation, unless pinned.
 Each is priced once by `cost_models.predict` on one `GraphSummary` of the graph. A
 pipeline's stage cuts, and the blocks to recompute when a plan does not fit otherwise
@@ -411,6 +411,8 @@ def _pipelines(pp: int, replica_batch: int, pins: Pins, blocks: int):
         return
     if pins.schedule:
         schedules = [pins.schedule]
+    elif pins.microbatches == 1:  # one microbatch: GPipe runs it, 1F1B needs pp of them
+        schedules = [Schedule.GPIPE.value]
     elif (pins.virtual_stages or 1) > 1:
         schedules = [Schedule.INTERLEAVED_1F1B.value]
     else:

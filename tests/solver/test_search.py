@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 from torch.optim import Adafactor, AdamW
 
 import autopart
@@ -152,3 +153,53 @@ def test_a_long_solve_reports_its_progress(monkeypatch, caplog):
         autopart.plan(tiny_gpt2(), autopart.Mesh.cluster("cpu", 1, 4), (token_batch(8)[0],))
     lines = [r.getMessage() for r in caplog.records if "solver: pricing plans:" in r.getMessage()]
     assert lines and lines[-1].startswith("solver: pricing plans: ") and " of " in lines[-1]
+
+
+class BatchNormNet(nn.Module):
+    """Conv, BatchNorm (training mode: statistics over the batch), then a small MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1),
+            nn.BatchNorm2d(4),
+            nn.Flatten(),
+            nn.Linear(64, 8),
+            nn.ReLU(),
+            nn.Linear(8, 2),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+TWO_CPUS = Mesh.cluster("cpu", nodes=1, per_node=2)
+FOUR_CPUS = Mesh.cluster("cpu", nodes=1, per_node=4)
+IMAGES = torch.randn(8, 3, 4, 4)
+
+
+def test_a_model_that_mixes_its_examples_is_planned_on_the_whole_batch():
+    plan = autopart.plan(BatchNormNet(), TWO_CPUS, (IMAGES,))
+    assert (plan.dp, plan.microbatches) == (1, 1)
+    # A pipeline of one microbatch runs GPipe: 1F1B needs pp microbatches.
+    piped = autopart.plan(BatchNormNet(), TWO_CPUS, (IMAGES,), pp=2)
+    assert (piped.pp, piped.microbatches, piped.schedule) == (2, 1, "gpipe")
+
+
+@pytest.mark.parametrize("pins", [{"dp": 2}, {"dp": 2, "zero": 3}, {"microbatches": 2}])
+def test_pins_that_split_the_batch_of_such_a_model_are_refused_saying_where(pins):
+    with pytest.raises(
+        autopart.PlanError, match=r"mixes the examples of a batch: batch_norm .* at layers\.1"
+    ):
+        autopart.plan(BatchNormNet(), TWO_CPUS, (IMAGES,), **pins)
+
+
+def test_axes_pinned_so_that_dp_must_split_such_a_batch_are_refused():
+    with pytest.raises(autopart.PlanError, match="dp=4 would split the batch"):
+        autopart.plan(BatchNormNet(), FOUR_CPUS, (IMAGES,), tp=1, pp=1)
+
+
+def test_with_no_plan_on_the_whole_batch_the_refusal_says_why():
+    conv_bn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))  # 2 blocks: no pp=4
+    with pytest.raises(autopart.PlanError, match=r"the batch stays whole \(dp=1, one microbatch\)"):
+        autopart.plan(conv_bn, FOUR_CPUS, (IMAGES,), tp=1)

@@ -1,0 +1,86 @@
+"""Operators that mix the examples of a batch, so that splitting the batch (over dp, or
+into microbatches) changes what the model computes: each part would see only its own
+examples, where one device sees them all.
+
+Two kinds are recognized, from the shapes in the named dims (the shape analysis):
+
+- batch normalization in training mode, whose mean and variance run over the batch;
+- an output with two dims sized by the batch, such as CLIP's image × caption scores,
+  where every example is scored against every other.
+
+Found only where the capture keeps the batch dynamic (the default; not a model captured
+on the meta device, whose batch is static). A reduction over the batch that only feeds
+the loss (a mean of per-example losses) is not flagged: the runtime averages the parts'
+losses, which is that mean.
+"""
+
+from __future__ import annotations
+
+import sympy
+from torch import fx
+
+from autopart.batch import BATCH
+from autopart.ops.aten import op_name
+from autopart.ops.meta import MODULE_PATH, SHAPE, TensorInfo
+
+# Batch normalization as the exporter records it: composite, or one of its lowerings.
+_BATCH_NORMS = {
+    "batch_norm",
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional",
+    "_batch_norm_with_update",  # always updates its running statistics: training
+    "cudnn_batch_norm",
+    "miopen_batch_norm",
+}
+
+
+def batch_mixing(gm: fx.GraphModule) -> list[str]:
+    """How and where `gm` mixes the examples of its batch, one line per kind ("batch_norm
+    in training mode normalizes over the batch, at blocks.0.1, blocks.1.1"); empty
+    where the examples are computed apart. Needs the shape and module-path analyses."""
+    found: dict[str, dict[str, None]] = {}  # kind -> module paths, ordered, no repeats
+    for node in gm.graph.nodes:
+        why = _mixes(node) if node.op == "call_function" else ""
+        if why:
+            found.setdefault(why, {})[MODULE_PATH.get(node) or "the top level"] = None
+    return [f"{why}, at {', '.join(paths)}" for why, paths in found.items()]
+
+
+def _mixes(node: fx.Node) -> str:
+    name = op_name(node)
+    if name in _BATCH_NORMS and _training(node):
+        shape = _info(node.args[0])
+        # Statistics per channel (dim 1), over every other dim.
+        if shape and any(map(_batched, shape.shape[:1] + shape.shape[2:])):
+            return f"{name} in training mode normalizes over the batch"
+    out = _info(node)
+    # Only where the batch × batch tensor arises, not every operator that carries it on.
+    inputs = [_info(a) for a in node.all_input_nodes]
+    if _batch_by_batch(out) and not any(map(_batch_by_batch, inputs)):
+        return f"{name} gives a batch × batch result, every example against every other"
+    return ""
+
+
+def _info(x: object) -> TensorInfo | None:
+    info = SHAPE.get(x, None) if isinstance(x, fx.Node) else None
+    return info if isinstance(info, TensorInfo) else None
+
+
+def _batch_by_batch(info: TensorInfo | None) -> bool:
+    return info is not None and sum(map(_batched, info.shape)) >= 2
+
+
+def _training(node: fx.Node) -> bool:
+    """The op's `training` argument (by its schema); true for an op without one."""
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "training" not in names:
+        return True
+    i = names.index("training")
+    return bool(node.args[i] if i < len(node.args) else node.kwargs.get("training", True))
+
+
+def _batched(size: sympy.Expr | int) -> bool:
+    symbols = getattr(size, "free_symbols", ())
+    return any(s.name == BATCH for s in symbols)
