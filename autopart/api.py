@@ -16,6 +16,7 @@ from autopart.batch import batch_size, split_batch
 from autopart.capture import Captured, capture
 from autopart.mesh import Mesh
 from autopart.ops.groups import MeshGroups
+from autopart.ops.loss_match import CrossEntropy, match_cross_entropy
 from autopart.ops.meta import TensorInfo
 from autopart.ops.program import RankProgram, sharing_tensors
 from autopart.passes import analyze
@@ -86,9 +87,12 @@ def parallelize(
         raise PlanError(refusal)
     limit = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
     groups = MeshGroups(mesh.device_mesh(plan.degrees, limit), mesh.group_options(limit))
-    program = _rank_program(model, captured, example_kwargs, RankTarget(plan, groups, weights))
+    # A standard cross-entropy may run on logits sharded over the vocabulary.
+    loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn and plan.tp > 1 else None
+    target = RankTarget(plan, groups, weights, loss)
+    program = _rank_program(model, captured, example_kwargs, target)
     shapes, ranges = captured.input_shapes(), captured.dim_ranges
-    again = functools.partial(_program_again, model, plan, groups, example_kwargs, program)
+    again = functools.partial(_program_again, model, plan, groups, example_kwargs, loss, program)
     return ParallelModule(program, plan, groups, loss_fn, optimizer, shapes, ranges, again)
 
 
@@ -109,6 +113,7 @@ def _program_again(
     plan: Plan,
     groups: MeshGroups,
     example_kwargs: Any,
+    loss: CrossEntropy | None,
     held: RankProgram,
     inputs: tuple,
 ) -> tuple[RankProgram, tuple[TensorInfo | None, ...], dict[str, tuple[int, float]]]:
@@ -117,7 +122,7 @@ def _program_again(
     as `held` was, and given `held`'s tensors (trained since; not loaded again from the
     weights), with the inputs it takes."""
     captured = captured_for_planning(model, inputs, example_kwargs)
-    target = RankTarget(plan, groups)
+    target = RankTarget(plan, groups, loss=loss)
     program = _rank_program(model, captured, example_kwargs, target, _KEEPS_TENSORS)
     return sharing_tensors(program, held), captured.input_shapes(), captured.dim_ranges
 

@@ -9,12 +9,15 @@ unless the caller gives a default.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
 
 import sympy
 import torch
 from torch import fx
 from torch.distributed.tensor import Placement
+
+if TYPE_CHECKING:
+    from autopart.ops.loss_match import CrossEntropy
 
 T = TypeVar("T")
 _REQUIRED: Any = object()
@@ -131,6 +134,11 @@ TP_PLACE: MetaKey[Placement | None] = MetaKey("tp_place", "tensor_parallel_pass"
 # Tensor-parallel parameters of a rewritten graph: FQN -> (sharded dim, parts of a fused
 # weight), for slicing checkpoints and reassembling whole parameters.
 TP_LAYOUT: GraphKey[dict[str, tuple[int, int]]] = GraphKey("tp_layout", "tensor_parallel_pass")
+# The loss a graph's output feeds where the tensor-parallel rewrite left that output's
+# logits sharded over the vocabulary (no gather): the runtime computes it in parallel.
+VOCAB_PARALLEL_LOSS: GraphKey[CrossEntropy] = GraphKey(
+    "vocab_parallel_loss", "tensor_parallel_pass"
+)
 # The size of each named dim ("batch", "seq") in the example the graph was captured with:
 # what a cost is evaluated at where a caller does not give a dim's size.
 EXAMPLE_DIMS: GraphKey[dict[str, int]] = GraphKey("example_dims", "capture")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from autopart.ops.loss_match import CrossEntropy
 from autopart.ops.zero3 import ZERO3, sharded_parameters
 
 
@@ -19,6 +20,9 @@ class RankProgram:
     stage_ids: list[int]
     # Tensor-parallel parameters: FQN -> (sharded dim, parts of a fused weight).
     tp_layout: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The loss, where the last stage returns its logits sharded over the vocabulary
+    # (tp's last dim): the runtime computes it with a vocabulary-parallel cross-entropy.
+    vocab_parallel_loss: CrossEntropy | None = None
 
 
 class ProgramMismatch(ValueError):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from autopart.ops.meta import TP_LAYOUT
+from autopart.ops.meta import TP_LAYOUT, VOCAB_PARALLEL_LOSS
 from autopart.ops.program import RankProgram
 from autopart.passes.causal_attention import causal_attention_pass
 from autopart.passes.materialize import materialize_pass
@@ -74,4 +74,5 @@ def rank_program(gm: fx.GraphModule, ctx: PassContext) -> RankProgram:
     else:
         stages, stage_ids = [gm], [0]
     stages = [run_passes(stage, ctx, passes(per_stage=True)) for stage in stages]
-    return RankProgram(stages, stage_ids, TP_LAYOUT.get(gm, {}))
+    loss = VOCAB_PARALLEL_LOSS.get(gm) if VOCAB_PARALLEL_LOSS.has(gm) else None
+    return RankProgram(stages, stage_ids, TP_LAYOUT.get(gm, {}), loss)

@@ -22,6 +22,7 @@ from torch import fx
 
 if TYPE_CHECKING:
     from autopart.ops.groups import MeshGroups
+    from autopart.ops.loss_match import CrossEntropy
     from autopart.passes.materialize import Weights
     from autopart.plan import Plan
 
@@ -33,11 +34,14 @@ Pass = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
 @dataclass(frozen=True, slots=True)
 class RankTarget:
     """What rewrite passes build: this rank's program of `plan`, on its place in the mesh,
-    with real memory for a meta model's pieces from `weights`."""
+    with real memory for a meta model's pieces from `weights`. `loss`: the training loss
+    where it is a standard cross-entropy of one output, which the tensor-parallel rewrite
+    may then leave sharded over the vocabulary (the runtime computes the loss on it)."""
 
     plan: Plan
     groups: MeshGroups
     weights: Weights | None = None
+    loss: CrossEntropy | None = None
 
 
 @dataclass

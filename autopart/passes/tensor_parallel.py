@@ -10,6 +10,10 @@ carries them through the graph, and this pass applies what it decided, in place:
   the sequence under sequence parallelism), and its bias is added once, after that;
 - every sharded parameter is replaced by this rank's slice (part by part for a fused
   q/k/v weight), keeping its FQN.
+- the graph's outputs are gathered whole, except the logits of a standard cross-entropy
+  loss (`RankTarget.loss`) where the layout shards them over the vocabulary: they stay
+  sharded, and the runtime's vocabulary-parallel cross-entropy reads the slices
+  (recorded under `VOCAB_PARALLEL_LOSS`).
 
 Operators with no rule replicate their inputs and warn once per operator.
 """
@@ -36,7 +40,9 @@ from autopart.ops.meta import (
     SHAPE,
     TP_LAYOUT,
     TP_PLACE,
+    VOCAB_PARALLEL_LOSS,
     CollectiveInfo,
+    TensorInfo,
     inherit,
     tensor_info,
 )
@@ -54,6 +60,9 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     places = {fqn: plan.placement(fqn, Axis.TP) for fqn in sorted(set(ctx.params.values()))}
     result = propagate(gm, ctx.params, places, plan.tp, plan.sequence_parallel)
     _warn_fallbacks(gm, result)
+    loss = ctx.rank.loss
+    if loss is not None and _keep_logits_sharded(gm, result, loss.logits, plan.tp):
+        VOCAB_PARALLEL_LOSS.set(gm, loss)
     for node, place in result.places.items():
         if isinstance(place, Placement):
             TP_PLACE.set(node, place)
@@ -70,6 +79,29 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _keep_logits_sharded(gm: fx.GraphModule, result: Propagation, leaf: int, tp: int) -> bool:
+    """Leave the graph's `leaf`-th output, the logits of a standard cross-entropy, as the
+    layout made it where that is sharded evenly over the vocabulary (its last dim): the
+    runtime's vocabulary-parallel cross-entropy reads the slices, and no rank holds the
+    whole logits. Whether it did so."""
+    (output,) = gm.graph.find_nodes(op="output")
+    flat, _ = flatten_args(output)
+    decision = result.decisions[output]
+    if leaf >= len(flat) or leaf not in decision.inputs or not isinstance(flat[leaf], fx.Node):
+        return False
+    info = SHAPE.get(flat[leaf], None)
+    place = result.operand_place(flat[leaf])
+    if not isinstance(info, TensorInfo) or not isinstance(place, Shard):
+        return False
+    rank = len(info.shape)
+    vocab = sympy.sympify(info.shape[-1])
+    even = vocab.is_Integer and int(vocab) % tp == 0
+    if _normalize(place, rank) != Shard(rank - 1) or not even:
+        return False
+    del decision.inputs[leaf]
+    return True
 
 
 def _warn_fallbacks(gm: fx.GraphModule, result: Propagation) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,6 +9,7 @@ from torch import nn
 
 from autopart.batch import split_batch
 from autopart.ops.program import RankProgram
+from autopart.runtime.loss import StepLoss
 from autopart.runtime.precision import Precision
 
 
@@ -21,7 +21,7 @@ class LocalExecutor:
     def __init__(
         self,
         program: nn.Module,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_fn: StepLoss,
         microbatches: int,
         precision: Precision,
     ) -> None:
@@ -44,7 +44,8 @@ class LocalExecutor:
 
     def for_program(self, program: RankProgram) -> LocalExecutor:
         """The same over another program of the plan (made for inputs of other shapes)."""
-        return LocalExecutor(program.stages[0], self.loss_fn, self.microbatches, self.precision)
+        loss_fn = self.loss_fn.for_program(program)
+        return LocalExecutor(program.stages[0], loss_fn, self.microbatches, self.precision)
 
     def close(self) -> None:
         """Nothing to release: no hooks of its own."""

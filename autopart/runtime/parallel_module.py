@@ -20,6 +20,7 @@ from autopart.runtime.data_parallel import OptimizerFactory, build_data_parallel
 from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.faults import peer_lost, register_process
 from autopart.runtime.full_state import full_state_dict
+from autopart.runtime.loss import StepLoss, whole_output
 from autopart.runtime.precision import Precision
 from autopart.runtime.programs import ProgramsByShape, ShapedProgram
 
@@ -60,6 +61,8 @@ class ParallelModule(nn.Module):
         register_process()  # so that a survivor can name a rank that is lost
         self.stage_ids = program.stage_ids
         self.tp_layout = program.tp_layout
+        # Logits the program returns sharded over the vocabulary, for a parallel loss.
+        self.vocab_parallel_loss = program.vocab_parallel_loss
         self.plan = plan
         self.groups = groups
         self.loss_fn = loss_fn
@@ -83,11 +86,17 @@ class ParallelModule(nn.Module):
         )
 
     def _executor(self, program: RankProgram, loss_fn: LossFn) -> LocalExecutor | PipelineExecutor:
+        loss = StepLoss(loss_fn, self._tp_group).for_program(program)
         if self.plan.pp == 1:
-            return LocalExecutor(program.stages[0], loss_fn, self.plan.microbatches, self.precision)
+            return LocalExecutor(program.stages[0], loss, self.plan.microbatches, self.precision)
         from autopart.runtime.pipeline import PipelineExecutor
 
-        return PipelineExecutor(program, self.plan, self.groups, loss_fn, self.precision)
+        return PipelineExecutor(program, self.plan, self.groups, loss, self.precision)
+
+    @property
+    def _tp_group(self) -> dist.ProcessGroup | None:
+        """The tp group, where there is one (the vocabulary-parallel loss runs over it)."""
+        return self.groups.group(Axis.TP) if self.plan.tp > 1 else None
 
     def _again(self, make_program: MakeProgram) -> Callable[[tuple], ShapedProgram]:
         def again(inputs: tuple) -> ShapedProgram:
@@ -115,7 +124,10 @@ class ParallelModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.plan.pp > 1:
             raise NotImplementedError("a pipelined model runs through train_step")
-        return self.stages[0](*args, **kwargs)
+        output = self.stages[0](*args, **kwargs)
+        # The program may return logits sharded over the vocabulary (for the loss's
+        # sake); the caller gets them whole.
+        return whole_output(output, self.vocab_parallel_loss, self._tp_group)
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's slice of a global batch, on this rank's device."""

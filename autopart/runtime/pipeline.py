@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
@@ -41,6 +41,7 @@ from autopart.ops.program import RankProgram
 from autopart.ops.stage_info import PipelineInfo, output_values, pipeline_info
 from autopart.plan import Plan
 from autopart.policy import Schedule
+from autopart.runtime.loss import StepLoss
 from autopart.runtime.precision import Precision
 from autopart.runtime.shared_params import SharedParameters
 
@@ -61,7 +62,7 @@ class PipelineExecutor:
         program: RankProgram,
         plan: Plan,
         groups: MeshGroups,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_fn: StepLoss,
         precision: Precision | None = None,
     ) -> None:
         self.precision = precision or Precision(plan.precision, groups.device_type)
@@ -69,6 +70,7 @@ class PipelineExecutor:
         self.schedule_type = SCHEDULE_CLASSES[Schedule(plan.schedule)]
         self.microbatches = plan.microbatches
         self.group = groups.group(Axis.PP)
+        self.tp = groups.size(Axis.TP)
         self.loss_fn = loss_fn
         self.shared = SharedParameters(program.stages, program.stage_ids, groups, plan.microbatches)
         self._targets: list[Any] = []
@@ -78,6 +80,7 @@ class PipelineExecutor:
     def _use(self, program: RankProgram) -> None:
         """Run `program`'s stages, in schedules made for them."""
         self.modules = [_StageOutputs(gm, self.precision) for gm in program.stages]
+        self.step_loss = self.loss_fn.for_program(program)
         self.infos = [pipeline_info(gm) for gm in program.stages]
         self.stage_ids = program.stage_ids
         self.num_stages = self.infos[0].stages
@@ -127,7 +130,7 @@ class PipelineExecutor:
         assert out_spec is not None, "the loss follows the last stage's forward"
         output = pytree.tree_unflatten(list(outputs), out_spec)
         with self.precision.autocast():
-            loss = self.loss_fn(output, self._targets[int(index)]) / self.microbatches
+            loss = self.step_loss(output, self._targets[int(index)]) / self.microbatches
         self._losses.append(loss.detach().float())
         return self.precision.scale(loss)
 
@@ -158,7 +161,7 @@ class PipelineExecutor:
                 for n, grad in zip(placeholders, info.input_grads)
             )
         outputs = tuple(
-            _example(tensor_info(v), sizes, grad, self.device)
+            _example(self._output_info(info, graph, v), sizes, grad, self.device)
             for v, grad in zip(output_values(graph), info.output_grads)
         )
         return PipelineStage(
@@ -170,6 +173,19 @@ class PipelineExecutor:
             output_args=outputs,
             group=self.group,
         )
+
+    def _output_info(self, info: PipelineInfo, graph: fx.Graph, value: fx.Node) -> TensorInfo:
+        """An output of a stage as it leaves this rank: the last stage's logits left
+        sharded over the vocabulary for the loss hold a tp-th of the vocabulary (SHAPE
+        holds one device's shapes)."""
+        whole = tensor_info(value)
+        sharded = self.step_loss.sharded
+        if info.stage < info.stages - 1 or sharded is None:
+            return whole
+        (output,) = graph.find_nodes(op="output")
+        if pytree.tree_leaves(output.args[0])[sharded.logits] is not value:
+            return whole
+        return TensorInfo((*whole.shape[:-1], whole.shape[-1] // self.tp), whole.dtype)
 
     def _make_schedule(self, stages: Sequence[PipelineStage]):
         loss_fn = self._microbatch_loss
