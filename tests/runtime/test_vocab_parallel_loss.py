@@ -159,9 +159,15 @@ def _loss_inputs(pm: autopart.ParallelModule) -> dict:
     gathers = [n for n, info in pm.collectives() if info.kind == "all_gather"]
     found = {"parallel_loss": pm.vocab_parallel_loss is not None, "gathers": gathers}
     if pm.plan.pp == 1:
-        ids = pm.local_batch(BATCH[0])
-        found["program_width"] = pm.graph(ids).logits.shape[-1]
+        ids, target = pm.local_batch(BATCH)
+        output = pm.graph(ids)
+        found["program_width"] = output.logits.shape[-1]
         found["forward_width"] = pm(ids).logits.shape[-1]
+        # A target the loss was not recognized for (flat) gathers the logits instead.
+        assert pm.executor is not None
+        step_loss = pm.executor.loss_fn
+        by_slices, gathered = step_loss(output, target), step_loss(output, target.flatten())
+        found["flat_target_gap"] = ((by_slices - gathered).abs() / gathered).item()
     return found
 
 
@@ -231,6 +237,7 @@ def _check(per_rank: list[dict], case: tuple, tp: int) -> None:
         widths = result.pop("loss_widths")
         if not pipelined:
             assert result.pop("forward_width") == VOCAB, rank  # pm(...) gives them whole
+            assert result.pop("flat_target_gap") < 1e-6, rank
             # Sharded all the way to the loss, or gathered in the graph for the user's.
             assert result.pop("program_width") == (VOCAB // tp if standard else VOCAB), rank
         last_stage = not pipelined or rank >= len(per_rank) // 2  # pp is the outer axis
