@@ -87,13 +87,17 @@ def parallelize(
         raise PlanError(refusal)
     limit = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
     groups = MeshGroups(mesh.device_mesh(plan.degrees, limit), mesh.group_options(limit))
-    # A standard cross-entropy may run on logits sharded over the vocabulary.
-    loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn and plan.tp > 1 else None
+    # A standard cross-entropy may run on logits sharded over the vocabulary, and its
+    # mean over counted tokens weighs the batch's parts by their counts.
+    splits = plan.tp * plan.dp * plan.microbatches > 1
+    loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn and splits else None
     target = RankTarget(plan, groups, weights, loss)
     program = _rank_program(model, captured, example_kwargs, target)
     shapes, ranges = captured.input_shapes(), captured.dim_ranges
     again = functools.partial(_program_again, model, plan, groups, example_kwargs, loss, program)
-    return ParallelModule(program, plan, groups, loss_fn, optimizer, shapes, ranges, again)
+    return ParallelModule(
+        program, plan, groups, loss_fn, optimizer, shapes, ranges, again, recognized_loss=loss
+    )
 
 
 def _rank_program(

@@ -15,8 +15,8 @@ from autopart.runtime.precision import Precision
 
 class LocalExecutor:
     """pp = 1: each microbatch runs forward then backward in turn; gradients accumulate.
-    Each microbatch's loss is divided by their number, so the accumulated gradient is
-    that of the mean loss over the rank's whole batch."""
+    Each microbatch's loss is weighted by its share of the batch, so the accumulated
+    gradient is that of the mean loss over the rank's whole batch."""
 
     def __init__(
         self,
@@ -30,14 +30,16 @@ class LocalExecutor:
         self.microbatches = microbatches
         self.precision = precision
 
-    def run(self, args: tuple, target: Any) -> torch.Tensor:
-        """Forward and backward over the rank's batch; returns its mean loss (detached)."""
+    def run(self, args: tuple, target: Any, shares: list[float]) -> torch.Tensor:
+        """Forward and backward over the rank's batch, each microbatch's loss weighted
+        by its share (`StepLoss.shares`); returns the rank's loss (detached)."""
         m = self.microbatches
         losses = []
         for i in range(m):
             with self.precision.autocast():
                 output = self.program(*split_batch(args, i, m, "microbatches"))
-                loss = self.loss_fn(output, split_batch(target, i, m, "microbatches")) / m
+                part = split_batch(target, i, m, "microbatches")
+                loss = self.loss_fn.part(output, part, shares[i])
             self.precision.scale(loss).backward()
             losses.append(loss.detach().float())
         return torch.stack(losses).sum()

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from autopart.batch import split_batch
 from autopart.ops import collectives as c
 from autopart.ops.loss_match import CrossEntropy
 from autopart.ops.program import RankProgram
@@ -29,11 +30,22 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 @dataclass(frozen=True)
 class StepLoss:
     """`loss_fn(output, target)` for the outputs of a program whose `sharded` loss's
-    logits leaf is this rank's vocabulary slice over `group` (None: outputs are whole)."""
+    logits leaf is this rank's vocabulary slice over `group` (None: outputs are whole).
+    `recognized`: the loss as recognized (a standard cross-entropy), whatever the
+    layout."""
 
     loss_fn: LossFn
     group: dist.ProcessGroup | None = None
     sharded: CrossEntropy | None = None
+
+    def part(self, output: Any, target: Any, share: float) -> torch.Tensor:
+        """One microbatch's term of the step's loss: its loss times its `share`."""
+        if share == 0.0:
+            # Every token of the part is ignored: it adds nothing to the step's mean (its
+            # own mean would be 0/0), but its backward still runs, as on every rank.
+            floats = [t for t in pytree.tree_leaves(output) if _is_float(t)]
+            return sum((t.sum() for t in floats), torch.zeros(())) * 0.0
+        return self(output, target) * share
 
     def for_program(self, program: RankProgram) -> StepLoss:
         return replace(self, sharded=program.vocab_parallel_loss)
@@ -50,6 +62,34 @@ class StepLoss:
         return self.loss_fn(whole_output(output, self.sharded, self.group), target)
 
 
+def microbatch_shares(
+    loss: CrossEntropy | None, target: Any, dp: int, dp_rank: int, microbatches: int
+) -> list[float]:
+    """The weight of each of this rank's microbatches in the step's loss, given the
+    global `target` and the `loss` as recognized (None: another loss). The gradient
+    sync averages over the dp replicas, so weights of 1/m give the mean over the batch
+    when every part counts alike. A cross-entropy that ignores some tokens is the mean
+    over the others: there a part's weight is its share of the counted tokens, times
+    dp, so that the step's loss and gradient are one device's however the ignored
+    tokens fall."""
+    m = microbatches
+    even = [1.0 / m] * m
+    if loss is None or not isinstance(target, torch.Tensor) or target.is_floating_point():
+        return even
+    counted = target != loss.ignore_index
+    counts = [
+        [
+            int(split_batch(split_batch(counted, r, dp), i, m, "microbatches").sum())
+            for i in range(m)
+        ]
+        for r in range(dp)
+    ]
+    total = sum(map(sum, counts))
+    if total == 0 or len({c for row in counts for c in row}) == 1:
+        return even  # no counted token at all is 0/0 on one device too
+    return [c * dp / total for c in counts[dp_rank]]
+
+
 def whole_output(output: Any, sharded: CrossEntropy | None, group: dist.ProcessGroup | None) -> Any:
     """`output` with the logits of the `sharded` loss (this rank's slices over `group`)
     gathered, differentiably, as one device computes them; as it is where none are."""
@@ -60,6 +100,10 @@ def whole_output(output: Any, sharded: CrossEntropy | None, group: dist.ProcessG
     i = sharded.logits
     leaves[i] = c.all_gather(leaves[i], leaves[i].dim() - 1, group.group_name)
     return pytree.tree_unflatten(leaves, spec)
+
+
+def _is_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
 def _indices_for(target: torch.Tensor, logits: torch.Tensor) -> bool:

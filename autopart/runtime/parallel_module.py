@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 from autopart.batch import SEQ, split_batch
 from autopart.degrees import MESH_AXES, Axis
 from autopart.ops.groups import MeshGroups
+from autopart.ops.loss_match import CrossEntropy
 from autopart.ops.meta import COLLECTIVE, CollectiveInfo, TensorInfo
 from autopart.ops.program import RankProgram
 from autopart.plan import Plan
@@ -20,7 +21,7 @@ from autopart.runtime.data_parallel import OptimizerFactory, build_data_parallel
 from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.faults import peer_lost, register_process
 from autopart.runtime.full_state import full_state_dict
-from autopart.runtime.loss import StepLoss, whole_output
+from autopart.runtime.loss import StepLoss, microbatch_shares, whole_output
 from autopart.runtime.precision import Precision
 from autopart.runtime.programs import ProgramsByShape, ShapedProgram
 
@@ -48,11 +49,14 @@ class ParallelModule(nn.Module):
         input_shapes: Sequence[TensorInfo | None] = (),
         dim_ranges: Mapping[str, tuple[int, float]] | None = None,
         make_program: MakeProgram | None = None,
+        recognized_loss: CrossEntropy | None = None,
     ) -> None:
         """`input_shapes`: the model's (flattened) inputs at the global batch, as
         captured, and `dim_ranges` the sizes each named dim may take; each step's inputs
         are checked against them. `make_program` makes the program again for inputs
-        that differ only in sizes the capture kept static (runtime/programs.py)."""
+        that differ only in sizes the capture kept static (runtime/programs.py).
+        `recognized_loss`: `loss_fn` recognized as a standard cross-entropy, whose mean
+        over counted tokens the batch's parts are weighted for."""
         super().__init__()
         self.stages = nn.ModuleList(program.stages)
         self.input_shapes = tuple(input_shapes)
@@ -66,6 +70,7 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self.groups = groups
         self.loss_fn = loss_fn
+        self.recognized_loss = recognized_loss
         self.precision = Precision(plan.precision, device_type=groups.device_type)
         self.executor = self._executor(program, loss_fn) if loss_fn else None
         self.programs = (
@@ -159,7 +164,9 @@ class ParallelModule(nn.Module):
     ) -> torch.Tensor:
         assert self.state is not None, "train_step checked it"
         self.state.begin()
-        local_loss = executor.run(self.local_batch(args), self.local_batch(target))
+        dp, rank, m = self.plan.dp, self.groups.rank(Axis.DP), self.plan.microbatches
+        shares = microbatch_shares(self.recognized_loss, target, dp, rank, m)
+        local_loss = executor.run(self.local_batch(args), self.local_batch(target), shares)
         self.state.finish()
         loss = self._global_loss(local_loss)
         if self.precision.unscale(self.state.optimizer):

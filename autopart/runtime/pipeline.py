@@ -107,7 +107,7 @@ class PipelineExecutor:
         """Remove the tied-weight hooks from the model's parameters."""
         self.shared.close()
 
-    def run(self, args: tuple, target: Any) -> torch.Tensor:
+    def run(self, args: tuple, target: Any, shares: list[float]) -> torch.Tensor:
         """Forward and backward over the rank's batch. Returns its mean loss (detached)
         where this rank runs the last stage, zero elsewhere."""
         m = self.microbatches
@@ -115,6 +115,7 @@ class PipelineExecutor:
         # Pipelining splits `target` along dim 0; handing it microbatch indices lets any
         # target (a pytree) be split exactly as LocalExecutor splits it.
         self._targets = [split_batch(target, i, m, "microbatches") for i in range(m)]
+        self._shares = shares
         self._losses = []
         self.shared.begin()
         schedule.step(
@@ -130,7 +131,8 @@ class PipelineExecutor:
         assert out_spec is not None, "the loss follows the last stage's forward"
         output = pytree.tree_unflatten(list(outputs), out_spec)
         with self.precision.autocast():
-            loss = self.step_loss(output, self._targets[int(index)]) / self.microbatches
+            i = int(index)
+            loss = self.step_loss.part(output, self._targets[i], self._shares[i])
         self._losses.append(loss.detach().float())
         return self.precision.scale(loss)
 
