@@ -77,13 +77,21 @@ def lost_ranks() -> dict[int, str] | None:
 
 
 def _process_state(pid: int) -> str | None:
-    """ "exited" (gone, or a zombie), "stopped", or None while it runs."""
+    """ "exited" (gone, a zombie, or on its way out), "stopped", or None while it runs."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+            fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return "exited"
+    state, flags = fields[0], int(fields[6])
+    # A killed process closes its sockets (which is how its peers learn of it) while it
+    # exits, before it turns zombie: the kernel has marked it exiting by then.
+    if flags & _PF_EXITING:
+        return "exited"
     return {"Z": "exited", "X": "exited", "T": "stopped", "t": "stopped"}.get(state)
+
+
+_PF_EXITING = 0x4  # the kernel's task flag for a process in do_exit (include/linux/sched.h)
 
 
 def _store() -> dist.Store | None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch.distributed as dist
 
+from autopart.runtime.faults import _process_state
 from autopart.testing import run_world
 from tests.harness import parallelize_lm
 from tests.models import LM_FACTORIES, token_batch
@@ -57,3 +60,19 @@ def test_a_frozen_rank_stops_the_others_at_the_timeout_with_a_named_error():
     ) in message
     assert "rank 1's process has stopped." in message
     assert "raise parallelize(..., timeout=...)" in message
+
+
+def test_a_process_is_told_running_stopped_or_exited():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert _process_state(child.pid) is None
+        os.kill(child.pid, signal.SIGSTOP)
+        os.waitpid(child.pid, os.WUNTRACED)  # returns once it has stopped
+        assert _process_state(child.pid) == "stopped"
+        os.kill(child.pid, signal.SIGKILL)
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, still a zombie
+        assert _process_state(child.pid) == "exited"
+    finally:
+        child.kill()
+        child.wait()
+    assert _process_state(child.pid) == "exited"  # reaped: gone from /proc
