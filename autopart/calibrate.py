@@ -475,6 +475,7 @@ def _profile(
         memory_bandwidth=bandwidth,
         kernel_launch_s=launch,
         matmul_efficiency=1.0,
+        sm_count=0,  # the measured curve prices contractions, not the preset's shape model
         collectives=collectives,
         **links,
     )

@@ -49,6 +49,12 @@ class DeviceSpec:
     matmul_efficiency: float = 0.75  # achievable fraction of peak on large matmuls
     # The smallest matmul dim at which half of that efficiency is reached (cost_models.compute).
     matmul_half_dim: float = 64.0
+    # Streaming multiprocessors of a GPU: set, contractions are priced by shape, their
+    # tiles and waves over the SMs (cost_models.gemm), and matmul_efficiency is the
+    # fraction of peak a tile's main loop reaches; 0: the saturating curve above.
+    sm_count: int = 0
+    # Fused (flash) attention's best fraction of peak, for the shape model (cost_models.gemm).
+    attention_efficiency: float = 0.0
     # Measured collective costs from `autopart calibrate`: {op: {"alpha": s, "beta": s/byte}}.
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
     # Measured evaluations/s of transcendental functions ("exp", "tanh", ...) from
@@ -80,11 +86,32 @@ DTYPE_NAMES = {
     torch.float64: "fp64",
 }
 
-# Public data-sheet figures. A100 SXM 80GB: 19.5 TF fp32, 156 TF tf32, 312 TF bf16/fp16,
-# 2.039 TB/s HBM2e, NVLink3 600 GB/s bidirectional, one 200 Gb/s HDR NIC per GPU.
-# H100 SXM5 80GB: 67 TF fp32, 495 TF tf32, 989 TF bf16/fp16, 3.35 TB/s HBM3,
-# NVLink4 900 GB/s bidirectional, one 400 Gb/s NDR NIC per GPU.
+# Public data-sheet figures, one direction of each link per device, dense math:
+#   A100 SXM4 80GB: 108 SMs; 19.5 TF fp32, 156 TF tf32, 312 TF bf16/fp16; 2.039 TB/s
+#     HBM2e; NVLink3 600 GB/s bidirectional; one 200 Gb/s HDR NIC per GPU (DGX A100).
+#   H100 SXM5 80GB: 132 SMs; 67 TF fp32, 495 TF tf32, 989 TF bf16/fp16; 3.35 TB/s HBM3;
+#     NVLink4 900 GB/s bidirectional; one 400 Gb/s NDR NIC per GPU (DGX H100).
+#   H200 SXM 141GB: the H100's GH100 chip, clocks and links with 141 GB of HBM3e at
+#     4.8 TB/s (DGX H200: one 400 Gb/s NDR NIC per GPU).
+# Achieved GEMM efficiency: the best measured bf16 matmul rate ("maximum achievable
+# matmul FLOPS", Bekman, ml-engineering, compute/accelerator, measured with PyTorch):
+# A100 SXM 267.9 TF (85.9%) at 6912×16384×2048 (CUDA 12.1), H100 SXM 792.1 TF (80.1%)
+# at 6144×17920×2816 (CUDA 12.1). matmul_efficiency is the main loop's fraction that
+# gives those rates at those shapes under cost_models.gemm's tiles and waves: A100
+# 0.859 / (2048/2112, k₀; 32 full waves) = 0.886; H100 0.801 / (2816/2880; 25.45 of 26
+# waves) = 0.837; the H200 is taken as the H100 (the same chip and power).
+# Attention efficiency: fused attention forward and backward at head dim 128 and 2048-4096
+# keys, about 61% of peak on A100 (FlashAttention-2, Dao 2023) and 50% on H100 with
+# PyTorch 2.11's kernels (measured for cost_models.compute), over that shape's factors
+# in cost_models.gemm (0.8 · 0.845).
 # cpu: a modest two-core x86 host running Gloo over loopback; calibrate for real figures.
+_H100_LINKS: dict[str, Any] = dict(
+    intra_node_bandwidth=450 * GB,
+    inter_node_bandwidth=50 * GB,
+    intra_node_latency=6e-6,
+    inter_node_latency=12e-6,
+    kernel_launch_s=4e-6,
+)
 PRESETS: dict[str, DeviceSpec] = {
     "a100-80g": DeviceSpec(
         name="a100-80g",
@@ -96,17 +123,29 @@ PRESETS: dict[str, DeviceSpec] = {
         intra_node_latency=8e-6,
         inter_node_latency=15e-6,
         kernel_launch_s=5e-6,
+        matmul_efficiency=0.886,
+        sm_count=108,
+        attention_efficiency=0.90,
     ),
     "h100-80g": DeviceSpec(
         name="h100-80g",
         peak_flops={"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12},
         memory_bytes=80 * GiB,
         memory_bandwidth=3.35e12,
-        intra_node_bandwidth=450 * GB,
-        inter_node_bandwidth=50 * GB,
-        intra_node_latency=6e-6,
-        inter_node_latency=12e-6,
-        kernel_launch_s=4e-6,
+        matmul_efficiency=0.837,
+        sm_count=132,
+        attention_efficiency=0.74,
+        **_H100_LINKS,
+    ),
+    "h200": DeviceSpec(
+        name="h200",
+        peak_flops={"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12},
+        memory_bytes=141 * 10**9,  # 141 GB, decimal
+        memory_bandwidth=4.8e12,
+        matmul_efficiency=0.837,
+        sm_count=132,
+        attention_efficiency=0.74,
+        **_H100_LINKS,
     ),
     "cpu": DeviceSpec(
         name="cpu",
@@ -296,4 +335,4 @@ def _launcher_store(timeout: timedelta | None) -> dict[str, Any]:
 
 def _guess_device() -> str:
     name = torch.cuda.get_device_name().lower()
-    return "a100-80g" if "a100" in name else "h100-80g"
+    return "a100-80g" if "a100" in name else "h200" if "h200" in name else "h100-80g"

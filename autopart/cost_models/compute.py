@@ -18,7 +18,12 @@ dtype: fp32 for "fp32", bf16 / fp16 for "bf16-mixed" / "fp16-mixed" (tensor core
 Every other operator runs on the vector units at the fp32 peak; those are almost always
 memory-bound, where the peak does not matter.
 
-Efficiency of a contraction is a saturating curve of its smallest dim d = min(m, n, k):
+Efficiency of a contraction, on a GPU preset (`DeviceSpec.sm_count` set), comes from
+its shape (`gemm.py`): the matmul's output tiles in waves over the SMs, or the fused
+attention kernel's query blocks, by key length and head dim. A matmul's backward is
+priced as its own two products, (m, k, n) for the input's gradient and (k, n, m) for
+the weight's, each with its own tiles. Elsewhere (CPUs, calibrated profiles) it is a
+saturating curve of the smallest dim d = min(m, n, k):
 
     efficiency(m, n, k) = matmul_efficiency · d / (d + d½)
 
@@ -27,13 +32,14 @@ dim at which a matmul reaches half of that. Small and skinny matmuls fill few ti
 waves of the device and run far below peak; the bytes term of the roofline covers the
 ones that become memory-bound. For attention d is the head dim.
 
-Fitted on an H100 SXM 80GB (PyTorch 2.11, CUDA 13, bf16): with matmul_efficiency 0.75
-and d½ = 64 the roofline predicts the 18 measured matmul shapes that run for 100 µs or
-more (m, n, k from 16 to 16384) within −12% / +7%, where any d½ up to 128 fits about as
-well; and flash attention forward + backward (head dim 64 and 128) within 11% at
-sequence length 2048 and 4096, the fit that decides d½. Shorter sequences run slower
-than modelled (1.3× at 1024, 1.8× at 512). `autopart calibrate` fits d½ for the local
-device (`calibrate.fit_matmul_curve`).
+The curve was fitted on an H100 SXM 80GB (PyTorch 2.11, CUDA 13, bf16): with
+matmul_efficiency 0.75 and d½ = 64 the roofline predicts the 18 measured matmul shapes
+that run for 100 µs or more (m, n, k from 16 to 16384) within −12% / +7%, where any d½
+up to 128 fits about as well; and flash attention forward + backward (head dim 64 and
+128) within 11% at sequence length 2048 and 4096, the fit that decides d½. Shorter
+sequences run slower than modelled (1.3× at 1024, 1.8× at 512; the shape model's key
+length term, `gemm.py`, follows them). `autopart calibrate` fits d½ for the local device
+(`calibrate.fit_matmul_curve`).
 
 Precision (`precision`). The graph is captured in fp32. Under "bf16-mixed" /
 "fp16-mixed" (torch.autocast) contractions move half the captured bytes and pay a cast
@@ -81,8 +87,9 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from autopart.cost_models.gemm import GpuCores
 from autopart.cost_models.precision import bytes_scale, cast_bytes, is_mixed
-from autopart.cost_models.work import NodeWork, node_work
+from autopart.cost_models.work import ATTENTION, NodeWork, node_work
 from autopart.mesh import DeviceSpec
 from autopart.policy import Precision
 
@@ -133,13 +140,52 @@ class ComputeModel:
         self.contraction_peak = device.flops_for(COMPUTE_DTYPES[precision])
         self.vector_peak = device.flops_for("fp32")
         self.scale = device.compute_scale
+        # A GPU preset prices contractions by shape (gemm.py); the search asks for the
+        # same shapes for every plan it prices, so their times are kept.
+        self.cores = (
+            GpuCores(
+                device.sm_count,
+                self.contraction_peak,
+                device.matmul_efficiency,
+                device.attention_efficiency,
+                device.memory_bandwidth,
+            )
+            if device.sm_count
+            else None
+        )
+        self._math: dict[tuple[str, tuple[float, float, float], float, bool], float] = {}
 
     # -- one operator -----------------------------------------------------------------
 
     def efficiency(self, m: float, n: float, k: float) -> float:
-        """matmul_efficiency · d / (d + d½), d = min(m, n, k)."""
+        """The fraction of peak an m×k by k×n product reaches: by tiles and waves on a
+        GPU preset, matmul_efficiency · d / (d + d½), d = min(m, n, k), elsewhere."""
+        if self.cores is not None:
+            return self.cores.gemm_efficiency(m, n, k)
         d = min(m, n, k)
         return self.device.matmul_efficiency * d / (d + self.half_dim)
+
+    def contraction_math(self, work: NodeWork, backward: bool = False) -> float:
+        """Seconds of a contraction's arithmetic: its forward, or its backward's (2× the
+        FLOPs: for a matmul the products (m, k, n) and (k, n, m))."""
+        if self.cores is None or work.shape is None:
+            eff = self.efficiency(*work.shape) if work.shape else self.device.matmul_efficiency
+            return work.flops / (self.contraction_peak * eff) * (2 if backward else 1)
+        key = (work.kind, work.shape, work.flops, backward)
+        if key not in self._math:
+            self._math[key] = self._shaped_math(work, backward)
+        return self._math[key]
+
+    def _shaped_math(self, work: NodeWork, backward: bool) -> float:
+        assert self.cores is not None and work.shape is not None
+        if work.kind == ATTENTION:
+            queries, keys, head = work.shape
+            forward = self.cores.attention_seconds(work.flops, queries, keys, head)
+            return forward * (BACKWARD_CONTRACTION if backward else 1)
+        m, n, k = work.shape
+        if backward:
+            return self.cores.gemm_seconds(m, k, n) + self.cores.gemm_seconds(k, n, m)
+        return self.cores.gemm_seconds(m, n, k)
 
     def forward_time(self, work: NodeWork, functions: bool = True) -> float:
         """The roofline time of one operator's forward, with its launch floor, plus the
@@ -147,17 +193,38 @@ class ComputeModel:
         its transcendental function (`function_time`)."""
         if not work.dispatched:
             return 0.0
-        if work.is_contraction:
-            eff = self.efficiency(*work.shape) if work.shape else self.device.matmul_efficiency
-            math = work.flops / (self.contraction_peak * eff)
-        else:
-            math = work.flops / self.vector_peak
+        math = self.contraction_math(work) if work.is_contraction else work.flops / self.vector_peak
         if functions:
             math += self.function_time(work)
+        return self._kernel(work, math, passes=1)
+
+    def backward_time(self, work: NodeWork) -> float:
+        """A contraction's backward: its two products (`contraction_math`), twice the
+        forward's bytes, kernels and casts. Any other operator's: its forward again
+        (without the function's evaluations)."""
+        if not work.is_contraction:
+            return self.forward_time(work, functions=False) * BACKWARD_OTHER
+        if not work.dispatched:
+            return 0.0
+        return self._kernel(work, self.contraction_math(work, backward=True), BACKWARD_CONTRACTION)
+
+    def _kernel(self, work: NodeWork, math: float, passes: float) -> float:
+        """max(math, memory) and its launch, plus autocast's cast of the operands, for
+        `passes` times the forward's bytes and kernels."""
         bandwidth, launch = self.device.memory_bandwidth, self.device.kernel_launch_s
-        memory = work.bytes * bytes_scale(work, self.precision) / bandwidth
+        memory = passes * work.bytes * bytes_scale(work, self.precision) / bandwidth
         cast = cast_bytes(work, self.precision)
-        return max(math, memory) + launch + (cast / bandwidth + launch if cast else 0.0)
+        seconds = self._launched(max(math, memory), passes * launch)
+        if cast:
+            seconds += self._launched(passes * cast / bandwidth, passes * launch)
+        return seconds
+
+    def _launched(self, seconds: float, launches: float) -> float:
+        """A kernel's time with its launches. On a GPU (a shape-model preset) the host
+        enqueues kernels ahead of the device, so a launch hides behind the kernels
+        running unless the kernel is shorter than it; on a CPU the operator's dispatch
+        is serial work on the same core as its arithmetic."""
+        return max(seconds, launches) if self.cores is not None else seconds + launches
 
     def function_time(self, work: NodeWork) -> float:
         """Evaluations of a transcendental over the device's measured rate for it
@@ -169,7 +236,7 @@ class ComputeModel:
         """Forward, backward (2× for contractions, 1× otherwise, the function's
         evaluations once more where the gradient evaluates it) and recomputation."""
         forward = self.forward_time(work)
-        backward = self.forward_time(work, functions=False) * backward_factor(work)
+        backward = self.backward_time(work)
         if work.evaluates_in_backward:
             backward += self.function_time(work)
         return PhaseCost(forward, backward, forward if recompute else 0.0) * self.scale

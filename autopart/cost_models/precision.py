@@ -17,6 +17,11 @@ on 4 × 2048 tokens against `ComputeModel` with the h100-80g preset: under bf16 
 fp32 0.98 × and 1.01 ×. The kernels other than matmuls and attention (fp32 elementwise,
 casts, gradient accumulation) took more than half the bf16 step; halving every
 operator's bytes instead predicted 0.63 ×.
+
+A model built in 16 bits (its parameters and activations captured in fp16 or bf16, as
+Megatron-LM and its descendants train a 16-bit model over fp32 main weights held by
+the optimizer) has nothing for autocast to cast: its contractions move and save the
+bytes they were captured with, and pay no cast (`NodeWork.low_precision`).
 """
 
 from __future__ import annotations
@@ -35,13 +40,20 @@ def is_mixed(precision: str) -> bool:
 
 def bytes_scale(work: NodeWork, precision: str) -> float:
     """Bytes an operator moves and saves, as a fraction of the captured ones:
-    1/2 for a contraction under mixed precision, 1 otherwise."""
-    return 0.5 if is_mixed(precision) and work.is_contraction else 1.0
+    1/2 for a contraction captured in fp32 under mixed precision, 1 otherwise."""
+    return 0.5 if autocasts(work, precision) else 1.0
+
+
+def autocasts(work: NodeWork, precision: str) -> bool:
+    """Whether autocast converts this operator's operands to 16 bits: a contraction
+    captured wider than 16 bits, under mixed precision."""
+    return is_mixed(precision) and work.is_contraction and not work.low_precision
 
 
 def cast_bytes(work: NodeWork, precision: str) -> float:
     """Bytes autocast's conversion of a contraction's fp32 operands moves:
-    1.5 × (parameters + activations read); 0 in fp32 and for other operators."""
-    if not (is_mixed(precision) and work.is_contraction):
+    1.5 × (parameters + activations read); 0 in fp32, for other operators and for
+    operands already in 16 bits."""
+    if not autocasts(work, precision):
         return 0.0
     return CAST_FACTOR * (work.param_bytes + work.read_bytes)

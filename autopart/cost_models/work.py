@@ -17,10 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import sympy
+import torch
 from torch import fx
 
 from autopart.ops.aten import ATTENTION_OPS, MATMUL_OPS, op_name
 from autopart.ops.meta import FLOPS, PARAMS, SAVED_BYTES, SHAPE, TRAFFIC, TensorInfo
+
+LOW_PRECISION_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 MATMUL = "matmul"
 ATTENTION = "attention"
@@ -88,6 +91,9 @@ class NodeWork:
     function: str | None = None  # the transcendental it evaluates (FUNCTIONS)
     evaluations: float = 0.0  # how many times, in forward
     evaluates_in_backward: bool = False  # and as many again in backward
+    # Captured in 16 bits (a model built in fp16 or bf16): autocast has nothing to cast
+    # and its bytes are already what a mixed-precision step moves (`precision.py`).
+    low_precision: bool = False
 
     @property
     def bytes(self) -> float:
@@ -186,7 +192,13 @@ def node_work(
         function=function,
         evaluations=evaluations,
         evaluates_in_backward=kind == ATTENTION or name in FUNCTION_IN_BACKWARD,
+        low_precision=is_low_precision(SHAPE.get(node)),
     )
+
+
+def is_low_precision(info: object) -> bool:
+    """Whether a value's captured dtype is a 16-bit float (what autocast computes in)."""
+    return isinstance(info, TensorInfo) and info.dtype in LOW_PRECISION_DTYPES
 
 
 def op_kind(name: str) -> str:
