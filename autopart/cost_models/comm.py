@@ -18,7 +18,9 @@ Algorithms (the cheapest is taken):
                          (binomial tree) ⌈log2 n⌉ steps of the whole buffer
     tree                 all-reduce as NCCL's pipelined double binary tree: a reduce up
                          and a broadcast down, 2⌈log2 n⌉ steps, volume 2 (each rank
-                         sends the buffer up and down once)
+                         sends the buffer up and down once); across nodes on as many of
+                         a node's NICs as the ring (one tree per channel, each channel
+                         on its own NIC)
     hierarchical         axes spanning nodes: reduce-scatter inside each node, the
                          cheapest flat algorithm across nodes on 1/g of the buffer, then
                          all-gather inside the node (all-gather and reduce-scatter keep
@@ -29,9 +31,12 @@ a step along an axis spans `stride` consecutive ranks (tp: 1, dp: tp, pp: dp·tp
 group of n ranks with that stride stays inside a node when n·stride ≤ per_node; then
 every step uses the intra-node links. Otherwise it spans k nodes with g = n/k members in
 each. A node's NICs carry per_node × `inter_node_bandwidth`, shared by the per_node/g
-groups of the axis that touch the node; a ring crosses each node boundary once per
-direction, so each ring gets g × inter_node_bandwidth (at most the intra-node
-bandwidth), and every step pays the inter-node latency. Algorithms whose steps all go
+groups of the axis that touch the node. NCCL runs a ring per channel, each channel
+through another NIC, so a group's rings use all the NICs of its g members: each ring
+step moves g × inter_node_bandwidth across a node boundary (at most the intra-node
+bandwidth), and every step pays the inter-node latency. A data-parallel group outside
+tp = 8 (g = 1) has one NIC of each node, the 7 others serving its 7 sibling groups; a
+group of all 8 ranks of each node has all 8. Algorithms whose steps all go
 across nodes at once (recursive doubling, the tree, all-to-all, the inter-node phase of the
 hierarchical all-reduce) give each device its own share, inter_node_bandwidth.
 
@@ -135,6 +140,20 @@ class CommModel:
         members = max(1, min(size, per_node // stride))
         return AxisPlacement(size, members, math.ceil(size / members))
 
+    def send_time(self, nbytes: float, first: int, peer: int, size: int = 1) -> float:
+        """Seconds for ranks first … first+size−1 each to send `nbytes` to the rank
+        `peer − first` further on, all at once (a pipeline stage to the next): over
+        NVLink if every pair shares a node, else over the senders' NICs, one each (the
+        slowest pair sets the pace). A measured send/recv replaces the topology."""
+        if nbytes == 0 or first == peer:
+            return 0.0
+        measured = self.mesh.device.collectives.get(SEND_RECV)
+        if measured:
+            return Link(1.0 / measured["beta"], measured["alpha"]).time(1, 1.0, nbytes)
+        n = self.mesh.per_node
+        across = any((first + i) // n != (peer + i) // n for i in range(min(size, n)))
+        return (self.inter if across else self.intra).time(1, 1.0, nbytes)
+
     def time(self, op: str, nbytes: float, size: int, stride: int = 1) -> float:
         """Seconds for collective `op` of an `nbytes` buffer over an axis of `size`
         ranks, `stride` ranks apart: the cheapest algorithm."""
@@ -159,7 +178,7 @@ class CommModel:
         if op not in (SEND_RECV, ALL_TO_ALL):
             times["recursive_doubling"] = _doubling(op, nbytes, size, across)
         if op == ALL_REDUCE:
-            times["tree"] = _tree(nbytes, size, across)
+            times["tree"] = _tree(nbytes, size, self._ring_link(where))
         if where.spans_nodes and where.per_node > 1 and op in _HIERARCHICAL:
             times["hierarchical"] = self._hierarchical(op, nbytes, where)
         return times

@@ -49,7 +49,6 @@ from autopart.cost_models.comm import (
     ALL_GATHER,
     ALL_REDUCE,
     REDUCE_SCATTER,
-    SEND_RECV,
     CommModel,
 )
 from autopart.cost_models.compute import ComputeModel, PhaseCost
@@ -67,7 +66,13 @@ from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork, TpLay
 from autopart.degrees import Axis, AxisAttributes, Degrees
 from autopart.mesh import Mesh
 from autopart.plan import Plan, Predicted, StageFigures
-from autopart.policy import SCHEDULES, ZERO3_BUCKET_BYTES, ZERO3_REGATHER_AFTER, Precision
+from autopart.policy import (
+    SCHEDULES,
+    ZERO3_BUCKET_BYTES,
+    ZERO3_REGATHER_AFTER,
+    Precision,
+    Schedule,
+)
 
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
 TP_ALL_REDUCES_BACKWARD = 2
@@ -285,7 +290,9 @@ def _rank_cost(
     gathered = max((s.param_numel(choices.tp) for s in blocks), default=params)
     tp = _tp_comm(own, choices, models.comm)
     comm = (
-        tp + p2p_comm(boundary, choices, models.comm) + _zero3_comm(own, compute, choices, models)
+        tp
+        + p2p_comm(boundary, choices, models.comm, rank)
+        + _zero3_comm(own, compute, choices, models)
     )
     in_flight = in_flight_microbatches(
         choices.schedule, choices.microbatches, choices.pp, rank, choices.virtual_stages
@@ -339,32 +346,44 @@ def _tp_comm(own: list[SegmentWork], choices: Choices, comm: CommModel) -> float
 
 def tp_comm(seg: SegmentWork, choices: Choices, comm: CommModel, recomputed: bool) -> float:
     """Per microbatch of a segment: its tensor-parallel collectives under the plan's
-    layout, those of forward again where it is recomputed; activations travel in 16
-    bits under mixed precision. Without a layout, a block's Megatron collectives: 2
-    forward + 2 backward all-reduces of its output."""
+    layout, those of forward again where it is recomputed; activations captured in
+    fp32 travel in 16 bits under mixed precision. Without a layout, a block's Megatron
+    collectives: 2 forward + 2 backward all-reduces of its output."""
     tp = choices.tp
     if tp == 1:
         return 0.0
-    scale = 1.0 if choices.precision == Precision.FP32 else 0.5
+    mixed = choices.precision != Precision.FP32
     if seg.tp_traffic is None:
         if not seg.is_block:
             return 0.0
         count = TP_ALL_REDUCES_FORWARD * (1 + recomputed) + TP_ALL_REDUCES_BACKWARD
+        scale = 0.5 if mixed and not seg.low_precision_output else 1.0
         return count * comm.time(ALL_REDUCE, seg.output_bytes * scale, tp)
     return sum(
-        comm.time(op, nbytes * (scale if activation else 1.0), tp)
+        comm.time(op, nbytes * (mixed_scale if mixed else 1.0), tp)
         * count
         * (1 if backward else 1 + recomputed)
-        for op, nbytes, backward, activation, count in seg.tp_traffic
+        for op, nbytes, backward, mixed_scale, count in seg.tp_traffic
     )
 
 
-def p2p_comm(boundary: float, choices: Choices, comm: CommModel) -> float:
-    """Per microbatch: one activation and one gradient per chunk of this rank."""
-    if choices.pp == 1:
+def p2p_comm(boundary: float, choices: Choices, comm: CommModel, rank: int = 0) -> float:
+    """Per microbatch on pipeline rank `rank`, for each of its chunks: an activation sent
+    to the next rank and a gradient to the previous one, each on its own link (NVLink
+    between stages in one node, the sender's NIC between nodes: `CommModel.send_time`).
+    Interleaved chunks wrap around, from the last rank to the first; without them the
+    end ranks have one neighbour, whose link serves both directions."""
+    pp = choices.pp
+    if pp == 1:
         return 0.0
-    one = comm.time(SEND_RECV, boundary, choices.pp, stride=choices.degrees.stride(Axis.PP))
-    return 2 * choices.virtual_stages * one
+    wraps = choices.schedule == Schedule.INTERLEAVED_1F1B and choices.virtual_stages > 1
+    after = rank + 1 if rank + 1 < pp else (0 if wraps else rank - 1)
+    before = rank - 1 if rank > 0 else (pp - 1 if wraps else rank + 1)
+    stride = choices.degrees.stride(Axis.PP)
+    sends = (
+        comm.send_time(boundary, rank * stride, peer * stride, stride) for peer in (after, before)
+    )
+    return choices.virtual_stages * sum(sends)
 
 
 def _zero3_comm(

@@ -217,7 +217,6 @@ def stage_problem(
     pipeline = 2 * boundary if pp > 1 else 0.0
     loss = OUTPUT_GRADIENTS * output_bytes(segments[-1], choices.tp)
     last_rank = (chunks - 1) % pp
-    p2p = p2p_comm(boundary, choices, models.comm)
     starts = [i for i, s in enumerate(segments) if s.is_block][1:]
     return StageProblem(
         units=tuple(units),
@@ -234,7 +233,7 @@ def stage_problem(
         ),
         bucket=up(models.memory.bucket_bytes) if choices.dp > 1 and choices.zero else 0,
         fixed=tuple(up(zero3 + pipeline + (loss if r == last_rank else 0.0)) for r in range(pp)),
-        comm=tuple(round(p2p / second) for _ in range(pp)),
+        comm=tuple(round(p2p_comm(boundary, choices, models.comm, r) / second) for r in range(pp)),
         allocator=Fraction(models.memory.allocator_fraction).limit_denominator(1000),
         memory=math.floor(memory / byte),
     )

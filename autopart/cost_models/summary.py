@@ -76,9 +76,9 @@ class SegmentWork:
     segment: Segment
     nodes: tuple[NodeWork, ...]
     output_bytes: float  # the activation handed to the next segment (as captured)
-    # (collective, bytes as captured, in backward, an activation, how many): its tp
-    # collectives (`_traffic`)
-    tp_traffic: tuple[tuple[str, float, bool, bool, int], ...] | None = None
+    # (collective, bytes as captured, in backward, bytes under mixed precision over
+    # the captured ones, how many): its tp collectives (`_traffic`)
+    tp_traffic: tuple[tuple[str, float, bool, float, int], ...] | None = None
     # Bytes saved for backward in fp32 and under mixed precision, summed once: the
     # search reads them for every candidate plan.
     _saved: tuple[float, float] = field(init=False, repr=False, compare=False)
@@ -105,6 +105,11 @@ class SegmentWork:
     @property
     def flops(self) -> float:
         return sum(w.flops for w in self.nodes)
+
+    @property
+    def low_precision_output(self) -> bool:
+        """Whether the activation it hands on was captured in 16 bits."""
+        return bool(self.nodes) and self.nodes[-1].low_precision
 
     @property
     def param_tensors(self) -> int:
@@ -336,13 +341,19 @@ def _is_sharded_param(
 
 def _traffic(
     seg: Segment, dims: Mapping[str, int], scale: float
-) -> tuple[tuple[str, float, bool, bool, int], ...] | None:
+) -> tuple[tuple[str, float, bool, float, int], ...] | None:
     """The segment's tp collectives at `dims` (activations scaled to the batch), alike
-    ones counted together: (collective, bytes, in backward, an activation, how many)."""
+    ones counted together: (collective, bytes, in backward, bytes under mixed precision
+    over the captured ones, how many)."""
     if seg.tp_collectives is None:
         return None
     alike = Counter(
-        (c.op, evaluate(c.nbytes, dims) * (scale if c.activation else 1), c.backward, c.activation)
+        (
+            c.op,
+            evaluate(c.nbytes, dims) * (scale if c.activation else 1),
+            c.backward,
+            c.mixed_scale,
+        )
         for c in seg.tp_collectives
     )
     return tuple((*k, n) for k, n in alike.items())

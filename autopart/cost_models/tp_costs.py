@@ -44,7 +44,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autopart.cost_models.comm import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from autopart.cost_models.memory import STATE_BYTES
-from autopart.cost_models.work import NodeWork, evaluate, node_work
+from autopart.cost_models.work import NodeWork, evaluate, is_low_precision, node_work
 from autopart.ops.meta import BLOCK, SHAPE, TensorInfo
 from autopart.passes.blocks import block_counterparts
 from autopart.passes.tp_rules import Decision, Operands, R
@@ -69,6 +69,14 @@ class TpCollective:
     # None for the operator's own (a row-parallel reduction, a parameter's conversion).
     source: fx.Node | None = None
     key: tuple = ()
+    low_precision: bool = False  # the tensor was captured in 16 bits
+
+    @property
+    def mixed_scale(self) -> float:
+        """Its bytes under mixed precision, over the captured ones: an activation
+        captured in fp32 travels in 16 bits (1/2); a parameter's conversion in fp32,
+        and a 16-bit capture as it is (1)."""
+        return 0.5 if self.activation and not self.low_precision else 1.0
 
 
 def collectives_of(ops: Operands, decision: Decision, output_grad: bool) -> list[TpCollective]:
@@ -92,12 +100,13 @@ def collectives_of(ops: Operands, decision: Decision, output_grad: bool) -> list
             out.append(_of_operand(source, ALL_REDUCE, _nbytes(source), True, (COPY,)))
     if decision.reduce_to is not None:
         full = _nbytes(node)
+        low = is_low_precision(SHAPE.get(node))
         if decision.reduce_to == R:
-            out.append(TpCollective(ALL_REDUCE, full, False, True))
+            out.append(TpCollective(ALL_REDUCE, full, False, True, low_precision=low))
         else:
-            out.append(TpCollective(REDUCE_SCATTER, full, False, True))
+            out.append(TpCollective(REDUCE_SCATTER, full, False, True, low_precision=low))
             if output_grad:
-                out.append(TpCollective(ALL_GATHER, full, True, True))
+                out.append(TpCollective(ALL_GATHER, full, True, True, low_precision=low))
     return out
 
 
@@ -107,7 +116,8 @@ def _of_operand(
     """A collective on an operand: an activation's is shared by the consumers asking
     for the same one; a parameter's is its consumer's own and travels in fp32."""
     activation = source.op != "get_attr"
-    return TpCollective(op, nbytes, backward, activation, source if activation else None, key)
+    low = is_low_precision(SHAPE.get(source))
+    return TpCollective(op, nbytes, backward, activation, source if activation else None, key, low)
 
 
 def _conversion(
@@ -163,7 +173,7 @@ class TpCosts:
     ) -> None:
         self.gm, self.models, self.dims, self.tp = gm, models, dims, tp
         self.param_bytes = {k: p.numel() * p.element_size() for k, p in gm.named_parameters()}
-        self.activation_scale = 1.0 if models.compute.precision == Precision.FP32 else 0.5
+        self.mixed = models.compute.precision != Precision.FP32
         self._works: dict[tuple[fx.Node, bool, bool], NodeWork] = {}
 
     # -- one operator ------------------------------------------------------------------
@@ -200,7 +210,7 @@ class TpCosts:
         return self._works[key]
 
     def seconds(self, c: TpCollective) -> float:
-        scale = self.activation_scale if c.activation else 1.0
+        scale = c.mixed_scale if self.mixed else 1.0
         return self.models.comm.time(c.op, evaluate(c.nbytes, self.dims) * scale, self.tp)
 
     # -- memory --------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from autopart.cost_models.comm import CommModel, ring_steps, ring_volume
-from autopart.mesh import PRESETS, Mesh
+from autopart.mesh import PRESETS, DeviceSpec, Mesh
 
 H100 = PRESETS["h100-80g"]
 MB = 1e6
@@ -91,3 +91,37 @@ def test_gloo_collectives_do_not_hide_behind_compute():
     assert not CommModel(Mesh(cpu, 1, 2, backend="gloo")).overlaps_compute
     assert CommModel(Mesh(cpu, 1, 2, backend="nccl")).overlaps_compute
     assert CommModel(Mesh.cluster("h100-80g", 1, 8)).overlaps_compute
+
+
+def test_rings_across_nodes_use_every_nic_of_their_members():
+    # 4 nodes of 8 A100s, one 200 Gb/s NIC per GPU (25 GB/s): a group of all 32 ranks
+    # has 8 members in each node and rings over all 8 NICs (200 GB/s, NVLink's 300 GB/s
+    # not binding); a group with 2 members a node (stride 4) has 2 NICs; with one member
+    # a node (stride 8, dp outside tp = 8), one.
+    nbytes = 1e9
+
+    def ring_bandwidth(device: DeviceSpec, size: int, stride: int = 1) -> float:
+        comm = CommModel(Mesh.cluster(device, nodes=4, per_node=8))
+        ring = comm.algorithms("all_gather", nbytes, size, stride)["ring"]
+        latency = (size - 1) * device.inter_node_latency
+        return (size - 1) / size * nbytes / (ring - latency)
+
+    a100 = PRESETS["a100-80g"]
+    nic = a100.inter_node_bandwidth
+    assert ring_bandwidth(a100, 32) == pytest.approx(8 * nic)
+    assert ring_bandwidth(a100, 8, stride=4) == pytest.approx(2 * nic)
+    assert ring_bandwidth(a100, 4, stride=8) == pytest.approx(nic)
+    # An H100 node's 8 NDR NICs carry 400 GB/s, under its NVLink's 450; with a slower
+    # NVLink the ring runs at NVLink's pace.
+    assert ring_bandwidth(H100, 32) == pytest.approx(8 * H100.inter_node_bandwidth)
+    slow_nvlink = replace(H100, intra_node_bandwidth=200e9)
+    assert ring_bandwidth(slow_nvlink, 32) == pytest.approx(200e9)
+
+
+def test_latency_bound_all_reduce_at_thousands_of_ranks_takes_a_tree():
+    # 2048 data-parallel ranks, one per node: a 1 MiB bucket pays 2 × 2047 ring steps of
+    # inter-node latency (61 ms) but 2 × 11 tree steps.
+    comm = CommModel(Mesh.cluster("a100-80g", nodes=2048, per_node=8))
+    times = comm.algorithms("all_reduce", 2**20, 2048, stride=8)
+    assert min(times, key=times.get) == "tree"
+    assert times["ring"] > 50 * times["tree"]
