@@ -6,7 +6,7 @@ capture (torch.export) → analysis passes → solver → rewrite passes → run
 from autopart.api import parallelize, plan
 from autopart.batch import BatchError
 from autopart.capture import CaptureError, capture
-from autopart.compile import backend, gathered
+from autopart.compile import backend, clip_grad_norm_, gathered
 from autopart.degrees import Axis, Degrees, MeshError
 from autopart.mesh import DeviceSpec, Mesh
 from autopart.plan import Plan, PlanError
@@ -30,6 +30,7 @@ __all__ = [
     "PlanError",
     "backend",
     "capture",
+    "clip_grad_norm_",
     "export",
     "gathered",
     "init_empty_weights",

@@ -86,6 +86,7 @@ def test_ranks_running_different_graphs_all_raise():
 
 STEPS = 3
 GLOBAL_BATCH = 4
+CLIP = 0.5  # below the gradients' norm: every step clips, by the whole gradient's norm
 
 
 def _batches():
@@ -113,6 +114,7 @@ def _train_compiled(pins: dict, optimizer: str, accumulate: int = 1) -> dict:
             loss = lm_loss(compiled(ids[start : start + share]), target[start : start + share])
             (loss / accumulate).backward()
             total += loss.item() / accumulate
+        autopart.clip_grad_norm_(model, CLIP)  # the norm of the whole gradient, on every rank
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         mean = torch.tensor(total)
@@ -132,6 +134,7 @@ def _train_eager(optimizer: str) -> dict:
         opt.zero_grad()
         loss = lm_loss(model(ids), target)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
         losses.append(loss.item())

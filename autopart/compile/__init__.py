@@ -47,7 +47,7 @@ from torch.optim.optimizer import (
 
 from autopart.capture import from_graph_module
 from autopart.compile.tensor_parallel import TensorParallelGraph, plan_tensor_parallel
-from autopart.compile.zero import ParameterGradients, gather_on_use, gathered
+from autopart.compile.zero import ParameterGradients, clip_grad_norm_, gather_on_use, gathered
 from autopart.degrees import Axis, Degrees
 from autopart.mesh import Mesh
 from autopart.ops.groups import MeshGroups
@@ -57,7 +57,7 @@ from autopart.policy import COLLECTIVE_TIMEOUT_S
 
 log = logging.getLogger("autopart.compile")
 
-__all__ = ["AutopartBackend", "autopart_backend", "backend", "gathered"]
+__all__ = ["AutopartBackend", "autopart_backend", "backend", "clip_grad_norm_", "gathered"]
 
 _PINS = ("dp", "tp", "zero")
 

@@ -68,6 +68,7 @@ class ParameterGradients:
         self._queued = False
         trainable = [p for p in params if p.requires_grad]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        _SYNCS.add(self)
 
     def begin(self) -> None:
         """Before a forward that will need gradients: keep what earlier backward passes
@@ -202,6 +203,34 @@ class OwnerStorage:
 
 
 _STORAGES: weakref.WeakSet[OwnerStorage] = weakref.WeakSet()
+_SYNCS: weakref.WeakSet[ParameterGradients] = weakref.WeakSet()
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for a model compiled with
+    `autopart.backend(zero=2)` or `zero=3`, where each rank holds the gradients of the
+    parameters it owns only: the norm is summed over the world first, so every rank
+    clips by the norm of the whole gradient, as one device does. Collective: every rank
+    calls it. Returns that norm."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    device = params[0].device if params else torch.device("cpu")
+    local = (
+        torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=device)
+    )
+    mine = {id(p) for p in params}
+    sharded = [s for s in _SYNCS if s.stage >= 2 and any(id(p) in mine for p in s.params)]
+    if sharded and norm_type != float("inf"):
+        power = local.to(torch.float64) ** norm_type
+        dist.all_reduce(power, group=sharded[0].group)
+        total = (power ** (1.0 / norm_type)).to(local.dtype)
+    elif sharded:
+        total = local.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=sharded[0].group)
+    else:
+        total = local
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)  # scales their .grad
+    return total
 
 
 @contextmanager
