@@ -155,6 +155,25 @@ def token_batch(batch: int = 8, seq: int = SEQ, seed: int = 1) -> tuple[torch.Te
     return ids, torch.randint(0, VOCAB, (batch, seq), generator=g)
 
 
+# The key biases of BERT, BART/CLIP/ViT/wav2vec2, DistilBERT, DeBERTa's position keys and
+# GPT-NeoX (fused with q and v; it rotates only a quarter of each head, rotary_pct).
+_KEY_BIASES = ("key.bias", "k_proj.bias", "k_lin.bias", "query_key_value.bias", "pos_key_proj.bias")
+
+
+def key_biases_off_zero(model: nn.Module) -> nn.Module:
+    """Start the attention key biases from small random values instead of zeros. With
+    absolute positions (no rotary embedding) softmax ignores a constant added to every
+    key, so a key bias's true gradient is exactly zero and its fp32 gradient is rounding
+    noise that Adam turns into updates of random sign: a zero-initialized key bias ends
+    at ~1e-8, all noise, and no two summation orders agree on it. Started off zero, its
+    comparison is about the distributed arithmetic again."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(_KEY_BIASES):
+                param.normal_(0.0, 0.02)
+    return model
+
+
 def make_optimizer(kind: str):
     if kind == "sgd":
         return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
