@@ -40,7 +40,7 @@ from torch import fx, nn
 
 from autopart.ops.aten import VIEW_OPS, op_name
 from autopart.runtime.grad_sync import GradientSync
-from autopart.runtime.zero_owners import OwnedParameters, owners
+from autopart.runtime.zero_owners import OwnedParameters, broadcast_from_owners, owners
 
 _Sync = GradientSync | OwnedParameters
 
@@ -107,15 +107,8 @@ class ParameterGradients:
 
     def after_step(self, stepped: Iterable[nn.Parameter]) -> None:
         """Stages 1 and 2: every rank again holds every parameter, from its owner."""
-        if self.stage not in (1, 2):
-            return
-        works = [
-            dist.broadcast(p.data, src=self.owner[id(p)], group=self.group, async_op=True)
-            for p in stepped
-        ]
-        for work in works:
-            assert work is not None
-            work.wait()
+        if self.stage in (1, 2):
+            broadcast_from_owners(stepped, self.owner, self.group)
 
     def close(self) -> None:
         for handle in self._hooks:

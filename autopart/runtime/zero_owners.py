@@ -18,6 +18,8 @@ the parameters and at most that plus the largest parameter.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -72,13 +74,7 @@ class OwnedParameters:
             p.grad = sums[id(p)].div_(self.size) if id(p) in sums else None
 
     def after_step(self) -> None:
-        works = [
-            dist.broadcast(p.data, src=self.owner[id(p)], group=self.group, async_op=True)
-            for p in self.params
-        ]
-        for work in works:
-            assert work is not None
-            work.wait()
+        broadcast_from_owners(self.params, self.owner, self.group)
 
     def close(self) -> None:
         for handle in self._hooks:
@@ -98,6 +94,17 @@ class OwnedParameters:
         work = dist.reduce(grad, dst=self.owner[id(p)], group=self.group, async_op=True)
         assert work is not None
         self._pending.append((p, grad, work))
+
+
+def broadcast_from_owners(
+    params: Iterable[nn.Parameter], owner: dict[int, int], group: dist.ProcessGroup
+) -> None:
+    """Every rank of `group` again holds each of `params` as its owner (global rank, by
+    id) stepped it."""
+    works = [dist.broadcast(p.data, src=owner[id(p)], group=group, async_op=True) for p in params]
+    for work in works:
+        assert work is not None
+        work.wait()
 
 
 def owners(params: list[nn.Parameter], ranks: int) -> list[tuple[nn.Parameter, int]]:

@@ -13,7 +13,7 @@ from autopart.ops.loss_match import CrossEntropy
 from autopart.runtime.loss import microbatch_shares
 from autopart.testing import run_world
 from tests.harness import parallelize_lm, train_losses
-from tests.models import lm_loss, make_optimizer, tiny_llama, token_batch
+from tests.models import tiny_llama, token_batch, train_reference
 
 STEPS = 3
 
@@ -36,17 +36,8 @@ def _train(pins: dict) -> list[float]:
 
 
 def _single_device() -> list[float]:
-    model = tiny_llama()
-    opt = make_optimizer("sgd")(model.parameters())
     ids, target = _padded_batch()
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = lm_loss(model(ids), target)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train_reference(tiny_llama(), "sgd", STEPS, (ids,), target)["losses"]
 
 
 @pytest.mark.parametrize(
