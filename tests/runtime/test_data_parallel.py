@@ -32,7 +32,8 @@ def _train_dp(cases, batch) -> dict:
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# A world of 4 runs with the slow sweeps: the quick suite keeps to 10 minutes.
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dp_matches_single_device(world):
     batch = token_batch(batch=8)
     per_rank = run_world(_train_dp, world, CASES, batch)

@@ -42,7 +42,11 @@ def _single_device() -> list[float]:
 
 @pytest.mark.parametrize(
     "pins",
-    [{"dp": 2, "microbatches": 2}, {"pp": 2, "microbatches": 4}, {"tp": 2, "microbatches": 4}],
+    [
+        {"dp": 2, "microbatches": 2},
+        pytest.param({"pp": 2, "microbatches": 4}, marks=pytest.mark.slow),
+        pytest.param({"tp": 2, "microbatches": 4}, marks=pytest.mark.slow),
+    ],
     ids=str,
 )
 def test_ignored_tokens_train_as_on_one_device(pins):

@@ -118,7 +118,8 @@ def _blocks_held(pm) -> dict:
     return {"blocks": sorted({int(m[1]) for m in found if m})}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# pp=4 runs with the slow sweeps: the quick suite keeps to 10 minutes.
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_uneven_stages_and_partial_recomputation_match_single_device(world):
     batch = token_batch(batch=8)
     cases = [case for case in UNEVEN if case[3] == world]
