@@ -37,7 +37,7 @@ keys):
 
 with waves of query blocks over the SMs as above. E½ = 32 gives head dim 64 about 0.83
 of head dim 128's rate (FlashAttention-2 on A100); S₀ = 512 gives 1024 and 512 keys
-1.2× and 1.6× the time per FLOP of 2048-4096 (measured on an H100 with PyTorch's
+1.3× and 1.7× the time per FLOP of 2048-4096 (measured on an H100 with PyTorch's
 kernels: 1.3× and 1.8×). Scores are counted and run in full: a causal mask is not
 known on the meta device, so the half of the scores a causal kernel skips is charged.
 """
