@@ -29,7 +29,7 @@ A later backward adds to the gradients an earlier one left (accumulation without
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -186,7 +186,7 @@ class OwnerStorage:
         p = self._live.get(t.untyped_storage().data_ptr())
         if p is None:
             return t
-        return _Saved(p, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        return _Saved(p, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Saved):
@@ -284,14 +284,14 @@ def gather_on_use(gm: fx.GraphModule, params: list[fx.Node], storage: OwnerStora
     gm.add_submodule("autopart_gather", _Gather(storage))
     gm.add_submodule("autopart_release", _Release(storage))
     graph = gm.graph
-    gathered = {}
+    gathered: dict[fx.Node, fx.Node] = {}
     for node in params:
         if not node.users:
             continue
         first = min(node.users, key=_position(graph))
         with graph.inserting_before(first):
             gather = gathered[node] = graph.call_module("autopart_gather", (node,))
-        node.replace_all_uses_with(gather, delete_user_cb=lambda u, g=gather: u is not g)
+        node.replace_all_uses_with(gather, delete_user_cb=_all_but(gather))
     position = _position(graph)
     for node, gather in gathered.items():
         users = [u for alias in _aliases(gather) for u in alias.users]
@@ -302,6 +302,11 @@ def gather_on_use(gm: fx.GraphModule, params: list[fx.Node], storage: OwnerStora
             graph.call_module("autopart_release", (node,))
     graph.lint()
     gm.recompile()
+
+
+def _all_but(gather: fx.Node) -> Callable[[fx.Node], bool]:
+    """The uses of a parameter to hand to its gather: all but the gather's own."""
+    return lambda user: user is not gather
 
 
 def _position(graph: fx.Graph) -> Any:
