@@ -15,6 +15,7 @@ from autopart.mesh import Mesh, device_spec
 from autopart.testing import run_world
 
 
+@pytest.mark.slow  # kept out of the quick suite's 10 minutes; CI runs it
 def test_quick_calibration_in_one_process_writes_a_loadable_profile(tmp_path, capsys):
     path = tmp_path / "profile.json"
     assert main(["calibrate", "--out", str(path), "--quick", "--name", "this-cpu"]) == 0

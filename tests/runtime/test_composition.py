@@ -3,6 +3,8 @@ GPT-2 and Llama to the single-device losses and parameters (fp32, 5 AdamW steps)
 
 from __future__ import annotations
 
+import pytest
+
 from autopart.testing import run_world
 from tests.harness import assert_every_rank_matches, train_case
 from tests.models import LM_FACTORIES, token_batch, train_single_device
@@ -25,6 +27,7 @@ def _train(batch):
     }
 
 
+@pytest.mark.slow  # kept out of the quick suite's 10 minutes; CI runs it
 def test_dp2_tp2_pp2_zero2_matches_single_device():
     batch = token_batch(8)
     per_rank = run_world(_train, 8, batch)
