@@ -202,11 +202,17 @@ def _train_vocabulary_parallel(batch, pins):
     placements = dict(plan.placements)
     for fqn in ("model.embed_tokens.weight", "lm_head.weight"):
         placements[fqn] = (placements[fqn][0], Shard(0))
+    # The head reads the final norm's output whole: a sharded norm would make the
+    # rewrite gather the head's weight instead.
+    placements["model.norm.weight"] = (placements["model.norm.weight"][0], Replicate())
     plan = plan.with_changes(placements=placements)
 
     def lookups(pm):
-        ops = {str(n.target) for n in pm.graph.graph.nodes}
-        return {"vocab_parallel": any("vocab_parallel_embedding" in op for op in ops)}
+        nodes = list(pm.graph.graph.nodes)
+        return {
+            "vocab_parallel": any("vocab_parallel_embedding" in str(n.target) for n in nodes),
+            "head_gathered": any("all_gather_lm_head_weight" in n.name for n in nodes),
+        }
 
     return train_case(tiny_llama(), batch, STEPS, inspect=lookups, plan=plan)
 
@@ -218,6 +224,7 @@ def test_vocabulary_parallel_embedding_and_head_match_single_device(world, pins)
     reference = train_single_device("llama", "adamw", STEPS, batch)
     for rank, result in enumerate(per_rank):
         assert result.pop("vocab_parallel"), rank
+        assert not result.pop("head_gathered"), rank  # the head's weight stays sharded
         assert_matches(result, reference)
 
 
