@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import print_json_line, world_step_seconds
+from harness import print_json_line, spearman, world_step_seconds
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
@@ -252,30 +252,6 @@ def _walk(nodes: Iterable) -> Iterable:
 
 
 # -- the report ----------------------------------------------------------------------
-
-
-def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Spearman's rank correlation: Pearson's correlation of the ranks (ties share
-    their mean rank)."""
-    rx, ry = _ranks(xs), _ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    norm = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / norm if norm else 0.0
-
-
-def _ranks(values: Sequence[float]) -> list[float]:
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in order[i : j + 1]:
-            ranks[k] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
 
 
 def _line(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -262,3 +263,40 @@ def print_json_line(record: dict[str, Any]) -> None:
     """Print `record` as one JSON line, flushed at once: a benchmark that prints several
     (cost_model_fidelity.py) shows each as it comes even when its output is piped."""
     print(json.dumps(record), flush=True)
+
+
+def pinned_as_published(
+    pins: dict[str, Any], gpus: int, batch: int, microbatch_size: int | None, precision: str
+) -> dict[str, Any]:
+    """A published run's parallel configuration as autopart's pins: its tp and pp, the
+    dp that fills the rest of the `gpus`, its microbatch count where its size is known."""
+    out = dict(pins, precision=precision)
+    dp = gpus // (out.get("tp", 1) * out.get("pp", 1))
+    out["dp"] = dp
+    if microbatch_size:
+        out["microbatches"] = batch // dp // microbatch_size
+    return out
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks (ties share their
+    mean rank)."""
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var else 0.0
+
+
+def _ranks(values: Sequence[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness import captured_on_meta, gpt, llama, print_json_line, timed
+from harness import captured_on_meta, gpt, llama, pinned_as_published, print_json_line, timed
 from torch import nn
 
 import autopart
@@ -139,11 +139,9 @@ CONFIGS = {
 def run(name: str, config: Config) -> bool:
     c, capture_s = captured_on_meta(config.build, config.batch, config.seq)
     mesh = autopart.Mesh.cluster(config.device, nodes=config.gpus // 8, per_node=8)
-    experts = dict(config.experts, precision=config.precision)
-    dp = config.gpus // (experts.get("tp", 1) * experts.get("pp", 1))
-    experts["dp"] = dp
-    if config.microbatch_size:
-        experts["microbatches"] = config.batch // dp // config.microbatch_size
+    experts = pinned_as_published(
+        config.experts, config.gpus, config.batch, config.microbatch_size, config.precision
+    )
     record: dict[str, Any] = {"benchmark": "plan_quality", "case": name, "source": config.source}
     record["mesh"] = mesh.describe()
     record["capture_s"] = round(capture_s, 1)

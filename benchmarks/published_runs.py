@@ -74,14 +74,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from harness import captured_on_meta, llama, print_json_line, timed
+from harness import captured_on_meta, llama, pinned_as_published, print_json_line, spearman, timed
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -255,11 +254,7 @@ def predict(name: str, run: Run) -> dict[str, Any]:
     """`run` pinned and priced by autopart: one JSON record."""
     c, capture_s = _captured(run.shape, run.batch, run.seq, LOW_DTYPES[run.precision])
     mesh = run.mesh()
-    pins = dict(run.pins, precision=run.precision)
-    dp = run.gpus // (pins.get("tp", 1) * pins.get("pp", 1))
-    pins["dp"] = dp
-    if run.microbatch_size:
-        pins["microbatches"] = run.batch // dp // run.microbatch_size
+    pins = pinned_as_published(run.pins, run.gpus, run.batch, run.microbatch_size, run.precision)
     record: dict[str, Any] = {"benchmark": "published_runs", "case": name, "source": run.source}
     record |= {"params_b": run.params_b, "mesh": mesh.describe(), "capture_s": round(capture_s, 1)}
     flops = run.shape.flops(run.batch, run.seq)
@@ -298,30 +293,6 @@ def _captured(shape: Gpt | Llama, batch: int, seq: int, dtype: torch.dtype) -> t
 
 def _tflops(flops: float, run: Run, step_s: float) -> float:
     return round(flops / run.gpus / step_s / 1e12, 1)
-
-
-def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Spearman's rank correlation: Pearson's correlation of the ranks (ties share their
-    mean rank)."""
-    rx, ry = _ranks(xs), _ranks(ys)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-    return cov / var if var else 0.0
-
-
-def _ranks(values: Sequence[float]) -> list[float]:
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
 
 
 def summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:

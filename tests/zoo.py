@@ -9,7 +9,6 @@ differ, or any other exception).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -112,10 +111,10 @@ def is_refusal(e: Exception) -> bool:
 
 
 def train_cell(case: ZooCase, pins: dict[str, Any]) -> dict[str, Any]:
-    """One cell on this rank: {"losses", "params", "seconds"}, or {"refused"} when
-    capture or planning refuses, or {"error"} for anything else."""
+    """One cell on this rank: {"losses", "params"}, or {"refused"} when capture or
+    planning refuses, or {"error"} for anything else. (Timing belongs to the benchmark,
+    which measures capture itself.)"""
     inputs, target = case.batch()
-    start = time.perf_counter()
     try:
         pm = autopart.parallelize(
             case.model(),
@@ -128,10 +127,9 @@ def train_cell(case: ZooCase, pins: dict[str, Any]) -> dict[str, Any]:
         )
     except Exception as e:
         return {"refused" if is_refusal(e) else "error": "parallelize: " + first_line(e)}
-    seconds = time.perf_counter() - start
     try:
         losses = [pm.train_step(inputs, target).item() for _ in range(STEPS)]
-        result = {"losses": losses, "params": pm.full_state_dict(), "seconds": seconds}
+        result = {"losses": losses, "params": pm.full_state_dict()}
     except Exception as e:
         result = {"error": "train_step: " + first_line(e)}
     pm.close()
@@ -179,7 +177,7 @@ def verdict(per_rank: list[dict[str, Any]], want: dict[str, Any]) -> Verdict:
     for key, status in (("error", "fail"), ("refused", "refused")):
         if reasons := [r[key] for r in per_rank if key in r]:
             return {"status": status, "reason": reasons[0]}
-    record: dict[str, Any] = {"seconds_to_parallelize": round(per_rank[0]["seconds"], 1)}
+    record: dict[str, Any] = {}
     if not all(math.isfinite(v) for r in per_rank for v in r["losses"]):
         return {"status": "fail", "reason": "non-finite loss", **record}
     record["loss_rel_diff"] = float(f"{loss_difference(per_rank, want):.2e}")
