@@ -45,7 +45,6 @@ class TensorParallelGraph:
     the whole `params` (its `parameter_inputs`), and returns what the graph returns."""
 
     program: fx.GraphModule
-    plan: Plan
     params: list[nn.Parameter]
     is_data: list[bool]  # for each of dynamo's inputs: not a parameter
     out_spec: Any
@@ -102,7 +101,7 @@ def plan_tensor_parallel(
         100 * sum(p.numel() for p in sharded) / max(1, sum(p.numel() for p in params)),
     )
     is_data = [slot is None for slot in model.slots]
-    return TensorParallelGraph(program, plan, params, is_data, out_spec)
+    return TensorParallelGraph(program, params, is_data, out_spec)
 
 
 def _feed_slices(
