@@ -46,8 +46,10 @@ def plan(
     """Choose how to run `model` on `mesh` for the global batch `example_inputs`.
 
     Pins, each left to the solver when None: every mesh axis by name (`dp`, `tp`, `pp`),
-    `zero`, `microbatches`, `schedule`, `virtual_stages`, `recompute`; and `precision`
-    ("fp32", "bf16-mixed", "fp16-mixed") and `sequence_parallel`."""
+    `zero`, `microbatches`, `schedule`, `virtual_stages`, `recompute` (module paths of
+    blocks, "all", "none", or "attention" for every block's attention core alone),
+    `recompute_attention` (module paths); and `precision` ("fp32", "bf16-mixed",
+    "fp16-mixed") and `sequence_parallel`."""
     captured = captured_for_planning(model, example_inputs, example_kwargs)
     return make_plan(captured, mesh, Pins.of(**pins))
 

@@ -67,6 +67,7 @@ class StageFigures:
     recompute_frees_bytes: int = 0  # activation bytes that recomputation frees
     recompute_s: float = 0.0  # what recomputation adds to each step
     tp_comm_s: float = 0.0  # tensor-parallel collectives per step (resharding activations)
+    attention_recomputed: int = 0  # blocks whose attention core alone is recomputed
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,8 @@ class Plan(AxisAttributes):
     precision: str = "fp32"
     sequence_parallel: bool = False  # tp activations between blocks sharded on the sequence
     recompute: tuple[str, ...] = ()  # module paths of blocks recomputed in backward
+    # Module paths of blocks whose attention core alone is recomputed (selective).
+    recompute_attention: tuple[str, ...] = ()
     placements: Mapping[str, tuple[Placement, ...]] = field(default_factory=dict)
     # What each tp-sharded parameter does under the layout ("column-parallel", ...).
     tp_roles: Mapping[str, str] = field(default_factory=dict)
@@ -136,7 +139,7 @@ class Plan(AxisAttributes):
         out.append(check_choice(Precision, self.precision, "precision"))
         if self.schedule is not None:
             out.append(check_choice(Schedule, self.schedule, "schedule"))
-        if self.recompute and self.zero == 3:
+        if (self.recompute or self.recompute_attention) and self.zero == 3:
             out.append("recomputation together with ZeRO-3 is not supported: choose one")
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence parallelism needs tp > 1")
@@ -238,7 +241,7 @@ class Plan(AxisAttributes):
         d.pop("strategies", None)  # an always-empty field that earlier plan files carry
         d["predicted"] = _predicted(d["predicted"]) if d.get("predicted") else None
         d["alternatives"] = tuple(_alternative(a) for a in d.get("alternatives", []))
-        for key in ("recompute", "stage_cuts"):
+        for key in ("recompute", "recompute_attention", "stage_cuts"):
             d[key] = tuple(d.get(key, ()))
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known

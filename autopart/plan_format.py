@@ -10,7 +10,7 @@ from autopart.degrees import Axis
 from autopart.placements import placement_to_str
 
 if TYPE_CHECKING:
-    from autopart.plan import Plan
+    from autopart.plan import Plan, StageFigures
 
 
 def format_bytes(n: float) -> str:
@@ -73,6 +73,10 @@ def format_plan(plan: Plan) -> str:
     ]
     if plan.recompute:
         lines.append(f"  recompute: {', '.join(compact_paths(plan.recompute))}")
+    if plan.recompute_attention:
+        lines.append(
+            f"  recompute attention cores of: {', '.join(compact_paths(plan.recompute_attention))}"
+        )
     if plan.stage_cuts:
         lines.append(f"  stages begin at: {', '.join(plan.stage_cuts)}")
     p = plan.predicted
@@ -211,21 +215,42 @@ def _stage_lines(plan: Plan) -> list[str]:
                 f"{format_bytes(s.peak_memory_bytes)} with {s.in_flight:g} "
                 f"microbatch{'' if s.in_flight == 1 else 'es'} in flight"
                 + (f", {_count(s.recomputed, 'block')} recomputed" if s.recomputed else "")
+                + (
+                    f", {_count(s.attention_recomputed, 'attention core')} recomputed"
+                    if s.attention_recomputed
+                    else ""
+                )
             )
-    recomputing = [(r, s) for r, s in enumerate(stages) if s.recomputed]
+    recomputing = [(r, s) for r, s in enumerate(stages) if s.recomputed or s.attention_recomputed]
     if recomputing:
         effects = "; ".join(
             (f"stage {r}: " if plan.pp > 1 else "")
-            + f"{_count(s.recomputed, 'block')} free{'s' if s.recomputed == 1 else ''} "
+            + _recomputed_what(s)
+            + f" free{'s' if s.recomputed + s.attention_recomputed == 1 else ''} "
             f"{format_bytes(s.recompute_frees_bytes)} of "
             f"activations for {s.recompute_s * 1e3:.2f} ms more per step"
             for r, s in recomputing
         )
-        lines.append(
-            f"Recomputed in backward (each keeps only its input): "
-            f"{', '.join(compact_paths(plan.recompute))}. {effects}."
-        )
+        what = []
+        if plan.recompute:
+            blocks = ", ".join(compact_paths(plan.recompute))
+            what.append(f"whole blocks (each keeps only its input): {blocks}")
+        if plan.recompute_attention:
+            what.append(
+                "the attention core alone (scores to weighted values; the block keeps q, k "
+                f"and v): {', '.join(compact_paths(plan.recompute_attention))}"
+            )
+        lines.append(f"Recomputed in backward: {'; '.join(what)}. {effects}.")
     return lines
+
+
+def _recomputed_what(s: StageFigures) -> str:
+    parts = [
+        _count(n, what)
+        for n, what in ((s.recomputed, "block"), (s.attention_recomputed, "attention core"))
+        if n
+    ]
+    return " and ".join(parts)
 
 
 # Unit roundoff of the dtype each kind of sum runs in: gradients are fp32 under every

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -214,7 +215,25 @@ def llama3_8b_on_meta() -> nn.Module:
         return LlamaForCausalLM(config)
 
 
-LM_FACTORIES = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+def eager_attention(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """`factory`'s model with attention written out (scores, mask, softmax, weighted
+    values) instead of the fused kernel: its saved score matrices grow with the sequence
+    squared, what selective recomputation frees."""
+
+    def build(seed: int = 0, layers: int = 2) -> nn.Module:
+        model = factory(seed=seed, layers=layers)
+        model.config._attn_implementation = "eager"
+        return model
+
+    return build
+
+
+LM_FACTORIES = {
+    "gpt2": tiny_gpt2,
+    "llama": tiny_llama,
+    "gpt2-eager": eager_attention(tiny_gpt2),
+    "llama-eager": eager_attention(tiny_llama),
+}
 
 
 def train_single_device(

@@ -92,6 +92,8 @@ class Choices(AxisAttributes):
     virtual_stages: int = 1
     precision: str = "fp32"
     recompute: tuple[str, ...] = ()  # module paths of recomputed blocks (or containers)
+    # Module paths of blocks (or containers) whose attention core alone is recomputed.
+    recompute_attention: tuple[str, ...] = ()
     stage_cuts: tuple[str, ...] = ()
     # (FQN, tp placement) of every parameter; None: the Megatron layout (summary.py).
     tp_placements: tuple[tuple[str, Placement], ...] | None = None
@@ -113,6 +115,7 @@ class Choices(AxisAttributes):
             plan.virtual_stages,
             plan.precision,
             plan.recompute,
+            plan.recompute_attention,
             plan.stage_cuts,
             placements if plan.tp > 1 and placements else None,
             plan.sequence_parallel,
@@ -138,13 +141,26 @@ class Choices(AxisAttributes):
         return self.pp * self.virtual_stages
 
     def recomputes(self, segment: SegmentWork) -> bool:
-        """Whether a block lies in (or is) one of the recomputed module paths: one set
-        look-up per prefix of its path, as the search asks it of every block."""
-        if not (segment.is_block and self.recompute):
-            return False
-        recomputed = frozenset(self.recompute)
-        parts = segment.key.split(".")
-        return any(".".join(parts[:i]) in recomputed for i in range(1, len(parts) + 1))
+        """Whether a block lies in (or is) one of the recomputed module paths."""
+        return _block_in(segment, self.recompute)
+
+    def recomputes_attention(self, segment: SegmentWork) -> bool:
+        """Whether only a block's attention core is recomputed (selective)."""
+        return (
+            _block_in(segment, self.recompute_attention)
+            and segment.has_attention_core
+            and not self.recomputes(segment)
+        )
+
+
+def _block_in(segment: SegmentWork, paths: tuple[str, ...]) -> bool:
+    """Whether a block lies in (or is) one of `paths`: one set look-up per prefix of its
+    path, as the search asks it of every block."""
+    if not (segment.is_block and paths):
+        return False
+    chosen = frozenset(paths)
+    parts = segment.key.split(".")
+    return any(".".join(parts[:i]) in chosen for i in range(1, len(parts) + 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,22 +271,39 @@ def step_time_lower_bound(
 def _segment_times(
     segments: list[SegmentWork], choices: Choices, compute: ComputeModel
 ) -> list[PhaseCost]:
-    return segment_times(segments, compute, [choices.recomputes(s) for s in segments])
+    return segment_times(
+        segments,
+        compute,
+        [choices.recomputes(s) for s in segments],
+        [choices.recomputes_attention(s) for s in segments],
+    )
 
 
 def segment_times(
-    segments: Sequence[SegmentWork], compute: ComputeModel, recomputed: Sequence[bool]
+    segments: Sequence[SegmentWork],
+    compute: ComputeModel,
+    recomputed: Sequence[bool],
+    attention_recomputed: Sequence[bool] | None = None,
 ) -> list[PhaseCost]:
-    """Each segment's seconds per microbatch, recomputed or not; one block instance
-    priced per block."""
-    cache: dict[tuple[str, bool], PhaseCost] = {}
+    """Each segment's seconds per microbatch, recomputed whole, its attention core
+    alone, or not at all; one block instance priced per block."""
+    cache: dict[tuple[str, bool, bool], PhaseCost] = {}
     out: list[PhaseCost] = []
-    for seg, recompute in zip(segments, recomputed):
-        key = (seg.segment.block_id or f"segment {len(out)}", recompute)
+    selective = attention_recomputed or [False] * len(segments)
+    for seg, recompute, core in zip(segments, recomputed, selective):
+        key = (seg.segment.block_id or f"segment {len(out)}", recompute, core)
         if key not in cache:
             cache[key] = compute.cost(seg.nodes, recompute)
+            if core and not recompute:
+                cache[key] += attention_recompute_cost(seg, compute)
         out.append(cache[key])
     return out
+
+
+def attention_recompute_cost(seg: SegmentWork, compute: ComputeModel) -> PhaseCost:
+    """What recomputing a segment's attention cores alone adds: their forward again."""
+    core = [w for w in seg.nodes if w.in_attention_core]
+    return PhaseCost(recompute=compute.cost(core, recompute=True).recompute)
 
 
 def _rank_cost(
@@ -308,6 +341,7 @@ def _rank_cost(
         output_bytes=output_bytes(last, choices.tp) if last else 0.0,
     )
     recomputed = [s for s in own if choices.recomputes(s)]
+    attention_recomputed = sum(choices.recomputes_attention(s) for s in own)
     unrecomputed = Activations(kept=sum(s.saved_bytes(choices.precision) for s in own))
     recompute_comm = sum(
         tp_comm(s, choices, models.comm, True) - tp_comm(s, choices, models.comm, False)
@@ -319,6 +353,7 @@ def _rank_cost(
         peak_memory_bytes=total(memory),
         in_flight=in_flight,
         recomputed=len(recomputed),
+        attention_recomputed=attention_recomputed,
         recompute_frees_bytes=round(unrecomputed.bytes(in_flight) - activations),
         recompute_s=choices.microbatches * (compute.recompute + recompute_comm),
         tp_comm_s=choices.microbatches * tp,
@@ -515,11 +550,19 @@ def _gathers(own: list[SegmentWork], tp: int) -> list[float]:
 
 def _activations(own: list[SegmentWork], choices: Choices) -> Activations:
     """Saved bytes per microbatch at the plan's precision; recomputed blocks keep their
-    input, which has the size of their output (the residual stream, as captured)."""
+    input, which has the size of their output (the residual stream, as captured); a
+    block whose attention core alone is recomputed keeps all but what the core frees,
+    which it holds again while that core's backward runs."""
+    p = choices.precision
     recomputed = [s for s in own if choices.recomputes(s)]
-    saved = {id(s): s.saved_bytes(choices.precision) for s in own}
+    selective = [s for s in own if choices.recomputes_attention(s)]
+    saved = {id(s): s.saved_bytes(p) for s in own}
     return Activations(
-        kept=sum(saved[id(s)] for s in own if not choices.recomputes(s)),
+        kept=sum(saved[id(s)] for s in own if not choices.recomputes(s))
+        - sum(s.core_frees_bytes(p) for s in selective),
         recomputed_inputs=sum(s.output_bytes for s in recomputed),
-        largest_recomputed=max((saved[id(s)] for s in recomputed), default=0.0),
+        largest_recomputed=max(
+            [saved[id(s)] for s in recomputed] + [s.core_frees_bytes(p) for s in selective],
+            default=0.0,
+        ),
     )

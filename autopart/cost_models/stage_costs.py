@@ -5,10 +5,12 @@ The graph's segments become `Unit`s in order, each with its time per microbatch
 (forward, backward and its tensor-parallel collectives, as `predict` charges them), its
 parameters, the bytes it saves for backward, and, for a block that may be recomputed,
 what recomputing it adds (time) and frees (its saved bytes, less its input, which it
-keeps). All figures are integers, so the CP-SAT model and a brute-force enumeration
-weigh exactly the same numbers, in units sized to the problem (`TIME_STEPS`,
-`MEMORY_STEPS`): an LP with coefficients near 1e11 (bytes of an 80 GB device times
-the allocator's and the schedule's fractions) stalls CP-SAT's linear relaxation.
+keeps), and what recomputing its attention core alone adds and frees (selective
+recomputation, `passes.attention_core`). All figures are integers, so the CP-SAT model
+and a brute-force enumeration weigh exactly the same numbers, in units sized to the
+problem (`TIME_STEPS`, `MEMORY_STEPS`): an LP with coefficients near 1e11 (bytes of an
+80 GB device times the allocator's and the schedule's fractions) stalls CP-SAT's linear
+relaxation.
 Memory figures are rounded up and the device's memory down, so what fits in units
 fits in bytes.
 
@@ -16,7 +18,7 @@ Per pipeline rank r, holding chunks r, r + p, ... (interleaved), the memory is
 `predict`'s, as a sum the solver can keep linear:
 
     (1 + allocator) · [ states_r + in_flight_r · (kept_r + Σ recomputed inputs)
-                        + largest recomputed block + buffers_r + fixed_r ]
+                        + largest recomputed block or core + buffers_r + fixed_r ]
 
 where states_r is the bytes of the rank's parameters, gradients and optimizer state
 under the ZeRO stage, buffers_r the ZeRO reduce-scatter bucket (at most the rank's
@@ -42,6 +44,7 @@ from autopart.cost_models.memory import (
 from autopart.cost_models.predict import (
     Choices,
     CostModels,
+    attention_recompute_cost,
     output_bytes,
     p2p_comm,
     segment_times,
@@ -69,6 +72,12 @@ class Unit:
     recompute_time: int = 0  # added when recomputed
     recompute_keeps: int = 0  # what a recomputed block keeps per microbatch (its input)
     grads: int = 0  # its gradients (what ZeRO's reduce-scatter bucket holds at most)
+    attention_time: int = 0  # added when its attention core alone is recomputed
+    attention_frees: int = 0  # what that frees per microbatch
+
+    @property
+    def has_attention_core(self) -> bool:
+        return self.kind is not None and self.attention_frees > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,24 +107,29 @@ class StageProblem:
 
 @dataclass(frozen=True, slots=True)
 class StageAssignment:
-    """Where chunks 1 .. K−1 begin (unit indices), the recomputed units, and what that
-    costs: the slowest rank's time per microbatch, the recomputation's time summed over
-    ranks, and every rank's memory."""
+    """Where chunks 1 .. K−1 begin (unit indices), the recomputed units (whole, and
+    attention core alone), and what that costs: the slowest rank's time per microbatch,
+    the recomputation's time summed over ranks, and every rank's memory."""
 
     starts: tuple[int, ...]
     recomputed: frozenset[int]
     pace: int
     added: int
     peaks: tuple[int, ...]
+    attention: frozenset[int] = frozenset()
 
     def fits(self, memory: int) -> bool:
         return max(self.peaks) <= memory
 
 
 def evaluate(
-    problem: StageProblem, starts: Sequence[int], recomputed: frozenset[int]
+    problem: StageProblem,
+    starts: Sequence[int],
+    recomputed: frozenset[int],
+    attention: frozenset[int] = frozenset(),
 ) -> StageAssignment:
-    """The pace, added recomputation and per-rank memory of one assignment."""
+    """The pace, added recomputation and per-rank memory of one assignment: the units in
+    `recomputed` are recomputed whole, the others in `attention` their core alone."""
     bounds = [0, *starts, len(problem.units)]
     times = [0] * problem.pp
     added = 0
@@ -134,6 +148,11 @@ def evaluate(
                 added += u.recompute_time
                 kept[r] += u.recompute_keeps
                 largest[r] = max(largest[r], u.saved)
+            elif i in attention:
+                times[r] += u.time + u.attention_time
+                added += u.attention_time
+                kept[r] += u.saved - u.attention_frees
+                largest[r] = max(largest[r], u.attention_frees)
             else:
                 times[r] += u.time
                 kept[r] += u.saved
@@ -141,7 +160,7 @@ def evaluate(
         _memory(problem, r, states[r], grads[r], kept[r], largest[r]) for r in range(problem.pp)
     )
     pace = max(t + c for t, c in zip(times, problem.comm))
-    return StageAssignment(tuple(starts), recomputed, pace, added, peaks)
+    return StageAssignment(tuple(starts), recomputed, pace, added, peaks, attention - recomputed)
 
 
 def _memory(
@@ -194,7 +213,14 @@ def stage_problem(
         comm0 = tp_comm(seg, choices, models.comm, recomputed=False)
         comm1 = tp_comm(seg, choices, models.comm, recomputed=True)
         saved = seg.saved_bytes(choices.precision)
-        base, keeps = (t1.total + comm1, seg.output_bytes) if fixed else (t0.total + comm0, saved)
+        core = attention_recompute_cost(seg, models.compute).total if seg.is_block else 0.0
+        frees = seg.core_frees_bytes(choices.precision) if seg.is_block else 0.0
+        if fixed:
+            base, keeps = t1.total + comm1, seg.output_bytes
+        elif choices.recomputes_attention(seg):  # pinned: its core alone, always
+            base, keeps = t0.total + comm0 + core, saved - frees
+        else:
+            base, keeps = t0.total + comm0, saved
         may = recomputable and seg.is_block and not fixed
         params = seg.param_numel(choices.tp)
         units.append(
@@ -207,6 +233,9 @@ def stage_problem(
                 recompute_time=round((t1.total + comm1 - base) / second) if may else 0,
                 recompute_keeps=up(seg.output_bytes) if may else 0,
                 grads=up(params * grad_bytes),
+                attention_time=round(core / second) if may else 0,
+                # Rounded down, as what it frees is subtracted from what is kept.
+                attention_frees=math.floor(frees / byte) if may else 0,
             )
         )
     chunks, pp = choices.chunks, choices.pp

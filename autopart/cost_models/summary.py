@@ -79,16 +79,21 @@ class SegmentWork:
     # (collective, bytes as captured, in backward, bytes under mixed precision over
     # the captured ones, how many): its tp collectives (`_traffic`)
     tp_traffic: tuple[tuple[str, float, bool, float, int], ...] | None = None
-    # Bytes saved for backward in fp32 and under mixed precision, summed once: the
-    # search reads them for every candidate plan.
+    # Bytes saved for backward, and those recomputing the attention core frees, in fp32
+    # and under mixed precision, summed once: the search reads them for every plan.
     _saved: tuple[float, float] = field(init=False, repr=False, compare=False)
+    _core_frees: tuple[float, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        precisions = (Precision.FP32, Precision.BF16_MIXED)
         saved = tuple(
-            sum(w.saved_bytes * bytes_scale(w, p) for w in self.nodes)
-            for p in (Precision.FP32, Precision.BF16_MIXED)
+            sum(w.saved_bytes * bytes_scale(w, p) for w in self.nodes) for p in precisions
+        )
+        frees = tuple(
+            sum(w.core_frees_bytes * bytes_scale(w, p) for w in self.nodes) for p in precisions
         )
         object.__setattr__(self, "_saved", saved)
+        object.__setattr__(self, "_core_frees", frees)
 
     @property
     def key(self) -> str:
@@ -101,6 +106,15 @@ class SegmentWork:
     def saved_bytes(self, precision: str = "fp32") -> float:
         """Bytes saved for backward per microbatch at `precision` (`precision.py`)."""
         return self._saved[is_mixed(precision)]
+
+    def core_frees_bytes(self, precision: str = "fp32") -> float:
+        """Bytes per microbatch that recomputing its attention cores alone frees
+        (selective recomputation; 0 for a segment without one)."""
+        return self._core_frees[is_mixed(precision)]
+
+    @property
+    def has_attention_core(self) -> bool:
+        return any(w.in_attention_core for w in self.nodes)
 
     @property
     def flops(self) -> float:

@@ -21,7 +21,16 @@ import torch
 from torch import fx
 
 from autopart.ops.aten import ATTENTION_OPS, MATMUL_OPS, op_name
-from autopart.ops.meta import FLOPS, PARAMS, SAVED_BYTES, SHAPE, TRAFFIC, TensorInfo
+from autopart.ops.meta import (
+    ATTENTION_CORE,
+    CORE_FREES_BYTES,
+    FLOPS,
+    PARAMS,
+    SAVED_BYTES,
+    SHAPE,
+    TRAFFIC,
+    TensorInfo,
+)
 
 LOW_PRECISION_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
@@ -82,6 +91,8 @@ class NodeWork:
     written_bytes: float = 0.0
     param_bytes: float = 0.0  # parameters read
     saved_bytes: float = 0.0  # saved for backward
+    in_attention_core: bool = False  # what selective recomputation recomputes
+    core_frees_bytes: float = 0.0  # on a core's first operator: what recomputing it frees
     shape: tuple[float, float, float] | None = None  # (m, n, k) of a contraction
     tp_sharded: bool = False  # split over the tensor-parallel axis (Megatron layout)
     # Split, but what it saves for backward is a replicated operand (the input of a
@@ -123,6 +134,7 @@ class NodeWork:
             written_bytes=self.written_bytes / tp,
             param_bytes=self.param_bytes / tp,
             saved_bytes=self.saved_bytes / (1 if self.tp_saves_replicated else tp),
+            core_frees_bytes=self.core_frees_bytes / tp,
             shape=shape,
             evaluations=self.evaluations / tp,
         )
@@ -141,6 +153,7 @@ class NodeWork:
             read_bytes=self.read_bytes * factor,
             written_bytes=self.written_bytes * factor,
             saved_bytes=self.saved_bytes * factor,
+            core_frees_bytes=self.core_frees_bytes * factor,
             shape=shape,
             evaluations=self.evaluations * factor,
         )
@@ -186,6 +199,8 @@ def node_work(
         written_bytes=evaluate(traffic.written, dims),
         param_bytes=params,
         saved_bytes=evaluate(SAVED_BYTES.get(node), dims),
+        in_attention_core=ATTENTION_CORE.has(node),
+        core_frees_bytes=evaluate(CORE_FREES_BYTES.get(node, 0), dims),
         shape=shape,
         tp_sharded=tp_sharded,
         dispatched=node.op in _CALLS and name not in HOST_ONLY,

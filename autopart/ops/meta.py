@@ -124,6 +124,11 @@ FLOPS: MetaKey[sympy.Expr] = MetaKey("flops", "flops_pass")
 TRAFFIC: MetaKey[Traffic] = MetaKey("traffic", "traffic_pass")
 PARAMS: MetaKey[tuple[str, ...]] = MetaKey("params", "params_pass")
 SAVED_BYTES: MetaKey[sympy.Expr] = MetaKey("saved_bytes", "saved_for_backward_pass")
+# Which attention core of a repeated block a node belongs to (an index per graph), and,
+# on a core's first node (0 on the others), the bytes that recomputing the core alone
+# frees (selective recomputation).
+ATTENTION_CORE: MetaKey[int] = MetaKey("attention_core", "attention_core_pass")
+CORE_FREES_BYTES: MetaKey[sympy.Expr] = MetaKey("core_frees_bytes", "saved_for_backward_pass")
 BLOCK: MetaKey[BlockInfo | None] = MetaKey("block", "blocks_pass")
 COLLECTIVE: MetaKey[CollectiveInfo] = MetaKey("collective", "a rewrite pass")
 # How a node's local value relates to its single-device value after the tensor-parallel

@@ -21,6 +21,7 @@ from autopart.ops.meta import (
     TensorInfo,
     Traffic,
 )
+from autopart.passes.attention_core import attention_core_pass
 from autopart.passes.blocks import blocks_pass
 from autopart.passes.flops import flops_pass, total_flops
 from autopart.passes.module_path import module_path_pass
@@ -37,13 +38,14 @@ ANALYSIS_PASSES: tuple[Pass, ...] = (
     flops_pass,
     traffic_pass,
     blocks_pass,
+    attention_core_pass,
     saved_for_backward_pass,
 )
 
 
 def analyze(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Annotate every node with shapes, module path, parameters, FLOPs, bytes moved,
-    bytes saved for backward and repeated-block membership."""
+    bytes saved for backward, repeated-block membership and the blocks' attention cores."""
     return run_passes(gm, ctx, ANALYSIS_PASSES)
 
 

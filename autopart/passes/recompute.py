@@ -6,6 +6,10 @@ inputs, and backward runs the block's forward again to get what its gradients ne
 Parameters stay attributes of the stage (read outside, passed in), so their FQNs, the
 optimizer and the gradient sync are untouched; collectives inside a block run again in
 backward, on every rank alike.
+
+Selective recomputation: for the blocks in the plan's `recompute_attention`, only each
+attention core (`attention_core`: scores, mask, softmax, dropout, weighted values) is
+outlined so, and the rest of the block saves what it always does.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from autopart.ops.meta import MODULE_PATH, PARAMS, inherit
+from autopart.passes.attention_core import attention_cores
 from autopart.passes.runner import PassContext
 
 
@@ -32,8 +37,8 @@ class Recomputed(nn.Module):
 
 
 def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    paths = ctx.rank.plan.recompute
-    for index, path in enumerate(paths):
+    plan = ctx.rank.plan
+    for index, path in enumerate(plan.recompute):
         region = [
             n
             for n in gm.graph.nodes
@@ -42,6 +47,14 @@ def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ]
         if region:
             _outline(gm, region, f"recompute_{index}", path)
+    selective = [p for p in plan.recompute_attention if p not in plan.recompute]
+    cores = [
+        region
+        for region in attention_cores(gm)
+        if any(_inside(MODULE_PATH.get(region[0], ""), p) for p in selective)
+    ]
+    for index, region in enumerate(cores):
+        _outline(gm, region, f"recompute_attention_{index}", MODULE_PATH.get(region[0], ""))
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -11,7 +11,8 @@ disabled by name (`PassContext.disabled`).
     ── pipeline split ──       cut the graph into stages, keep this rank's (pp > 1)
     materialize               real memory for this rank's pieces of a meta model
     retarget devices          device arguments and tensors on this rank's device
-    recompute                 the plan's blocks run under activation checkpointing
+    recompute                 the plan's blocks (or their attention cores) run under
+                              activation checkpointing
     ZeRO-3                    shard each stage's parameters over dp; gather on use
 """
 
@@ -55,7 +56,11 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite(tensor_parallel_pass, lambda plan: plan.tp > 1),
     Rewrite(materialize_pass, per_stage=True),
     Rewrite(retarget_devices_pass, per_stage=True),
-    Rewrite(recompute_pass, lambda plan: bool(plan.recompute), per_stage=True),
+    Rewrite(
+        recompute_pass,
+        lambda plan: bool(plan.recompute or plan.recompute_attention),
+        per_stage=True,
+    ),
     Rewrite(zero3_pass, lambda plan: plan.zero == 3, per_stage=True),
 )
 

@@ -1,4 +1,4 @@
-"""The bytes autograd saves for backward, attributed to the operator that saves them.
+r"""The bytes autograd saves for backward, attributed to the operator that saves them.
 
 Measured, not guessed: the graph runs once on fake tensors (no memory, no compute) with
 `saved_tensors_hooks` recording every tensor autograd packs. A storage is counted once,
@@ -13,6 +13,11 @@ instead of the score matrix. On the meta device the dispatcher would take the un
 math path, whose O(L·S) saved scores no real device keeps. An attention whose mask needs
 a gradient (a learned position bias, as in T5) is measured on the math path: the fused
 kernels cannot differentiate a mask, and the dispatcher runs the math path for it.
+
+Selective recomputation. For each attention core (`attention_core`), with C the storages
+its nodes save, I those of its inputs (what a recomputed core keeps instead) and N those
+the other nodes save, recomputing the core alone frees |C \ N| − |I \ N| bytes,
+recorded on the core's first node.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils import _pytree as pytree
 
-from autopart.ops.meta import SAVED_BYTES
+from autopart.ops.meta import ATTENTION_CORE, CORE_FREES_BYTES, SAVED_BYTES
 from autopart.passes.blocks import block_counterparts
 from autopart.passes.runner import PassContext
 
@@ -38,13 +44,27 @@ def saved_for_backward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
         # Converted only now: the fake run may learn equalities between sizes late.
         sizes = tracker.saved.get(node, ())
         SAVED_BYTES.set(node, sympy.Add(*(ctx.expr(s) for s in sizes)))
+        if ATTENTION_CORE.has(node):
+            CORE_FREES_BYTES.set(node, sympy.Integer(0))
+    for core, first in tracker.core_first.items():
+        saved, inputs = tracker.core_saved[core], tracker.core_inputs[core]
+        frees = _total(saved, tracker.outside, ctx) - _total(inputs, tracker.outside, ctx)
+        CORE_FREES_BYTES.set(first, sympy.Max(0, frees))
+    for node, first in tracker.counterpart.items():
+        if ATTENTION_CORE.has(node):
+            CORE_FREES_BYTES.set(node, CORE_FREES_BYTES.get(first))
     return gm
+
+
+def _total(storages: dict[int, Any], outside: set[int], ctx: PassContext) -> sympy.Expr:
+    return sympy.Add(*(ctx.expr(size) for s, size in storages.items() if s not in outside))
 
 
 class _SavedTensorTracker(fx.Interpreter):
     """Runs the graph on fake tensors. A later copy of a repeated block is not run
     again: its nodes take the first copy's values and saved bytes (what the cost
-    models price for every copy), so an 80-layer model costs one layer's dispatch."""
+    models price for every copy), so an 80-layer model costs one layer's dispatch.
+    It also gathers, by storage, what selective recomputation frees (module docstring)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm, garbage_collect_values=True)
@@ -52,14 +72,20 @@ class _SavedTensorTracker(fx.Interpreter):
         self.saved: dict[fx.Node, list[int | torch.SymInt]] = {}
         self._seen_storages: set[int] = set()
         self._keep_alive: list[torch.Tensor] = []
-        self._counterpart = block_counterparts(gm)
-        self._first_values: dict[fx.Node, Any] = dict.fromkeys(self._counterpart.values())
+        self.counterpart = block_counterparts(gm)
+        self._first_values: dict[fx.Node, Any] = dict.fromkeys(self.counterpart.values())
+        # Per attention core: its first node, the storages its nodes save and those of
+        # its inputs (storage -> bytes); the storages other nodes save.
+        self.core_first: dict[int, fx.Node] = {}
+        self.core_saved: dict[int, dict[int, Any]] = {}
+        self.core_inputs: dict[int, dict[int, Any]] = {}
+        self.outside: set[int] = set()
 
     def fake_inputs(self) -> list[Any]:
         return [n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"]
 
     def run_node(self, node: fx.Node) -> Any:
-        first = self._counterpart.get(node)
+        first = self.counterpart.get(node)
         if first is not None:
             self.saved[node] = self.saved[first]
             return self._first_values[first]
@@ -72,6 +98,7 @@ class _SavedTensorTracker(fx.Interpreter):
         with self.mode, saved_tensors_hooks(pack, lambda t: t):
             result = super().run_node(node)
         self.saved[node] = self._new_bytes(packed)
+        self._record_core(node, packed)
         if node in self._first_values:
             self._first_values[node] = result
         return result
@@ -89,19 +116,60 @@ class _SavedTensorTracker(fx.Interpreter):
         fake = self.mode.from_tensor(value, static_shapes=True)
         return fake.detach().requires_grad_(value.requires_grad)
 
+    def _record_core(self, node: fx.Node, packed: list[torch.Tensor]) -> None:
+        core = _core_of(node)
+        saved = {_storage(t): _base_bytes(t) for t in packed if not _is_parameter(t)}
+        if core is None:
+            self.outside.update(saved)
+            return
+        self.core_first.setdefault(core, node)
+        self.core_saved.setdefault(core, {}).update(saved)
+        inputs = self.core_inputs.setdefault(core, {})
+        for arg in node.all_input_nodes:
+            if _core_of(arg) == core:
+                continue
+            for t in pytree.tree_leaves(self.env.get(arg)):
+                if isinstance(t, torch.Tensor) and not _is_parameter(t):
+                    inputs[_storage(t)] = _base_bytes(t)
+                    self._keep_alive.append(t)  # its storage's id stays its own
+        self._keep_alive.extend(packed)
+
     def _new_bytes(self, packed: list[torch.Tensor]) -> list[int | torch.SymInt]:
         sizes: list[int | torch.SymInt] = []
         for t in packed:
-            base = t._base if t._base is not None else t
-            if base.requires_grad and base.grad_fn is None:  # a parameter, or a view of one
+            if _is_parameter(t):
                 continue
-            storage = t.untyped_storage()._cdata
+            storage = _storage(t)
             if storage in self._seen_storages:
                 continue
             self._seen_storages.add(storage)
             self._keep_alive.append(t)
-            sizes.append(base.numel() * base.element_size())
+            sizes.append(_base_bytes(t))
         return sizes
+
+
+def _core_of(node: fx.Node) -> int | None:
+    return ATTENTION_CORE.get(node) if ATTENTION_CORE.has(node) else None
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (not an activation)."""
+    base = _base(t)
+    return base.requires_grad and base.grad_fn is None
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _base_bytes(t: torch.Tensor) -> int | torch.SymInt:
+    """What a saved tensor keeps alive: its whole base."""
+    base = _base(t)
+    return base.numel() * base.element_size()
 
 
 def _fake_mode(gm: fx.GraphModule) -> FakeTensorMode:

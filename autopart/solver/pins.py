@@ -38,6 +38,8 @@ class Pins:
     virtual_stages: int | None = None
     # Module paths of the blocks to recompute; True: every repeated block; False: none.
     recompute: tuple[str, ...] | bool | None = None
+    # The same, for the blocks whose attention core alone is recomputed (selective).
+    recompute_attention: tuple[str, ...] | bool | None = None
     precision: str = "fp32"
     sequence_parallel: bool = False
     # The optimizer the plan will run, where known: ZeRO is left out unless it is exact
@@ -54,8 +56,12 @@ class Pins:
         if unknown:
             raise TypeError(f"unknown pins {unknown}: autopart pins {', '.join(known)}")
         recompute = pins.get("recompute")
-        if isinstance(recompute, str):  # "all", "none", or one module path
+        if recompute == "attention":  # every block's attention core, nothing else
+            pins["recompute"], pins["recompute_attention"] = False, True
+        elif isinstance(recompute, str):  # "all", "none", or one module path
             pins["recompute"] = {"all": True, "none": False}.get(recompute, (recompute,))
+        if isinstance(pins.get("recompute_attention"), str):  # one module path
+            pins["recompute_attention"] = (pins["recompute_attention"],)
         precision = pins.get("precision")
         if precision is not None:
             pins["precision"] = PRECISION_ALIASES.get(precision, precision)
@@ -186,6 +192,7 @@ def _plan_of(
         precision=pins.precision,
         sequence_parallel=pins.sequence_parallel,
         recompute=choices.recompute,
+        recompute_attention=choices.recompute_attention,
         placements=_placements(captured, layouts.placements(choices.tp), choices.zero),
         tp_roles=layouts.roles(choices.tp),
     )

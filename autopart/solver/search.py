@@ -7,14 +7,15 @@ Candidates, every combination the pins allow:
     where the model has a tensor-parallel layout; pp no more than the repeated blocks.
     An axis with no rule is enumerated at every degree;
   ZeRO stage 0-3 (0 when dp = 1);
-  microbatches: 1 without a pipeline; pp, 2pp and 4pp (dividing the replica's batch)
-    with one; schedule 1F1B, and interleaved 1F1B over 2 virtual stages where the blocks
-    allow (GPipe where one microbatch is pinned);
-  no recomputation, unless pinned.
+  microbatches: every count giving a power-of-two microbatch size that divides the
+    replica's batch (gradient accumulation without a pipeline too); schedule 1F1B,
+    and interleaved 1F1B over 2 virtual stages where the blocks allow (GPipe where one
+    microbatch is pinned);
+  no recomputation, unless pinned (whole blocks, or their attention cores alone).
 Each is priced once by `cost_models.predict` on one `GraphSummary` of the graph. A
-pipeline's stage cuts, and the blocks to recompute when a plan does not fit otherwise
-(not with ZeRO-3), are decided per candidate by the inner CP-SAT model
-(`stage_model.py`) and the result priced again.
+pipeline's stage cuts, and the blocks to recompute (whole, or their attention cores
+alone) when a plan does not fit otherwise (not with ZeRO-3), are decided per candidate
+by the inner CP-SAT model (`stage_model.py`) and the result priced again.
 
 Formulation. A boolean x_c per candidate c, with predicted step time t_c (µs), peak
 memory m_c (bytes), a simplicity rank s_c (how many mechanisms it switches on) and
@@ -28,7 +29,9 @@ its rank r_c among the N candidates by step time:
 
 The second solve keeps the simplest of the plans within `slack` (5%) of the fastest, so
 plain data parallelism stays when nothing is measurably faster: correct first, then
-fast; among equally simple plans, the fastest, so the choice does not depend on the
+fast. Simplicity counts mechanisms (an axis switched on, the ZeRO stage, recomputation,
+interleaving, gradient accumulation), not degrees; among equally simple plans, the
+fastest, so the choice does not depend on the
 order in which candidates are enumerated. The solver runs on one worker with a fixed
 seed, so it is deterministic, and logs the problem size and solve time.
 """
@@ -97,9 +100,13 @@ SLACK = 0.05
 # 1e-4; a margin, so that no plan the inner model could make the fastest is skipped.
 REBALANCE_GAIN = 0.02
 SEED = 0
-# What each doubling of an axis's degree adds to a plan's complexity (3 where not named):
+# What switching an axis on (degree > 1) adds to a plan's complexity (3 where not named):
 # data parallelism adds none, so it is preferred among near-equal plans.
 AXIS_COMPLEXITY = {Axis.DP: 0}
+# ZeRO's, by stage: stages 1 and 2 shard the optimizer's side of the step alike (the
+# same bytes cross the links: a reduce-scatter and an all-gather where stage 0 runs an
+# all-reduce); stage 3 also gathers the parameters around every use.
+ZERO_COMPLEXITY = {0: 0, 1: 1, 2: 1, 3: 2}
 
 
 class NoPlanFits(ValueError):
@@ -113,14 +120,18 @@ class Candidate:
 
     @property
     def simplicity(self) -> int:
+        """How many mechanisms the plan switches on. Degrees do not count: between
+        plans that use the same mechanisms (pp=8 and pp=16, both with tp and
+        recomputation), the cost model's figures decide, not a preference."""
         c = self.choices
-        axes = sum(AXIS_COMPLEXITY.get(a, 3) * int(math.log2(n)) for a, n in c.degrees.items())
+        axes = sum(AXIS_COMPLEXITY.get(a, 3) for a, n in c.degrees.items() if n > 1)
         return (
-            c.zero
+            ZERO_COMPLEXITY[c.zero]
             + axes
             + 2 * bool(c.recompute)
+            + bool(c.recompute_attention)
             + (c.virtual_stages > 1)
-            + int(math.log2(c.microbatches))
+            + (c.microbatches > 1)
         )
 
 
@@ -131,7 +142,8 @@ def search(
     first = layouts.summary(1).evaluate({**dims, BATCH: 1})
     blocks = tuple(s.key for s in first if s.is_block)
     choices = list(_choices(layouts, mesh, pins, global_batch, blocks))
-    candidates = _price(layouts, mesh, dims, choices, recomputable=pins.recompute is None)
+    recomputable = pins.recompute is None and pins.recompute_attention is None
+    candidates = _price(layouts, mesh, dims, choices, recomputable=recomputable)
     if not candidates:
         raise NoPlanFits("the pins leave no plan that divides the batch and the mesh")
     chosen = _solve(candidates, mesh.device.memory_bytes)
@@ -290,6 +302,8 @@ def _inner(
         c,
         stage_cuts=tuple(units[i].key for i in solved.starts),
         recompute=c.recompute + tuple(units[i].key for i in sorted(solved.recomputed)),
+        recompute_attention=c.recompute_attention
+        + tuple(units[i].key for i in sorted(solved.attention)),
     )
     priced = predict(summary, mesh, chosen, dims, models)
     if priced.peak_memory_bytes <= memory or predicted.peak_memory_bytes > memory:
@@ -381,7 +395,15 @@ def _choices(
             for zero in _zero_stages(dp, pins):
                 for recompute in _recompute_sets(blocks, pins):
                     yield Choices(
-                        batch, degrees, zero, m, schedule, virtual, pins.precision, recompute
+                        batch,
+                        degrees,
+                        zero,
+                        m,
+                        schedule,
+                        virtual,
+                        pins.precision,
+                        recompute,
+                        _pinned_paths(pins.recompute_attention, blocks),
                     )
 
 
@@ -446,9 +468,17 @@ def _zero_stages(dp: int, pins: Pins) -> list[int]:
         return [pins.zero]
     if dp == 1:
         return [0]
-    stages = [0, 1, 2] if pins.recompute else [0, 1, 2, 3]  # recomputation excludes ZeRO-3
+    # Recomputation excludes ZeRO-3.
+    stages = [0, 1, 2] if pins.recompute or pins.recompute_attention else [0, 1, 2, 3]
     # ZeRO-3 would change the updates of an optimizer that is not elementwise.
     return [z for z in stages if not zero_refusal(z, pins.optimizer_class)]
+
+
+def _pinned_paths(pin: tuple[str, ...] | bool | None, blocks: tuple[str, ...]) -> tuple[str, ...]:
+    """A recomputation pin's module paths: True for every block, None or False for none."""
+    if pin is True:
+        return blocks
+    return tuple(pin) if pin else ()
 
 
 def _recompute_sets(blocks: tuple[str, ...], pins: Pins) -> list[tuple[str, ...]]:

@@ -8,15 +8,19 @@ order), with K chunks on p pipeline ranks (chunk k on rank k mod p):
     X[s_k]  via element constraints                   prefix sums of every unit figure X,
                                                       so chunk k's X is X[s_{k+1}] − X[s_k]
     f_kj ∈ 0 … blocks of kind j in chunk k            how many of them are recomputed
+    a_kj ∈ 0 … blocks of kind j in chunk k − f_kj     how many recompute their attention
+                                                      core alone (selective)
 
 Copies of one block (one kind j) cost the same, so which of a chunk's copies are
-recomputed does not matter, only how many: the model has K·(J + 4) variables
+recomputed does not matter, only how many: the model has K·(2J + 4) variables
 whatever the depth, and a repeated block's costs are computed once. Then per rank r:
 
-    pace ≥ Σ_{k on r} (time_k + Σ_j f_kj · recompute_time_j) + comm_r
-    (1 + a) · [ states_r + in_flight_r · (kept_r − Σ f_kj · freed_j)
+    pace ≥ Σ_{k on r} (time_k + Σ_j f_kj · recompute_time_j + a_kj · attention_time_j)
+           + comm_r
+    (1 + a) · [ states_r + in_flight_r · (kept_r − Σ f_kj · freed_j − Σ a_kj · core_j)
                 + largest_r + bucket_r + fixed_r ] ≤ memory
     largest_r ≥ saved_j · g_rj,  f_kj ≤ n_j · g_rj    (the block recomputed in backward)
+    largest_r ≥ core_j · h_rj,   a_kj ≤ n_j · h_rj    (the core recomputed in backward)
     bucket_r = min(bucket cap, gradient bytes_r)
 
 Objectives, lexicographic: the least pace (the pipeline runs at its slowest rank's),
@@ -61,7 +65,8 @@ def solve_stages(problem: StageProblem) -> StageAssignment | None:
     built.model.minimize(built.added)
     if solver.solve(built.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None  # cannot happen: the first solution satisfies the added bound
-    return evaluate(problem, built.starts(solver), built.recomputed(solver))
+    recomputed, attention = built.recomputed(solver)
+    return evaluate(problem, built.starts(solver), recomputed, attention)
 
 
 class _Model:
@@ -87,19 +92,26 @@ class _Model:
             for g in range(len(self.groups))
             for j in self.kinds
         }
+        cores = [j for j in self.kinds if first[j].has_attention_core]
+        self.a = {
+            (g, j): m.new_int_var(0, total[j], f"a{g}[{j}]")
+            for g in range(len(self.groups))
+            for j in cores
+        }
         for (g, j), f in self.f.items():
-            m.add(f <= sum(count[j][k] for k in self.groups[g]))
+            m.add(f + self.a.get((g, j), 0) <= sum(count[j][k] for k in self.groups[g]))
 
         self.pace = m.new_int_var(
-            0, sum(u.time + u.recompute_time for u in p.units) + max(p.comm, default=0), "pace"
+            0,
+            sum(u.time + max(u.recompute_time, u.attention_time) for u in p.units)
+            + max(p.comm, default=0),
+            "pace",
         )
         added = []
         for r, mine in enumerate(ranks):
-            extra = [
-                self.f[g, j] * first[j].recompute_time
-                for g in self._groups_of(mine)
-                for j in self.kinds
-            ]
+            groups = self._groups_of(mine)
+            extra = [self.f[g, j] * first[j].recompute_time for g in groups for j in self.kinds]
+            extra += [self.a[g, j] * first[j].attention_time for g, j in self.a if g in groups]
             added += extra
             m.add(self.pace >= sum(time[k] for k in mine) + sum(extra) + p.comm[r])
             self._memory(r, mine, states, grads, saved, first, total)
@@ -175,13 +187,18 @@ class _Model:
             self.f[g, j] * (first[j].saved - first[j].recompute_keeps)
             for g in groups
             for j in self.kinds
-        )
+        ) + sum(self.a[g, j] * first[j].attention_frees for g, j in self.a if g in groups)
         largest = m.new_int_var(0, max((u.saved for u in p.units), default=0), f"largest{r}")
         for j in self.kinds:
             g = m.new_bool_var(f"g{r}[{j}]")
             m.add(largest >= first[j].saved * g)
             for group in groups:
                 m.add(self.f[group, j] <= total[j] * g)
+            if any((group, j) in self.a for group in groups):
+                h = m.new_bool_var(f"h{r}[{j}]")
+                m.add(largest >= first[j].attention_frees * h)
+                for group in groups:
+                    m.add(self.a[group, j] <= total[j] * h)
         bucket = m.new_int_var(0, p.bucket, f"bucket{r}")
         m.add_min_equality(bucket, [p.bucket, sum(grads[k] for k in mine)])
         kept = sum(saved[k] for k in mine) - freed
@@ -196,18 +213,26 @@ class _Model:
         sizes = [solver.value(n) for n in self.n[:-1]]
         return tuple(self.run[0] + size for size in accumulate(sizes))
 
-    def recomputed(self, solver: cp_model.CpSolver) -> frozenset[int]:
-        """The first f_gj blocks of kind j in the chunks of group g, for every g and j."""
+    def recomputed(self, solver: cp_model.CpSolver) -> tuple[frozenset[int], frozenset[int]]:
+        """The blocks recomputed whole, and those recomputing their attention core
+        alone: of kind j in the chunks of group g, the first f_gj, then the next a_gj."""
         bounds = [0, *self.starts(solver), len(self.problem.units)]
-        out: set[int] = set()
+        whole: set[int] = set()
+        attention: set[int] = set()
         for (g, j), f in self.f.items():
-            want = solver.value(f)
-            for k in self.groups[g]:
-                for i in range(bounds[k], bounds[k + 1]):
-                    if want and self.problem.units[i].kind == j:
-                        out.add(i)
-                        want -= 1
-        return frozenset(out)
+            a = self.a.get((g, j))
+            into = [whole] * solver.value(f) + [attention] * (
+                solver.value(a) if a is not None else 0
+            )
+            blocks = [
+                i
+                for k in self.groups[g]
+                for i in range(bounds[k], bounds[k + 1])
+                if self.problem.units[i].kind == j
+            ]
+            for chosen, i in zip(into, blocks):
+                chosen.add(i)
+        return frozenset(whole), frozenset(attention)
 
 
 def _uniform_run(problem: StageProblem) -> tuple[int, int] | None:

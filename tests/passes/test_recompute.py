@@ -75,6 +75,39 @@ def test_recomputed_blocks_save_less_and_train_the_same():
         assert_matches(recomputed, train_single_device(name, "adamw", STEPS, batch))
 
 
+SELECTIVE_CASES = [("gpt2-eager", {"dp": 2}), ("llama-eager", {"tp": 2})]
+HEADS = 4
+
+
+def _train_selective(batch):
+    report = functools.partial(_recompute_report, batch[0])
+    return {
+        case_key(name, pins): {
+            recompute: train_case(
+                LM_FACTORIES[name](), batch, STEPS, inspect=report, recompute=recompute, **pins
+            )
+            for recompute in ("none", "attention")
+        }
+        for name, pins in SELECTIVE_CASES
+    }
+
+
+def test_recomputed_attention_cores_free_the_scores_and_train_the_same():
+    """Selective recomputation (the attention core alone) on models whose attention is
+    written out: each layer's softmax probabilities are no longer saved, and training
+    matches one device."""
+    ids, target = batch = token_batch(8)
+    results = run_world(_train_selective, 2, batch)[0]
+    for name, pins in SELECTIVE_CASES:
+        plain, selective = (results[case_key(name, pins)][r] for r in ("none", "attention"))
+        assert plain["outlined"] == 0 and selective["outlined"] == 2
+        # Per layer, this rank's probabilities: its batch × its heads × seq² fp32 values.
+        batch_here, heads_here = ids.shape[0] // pins.get("dp", 1), HEADS // pins.get("tp", 1)
+        probabilities = batch_here * heads_here * ids.shape[1] ** 2 * 4
+        assert selective["saved"] <= plain["saved"] - 2 * probabilities, (name, pins)
+        assert_matches(selective, train_single_device(name, "adamw", STEPS, batch))
+
+
 def test_recompute_with_zero3_is_refused():
     mesh = autopart.Mesh.cluster("cpu", nodes=1, per_node=2)
     with pytest.raises(autopart.PlanError, match="ZeRO-3"):

@@ -18,7 +18,7 @@ from autopart.degrees import Degrees
 from autopart.mesh import Mesh
 from autopart.passes import analyze
 from autopart.solver import Pins, make_plan
-from tests.models import tiny_gpt2, token_batch
+from tests.models import LM_FACTORIES, tiny_gpt2, token_batch
 
 GiB = 1024**3
 
@@ -124,6 +124,24 @@ def test_gradient_accumulation_keeps_plain_data_parallelism_in_memory():
     pins = Pins.of(dp=8, tp=1, pp=1, zero=0, recompute=(), precision="bf16-mixed")
     plan = make_plan(captured, tight, pins)
     assert plan.microbatches > 1 and plan.predicted.peak_memory_bytes <= tight.device.memory_bytes
+
+
+def test_attention_cores_alone_are_recomputed_where_that_suffices():
+    """Selective recomputation: where recomputing every block's attention core fits the
+    device, the solver chooses it over recomputing whole blocks (which adds more time),
+    and the explanation says what it frees."""
+    mesh = Mesh.cluster("h100-80g", nodes=1, per_node=4)
+    captured = capture(LM_FACTORIES["gpt2-eager"](layers=4), (token_batch(8, seq=64)[0],))
+    analyze(captured.gm, captured.context())
+    blocks = tuple(f"transformer.h.{i}" for i in range(4))
+    plain, selective = (
+        Choices(8, Degrees(dp=4), recompute_attention=cores) for cores in ((), blocks)
+    )
+    tight = _memory_between(captured, mesh, plain, selective)
+    plan = make_plan(captured, tight, Pins.of(dp=4, zero=0, microbatches=1))
+    assert plan.recompute_attention and not plan.recompute
+    assert plan.predicted.peak_memory_bytes <= tight.device.memory_bytes
+    assert "the attention core alone" in plan.explain()
 
 
 def test_a_deep_pipeline_gets_many_small_microbatches():

@@ -1,12 +1,13 @@
 """The inner CP-SAT (stage cuts and recomputation) against a brute-force enumeration of
-the same space under the same costs: every cut combination times every subset of
-recomputed blocks, not only counts per chunk."""
+the same space under the same costs: every cut combination times every assignment of
+none, whole-block or attention-core recomputation to every block, not only counts per
+chunk."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from fractions import Fraction
-from itertools import chain, combinations
+from itertools import combinations, product
 
 import pytest
 
@@ -24,20 +25,27 @@ from autopart.degrees import Degrees
 from autopart.mesh import Mesh
 from autopart.passes import analyze
 from autopart.solver.stage_model import solve_stages
-from tests.models import tiny_gpt2, tiny_llama, token_batch
+from tests.models import LM_FACTORIES, token_batch
 
 
 def brute_force(problem: StageProblem) -> StageAssignment | None:
     """The least (pace, added recomputation) over every assignment that fits."""
+    options = [
+        ("none", "whole", "core") if u.has_attention_core else ("none", "whole")
+        for u in problem.units
+        if u.kind is not None
+    ]
     recomputable = [i for i, u in enumerate(problem.units) if u.kind is not None]
-    subsets = chain.from_iterable(
-        combinations(recomputable, n) for n in range(len(recomputable) + 1)
-    )
-    subsets = [frozenset(s) for s in subsets]
+    assignments = [
+        tuple(
+            frozenset(i for i, c in zip(recomputable, choice) if c == k) for k in ("whole", "core")
+        )
+        for choice in product(*options)
+    ]
     best = None
     for starts in combinations(problem.cut_positions, problem.chunks - 1):
-        for recomputed in subsets:
-            a = evaluate(problem, starts, recomputed)
+        for whole, core in assignments:
+            a = evaluate(problem, starts, whole, core)
             better = best is None or (a.pace, a.added) < (best.pace, best.added)
             if a.fits(problem.memory) and better:
                 best = a
@@ -57,10 +65,14 @@ def _assert_optimal(problem: StageProblem) -> StageAssignment | None:
 
 def _synthetic(memory: int, pp: int = 2, chunks: int = 2, schedule_depth: bool = True):
     """An embedding, six blocks, a head: a block takes 0.1 ms (recomputing it 0.03 ms
-    more) and saves 100 bytes (10 kept when recomputed); 1F1B's in-flight counts."""
+    more, its attention core alone 0.005 ms) and saves 100 bytes (10 kept when
+    recomputed, 40 when its core alone is); 1F1B's in-flight counts."""
     embed = Unit("embed", None, time=30_000, states=800, saved=20)
     head = Unit("head", None, time=60_000, states=800, saved=40)
-    blocks = [Unit(f"layers.{i}", "layers#0", 100_000, 160, 100, 30_000, 10) for i in range(6)]
+    blocks = [
+        Unit(f"layers.{i}", "layers#0", 100_000, 160, 100, 30_000, 10, 0, 5_000, 60)
+        for i in range(6)
+    ]
     units = (embed, *blocks, head)
     in_flight = tuple(Fraction(pp - r if schedule_depth else 1) for r in range(pp))
     return StageProblem(
@@ -77,7 +89,7 @@ def _synthetic(memory: int, pp: int = 2, chunks: int = 2, schedule_depth: bool =
     )
 
 
-@pytest.mark.parametrize("memory", [10**9, 2_100, 2_000, 1_900, 1_800, 1_500, 100])
+@pytest.mark.parametrize("memory", [10**9, 2_100, 2_000, 1_900, 1_800, 1_700, 1_500, 100])
 @pytest.mark.parametrize("pp,chunks", [(1, 1), (2, 2), (3, 3), (2, 4)])
 def test_synthetic_problems_match_brute_force(memory, pp, chunks):
     _assert_optimal(_synthetic(memory, pp, chunks))
@@ -86,7 +98,9 @@ def test_synthetic_problems_match_brute_force(memory, pp, chunks):
 def _encoder_decoder(memory: int, pp: int, chunks: int) -> StageProblem:
     """Two kinds of blocks with a segment between them (an encoder, a bridge, a
     decoder): the general formulation, with element constraints."""
-    encoder = [Unit(f"enc.{i}", "enc#0", 80_000, 165, 90, 20_000, 10, 40) for i in range(3)]
+    encoder = [
+        Unit(f"enc.{i}", "enc#0", 80_000, 165, 90, 20_000, 10, 40, 4_000, 50) for i in range(3)
+    ]
     bridge = Unit("bridge", None, time=10_000, states=330, saved=30, grads=80)
     decoder = [Unit(f"dec.{i}", "dec#1", 120_000, 231, 130, 40_000, 10, 56) for i in range(3)]
     units = (*encoder, bridge, *decoder)
@@ -113,17 +127,23 @@ def test_two_kinds_of_blocks_match_brute_force(memory, pp, chunks):
 def test_memory_moves_the_cut_and_recomputes_only_where_needed():
     ample = _assert_optimal(_synthetic(10**9))
     tight = _assert_optimal(_synthetic(2_000))
-    assert ample is not None and tight is not None
-    assert not ample.recomputed  # recomputation only costs time when memory is ample
-    assert 0 < len(tight.recomputed) < 6
-    # The first rank holds two microbatches in flight, the second one.
-    first = sum(i < tight.starts[0] for i in tight.recomputed)
-    assert first >= len(tight.recomputed) - first
+    tighter = _assert_optimal(_synthetic(1_700))
+    assert ample is not None and tight is not None and tighter is not None
+    # Recomputation only costs time when memory is ample.
+    assert not ample.recomputed and not ample.attention
+    # Where recomputing attention cores frees enough, they are chosen over whole blocks
+    # (a sixth of the time); the first rank holds two microbatches in flight, the
+    # second one, so it recomputes more.
+    assert not tight.recomputed and 0 < len(tight.attention) < 6
+    first = sum(i < tight.starts[0] for i in tight.attention)
+    assert first >= len(tight.attention) - first
+    # Tighter still, some blocks are recomputed whole.
+    assert tighter.recomputed
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=["gpt2", "llama", "gpt2-eager"])
 def tiny_summary(request):
-    model = (tiny_gpt2 if request.param == "gpt2" else tiny_llama)(layers=4)
+    model = LM_FACTORIES[request.param](layers=4)
     captured = capture(model, (token_batch(8)[0],))
     analyze(captured.gm, captured.context())
     return GraphSummary(captured.gm)
@@ -178,6 +198,7 @@ def test_the_inner_memory_agrees_with_predict(tiny_summary, zero):
             choices,
             stage_cuts=tuple(units[i].key for i in chosen.starts),
             recompute=tuple(units[i].key for i in sorted(chosen.recomputed)),
+            recompute_attention=tuple(units[i].key for i in sorted(chosen.attention)),
         ),
         models=models,
     )
