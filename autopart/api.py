@@ -41,9 +41,12 @@ def plan(
     example_inputs: Any,
     *,
     example_kwargs: Mapping[str, Any] | None = None,
+    loss_fn: LossFn | None = None,
     **pins: Any,
 ) -> Plan:
-    """Choose how to run `model` on `mesh` for the global batch `example_inputs`.
+    """Choose how to run `model` on `mesh` for the global batch `example_inputs`. With
+    the `loss_fn` training will use, a standard cross-entropy is priced as it will run:
+    on logits left sharded over the vocabulary where the layout shards them.
 
     Pins, each left to the solver when None: every mesh axis by name (`dp`, `tp`, `pp`),
     `zero`, `microbatches`, `schedule`, `virtual_stages`, `recompute` (module paths of
@@ -51,7 +54,8 @@ def plan(
     `recompute_attention` (module paths); and `precision` ("fp32", "bf16-mixed",
     "fp16-mixed") and `sequence_parallel`."""
     captured = captured_for_planning(model, example_inputs, example_kwargs)
-    return make_plan(captured, mesh, Pins.of(**pins))
+    loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn else None
+    return make_plan(captured, mesh, Pins.of(sharded_logits=loss and loss.logits, **pins))
 
 
 def parallelize(
@@ -79,8 +83,14 @@ def parallelize(
     refusal = optimizer_refusal(kind)
     if refusal:
         raise TypeError(refusal)
+    # A standard cross-entropy may run on logits sharded over the vocabulary, and its
+    # mean over counted tokens weighs the batch's parts by their counts.
+    loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn else None
     if plan is None:
-        plan = make_plan(captured, mesh, Pins.of(optimizer_class=kind, **pins))
+        logits = loss and loss.logits
+        plan = make_plan(
+            captured, mesh, Pins.of(optimizer_class=kind, sharded_logits=logits, **pins)
+        )
     elif pins:
         raise TypeError(f"pass either a plan or pins, not both (got pins {sorted(pins)})")
     plan.check_compatible(captured.fingerprint, mesh)
@@ -89,10 +99,8 @@ def parallelize(
         raise PlanError(refusal)
     limit = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
     groups = MeshGroups(mesh.device_mesh(plan.degrees, limit), mesh.group_options(limit))
-    # A standard cross-entropy may run on logits sharded over the vocabulary, and its
-    # mean over counted tokens weighs the batch's parts by their counts.
-    splits = plan.tp * plan.dp * plan.microbatches > 1
-    loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn and splits else None
+    if plan.tp * plan.dp * plan.microbatches == 1:
+        loss = None  # the batch is not split: the user's loss runs as it is
     target = RankTarget(plan, groups, weights, loss)
     program = _rank_program(model, captured, example_kwargs, target)
     shapes, ranges = captured.input_shapes(), captured.dim_ranges

@@ -157,15 +157,17 @@ class TpLayout:
         placements: Mapping[str, Placement],
         tp: int,
         sequence_parallel: bool = False,
+        sharded_logits: int | None = None,
     ) -> TpLayout:
         """The layout the rewrite gives `gm` for parameters placed as `placements`
-        (FQN -> tp placement) over `tp` ranks."""
+        (FQN -> tp placement) over `tp` ranks (`sharded_logits`: the output leaf a
+        vocabulary-parallel cross-entropy reads, if any)."""
         canonical: dict[int, str] = {}
         names = {
             name: canonical.setdefault(id(p), name)
             for name, p in gm.named_parameters(remove_duplicate=False)
         }
-        result = propagate(gm, names, placements, tp, sequence_parallel)
+        result = propagate(gm, names, placements, tp, sequence_parallel, sharded_logits)
         operands = {n: operands_of(n, result.places, result.grads, tp) for n in result.decisions}
         decisions = result.decisions
         split = frozenset(n for n, d in decisions.items() if split_by(operands[n], d))

@@ -42,7 +42,6 @@ from autopart.ops.meta import (
     TP_PLACE,
     VOCAB_PARALLEL_LOSS,
     CollectiveInfo,
-    TensorInfo,
     inherit,
     tensor_info,
 )
@@ -58,10 +57,11 @@ log = logging.getLogger("autopart.tp")
 def tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     plan, groups = ctx.rank.plan, ctx.rank.groups
     places = {fqn: plan.placement(fqn, Axis.TP) for fqn in sorted(set(ctx.params.values()))}
-    result = propagate(gm, ctx.params, places, plan.tp, plan.sequence_parallel)
-    _warn_fallbacks(gm, result)
     loss = ctx.rank.loss
-    if loss is not None and _keep_logits_sharded(gm, result, loss.logits, plan.tp):
+    logits = loss.logits if loss is not None else None
+    result = propagate(gm, ctx.params, places, plan.tp, plan.sequence_parallel, logits)
+    _warn_fallbacks(gm, result)
+    if loss is not None and _logits_left_sharded(gm, result, loss.logits):
         VOCAB_PARALLEL_LOSS.set(gm, loss)
     for node, place in result.places.items():
         if isinstance(place, Placement):
@@ -81,27 +81,15 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     return gm
 
 
-def _keep_logits_sharded(gm: fx.GraphModule, result: Propagation, leaf: int, tp: int) -> bool:
-    """Leave the graph's `leaf`-th output, the logits of a standard cross-entropy, as the
-    layout made it where that is sharded evenly over the vocabulary (its last dim): the
-    runtime's vocabulary-parallel cross-entropy reads the slices, and no rank holds the
-    whole logits. Whether it did so."""
+def _logits_left_sharded(gm: fx.GraphModule, result: Propagation, leaf: int) -> bool:
+    """Whether the walk left the graph's `leaf`-th output, the logits of a standard
+    cross-entropy, sharded over the vocabulary (`tp_propagate.decide_node`)."""
     (output,) = gm.graph.find_nodes(op="output")
     flat, _ = flatten_args(output)
-    decision = result.decisions[output]
-    if leaf >= len(flat) or leaf not in decision.inputs or not isinstance(flat[leaf], fx.Node):
+    if leaf >= len(flat) or not isinstance(flat[leaf], fx.Node):
         return False
-    info = SHAPE.get(flat[leaf], None)
-    place = result.operand_place(flat[leaf])
-    if not isinstance(info, TensorInfo) or not isinstance(place, Shard):
-        return False
-    rank = len(info.shape)
-    vocab = sympy.sympify(info.shape[-1])
-    even = vocab.is_Integer and int(vocab) % tp == 0
-    if _normalize(place, rank) != Shard(rank - 1) or not even:
-        return False
-    del decision.inputs[leaf]
-    return True
+    sharded = isinstance(result.operand_place(flat[leaf]), Shard)
+    return sharded and leaf not in result.decisions[output].inputs
 
 
 def _warn_fallbacks(gm: fx.GraphModule, result: Propagation) -> None:

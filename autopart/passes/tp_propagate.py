@@ -57,10 +57,12 @@ def propagate(
     param_places: Mapping[str, Placement],
     tp: int,
     sequence_parallel: bool = False,
+    sharded_logits: int | None = None,
 ) -> Propagation:
     """Walk `gm` with parameters placed as `param_places` (FQN -> tp placement). Under
     `sequence_parallel`, row-parallel outputs of shape [batch, seq, ...] are
-    reduce-scattered along the sequence instead of all-reduced."""
+    reduce-scattered along the sequence instead of all-reduced. `sharded_logits`: the
+    graph output leaf a vocabulary-parallel cross-entropy reads (`decide_node`)."""
     result = Propagation()
     origin: dict[fx.Node, tuple[str, ...]] = {}  # column outputs -> weight (and bias) FQNs
     for node in gm.graph.nodes:
@@ -76,7 +78,7 @@ def propagate(
             result.grads[node] = False
             continue
         ops = operands_of(node, result.places, result.grads, tp)
-        decision = decide_node(ops, gm, sequence_parallel)
+        decision = decide_node(ops, gm, sequence_parallel, sharded_logits)
         result.decisions[node] = decision
         result.places[node] = decision.output
         result.grads[node] = any(ops.grads[i] for i in ops.tensors)
@@ -98,17 +100,41 @@ def gradient_flow(gm: fx.GraphModule, param_names: Mapping[str, str]) -> dict[fx
     return grads
 
 
-def decide_node(ops: Operands, gm: fx.GraphModule, sequence_parallel: bool = False) -> Decision:
+def decide_node(
+    ops: Operands,
+    gm: fx.GraphModule,
+    sequence_parallel: bool = False,
+    sharded_logits: int | None = None,
+) -> Decision:
     """`tp_rules.decide`, and what a walk adds to it: the graph's outputs are made
     replicated, and under `sequence_parallel` a row-parallel product of shape
-    [batch, seq, ...] is reduce-scattered along the sequence instead of all-reduced."""
+    [batch, seq, ...] is reduce-scattered along the sequence instead of all-reduced.
+    The output leaf `sharded_logits`, the logits of a standard cross-entropy, stays as
+    it is where it is sharded evenly over the vocabulary (its last dim): the runtime's
+    vocabulary-parallel cross-entropy reads the slices, and no rank gathers them."""
     node = ops.node
     if node.op == "output":
-        return Decision(output=R, inputs={i: R for i in ops.tensors if ops.places[i] != R})
+        inputs: dict[int, Placement] = {i: R for i in ops.tensors if ops.places[i] != R}
+        if sharded_logits is not None and vocabulary_sharded(ops, sharded_logits):
+            del inputs[sharded_logits]
+        return Decision(output=R, inputs=inputs)
     decision = decide(ops, gm)
     if sequence_parallel and decision.reduce_to == R and _seq_divisible(node, ops.tp):
         decision.reduce_to = decision.output = Shard(1)
     return decision
+
+
+def vocabulary_sharded(ops: Operands, leaf: int) -> bool:
+    """Whether operand `leaf` is sharded evenly over its last dim."""
+    if leaf not in ops.tensors:
+        return False
+    place, info = ops.places[leaf], ops.shapes[leaf]
+    if not isinstance(place, Shard) or info is None:
+        return False
+    rank = len(info.shape)
+    vocab = sympy.sympify(info.shape[-1])
+    last = place.dim in (-1, rank - 1)
+    return last and bool(vocab.is_Integer) and int(vocab) % ops.tp == 0
 
 
 def operands_of(

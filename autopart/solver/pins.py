@@ -45,6 +45,10 @@ class Pins:
     # The optimizer the plan will run, where known: ZeRO is left out unless it is exact
     # for it (policy.zero_refusal).
     optimizer_class: type[torch.optim.Optimizer] | None = None
+    # The graph output leaf holding the logits of a standard cross-entropy, where known
+    # (`ops.loss_match`): the runtime computes it on logits sharded over the vocabulary,
+    # so a layout that shards them is priced without their gather.
+    sharded_logits: int | None = None
 
     @classmethod
     def of(cls, **pins: Any) -> Pins:
@@ -90,7 +94,13 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     _check_pins(pins, mesh, batch)
     dims = {k: v for k, v in captured.dim_sizes.items() if k != BATCH}
     layouts = TpLayouts(
-        captured.gm, captured.parameter_names, pins.sequence_parallel, mesh, dims, pins.precision
+        captured.gm,
+        captured.parameter_names,
+        pins.sequence_parallel,
+        mesh,
+        dims,
+        pins.precision,
+        pins.sharded_logits,
     )
     try:
         found = search(layouts, mesh, pins, batch, dims)
@@ -202,12 +212,20 @@ def _what_fits(
     captured: Captured, mesh: Mesh, pins: Pins, batch: int, dims: dict, mixing: list[str]
 ) -> str:
     """With every axis unpinned, the plan that would fit, as advice."""
-    open_pins = _whole_batch(Pins(precision=pins.precision), mixing, mesh)
+    open_pins = _whole_batch(
+        Pins(precision=pins.precision, sharded_logits=pins.sharded_logits), mixing, mesh
+    )
     if pins == open_pins:
         return ""
     try:
         layouts = TpLayouts(
-            captured.gm, captured.parameter_names, False, mesh, dims, pins.precision
+            captured.gm,
+            captured.parameter_names,
+            False,
+            mesh,
+            dims,
+            pins.precision,
+            pins.sharded_logits,
         )
         c = search(layouts, mesh, open_pins, batch, dims)[0]
     except NoPlanFits:

@@ -157,7 +157,9 @@ def search(
 class TpLayouts:
     """Per tp degree, made once: the layout the rewrite will give the model (chosen by
     the per-operator model, `tp_model`, from the costs on `mesh` at the sizes `dims`),
-    and the graph summary priced under it, so that the search prices what will run."""
+    and the graph summary priced under it, so that the search prices what will run.
+    `sharded_logits`: the output leaf a vocabulary-parallel cross-entropy will read (a
+    standard cross-entropy the runtime recognized), whose gather the layout then saves."""
 
     def __init__(
         self,
@@ -167,8 +169,10 @@ class TpLayouts:
         mesh: Mesh,
         dims: Mapping[str, int],
         precision: str = Precision.FP32,
+        sharded_logits: int | None = None,
     ) -> None:
         self.gm, self.param_names, self.sequence_parallel = gm, param_names, sequence_parallel
+        self.sharded_logits = sharded_logits
         self.mesh, self.dims, self.precision = mesh, {**dims, BATCH: 1}, precision
         self._placements: dict[int, dict[str, Placement]] = {1: {}}
         self._summaries: dict[int, GraphSummary] = {}
@@ -176,7 +180,9 @@ class TpLayouts:
     def placements(self, tp: int) -> dict[str, Placement]:
         if tp not in self._placements:
             costs = TpCosts(self.gm, CostModels.of(self.mesh, self.precision), self.dims, tp)
-            problem = build_problem(self.gm, self.param_names, tp, costs, self.sequence_parallel)
+            problem = build_problem(
+                self.gm, self.param_names, tp, costs, self.sequence_parallel, self.sharded_logits
+            )
             pattern = functools.partial(choose_tp_placements, self.gm, self.param_names, tp)
             self._placements[tp] = solve_layout(problem, pattern=pattern).placements
         return self._placements[tp]
@@ -192,7 +198,9 @@ class TpLayouts:
     def summary(self, tp: int) -> GraphSummary:
         if tp not in self._summaries:
             layout = (
-                TpLayout.of(self.gm, self.placements(tp), tp, self.sequence_parallel)
+                TpLayout.of(
+                    self.gm, self.placements(tp), tp, self.sequence_parallel, self.sharded_logits
+                )
                 if tp > 1
                 else None
             )

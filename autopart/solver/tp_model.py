@@ -109,9 +109,11 @@ def build_problem(
     tp: int,
     costs: TpCosts,
     sequence_parallel: bool = False,
+    sharded_logits: int | None = None,
 ) -> TpProblem:
     """Every operator's strategies and their costs. `param_names`: get_attr target ->
-    the parameter's FQN (one name per tensor)."""
+    the parameter's FQN (one name per tensor); `sharded_logits`: the output leaf a
+    vocabulary-parallel cross-entropy reads (`tp_propagate.decide_node`)."""
     var_of, param_var = _variables(gm, param_names)
     grads = gradient_flow(gm, param_names)
     price = costs.memory_price()
@@ -138,7 +140,9 @@ def build_problem(
             groups[key].count += 1
             continue
         group = groups[key] = Group(node, var_of[node], sources, count=1)
-        _enumerate(group, gm, candidates, var_of, grads, tp, costs, sequence_parallel)
+        _enumerate(
+            group, gm, candidates, var_of, grads, tp, costs, sequence_parallel, sharded_logits
+        )
         outs = candidates.setdefault(var_of[node], [])
         outs.extend(p for p in dict.fromkeys(group.outputs) if p not in outs)
     problem = TpProblem(tp, candidates, groups, group_of, var_of, param_var, state_cost, price)
@@ -155,6 +159,7 @@ def _enumerate(
     tp: int,
     costs: TpCosts,
     sequence_parallel: bool,
+    sharded_logits: int | None,
 ) -> None:
     node = group.node
     options = [candidates[v] for v in group.sources]
@@ -168,7 +173,7 @@ def _enumerate(
         places = {s: chosen[var_of[s]] for s in _tensor_sources(node)}
         ops = operands_of(node, places, grads, tp)
         try:
-            decision = decide_node(ops, gm, sequence_parallel)
+            decision = decide_node(ops, gm, sequence_parallel, sharded_logits)
         except (AssertionError, ValueError, TypeError, IndexError):
             continue  # a combination the rules cannot lay out: not a strategy
         group.combos.append(combo)
@@ -335,13 +340,14 @@ def layout_cost(
     placements: Mapping[str, Placement],
     costs: TpCosts,
     sequence_parallel: bool = False,
+    sharded_logits: int | None = None,
 ) -> float:
     """The objective of the layout the rewrite gives `placements`, walked by
     `tp_propagate.propagate` over the whole graph: what the model's optimum is checked
     against. Each operator is priced as its group's first node is (copies of a block
     share one price, as `GraphSummary` prices one copy for all), with the placements
     the walk gives its own operands; each conversion once per source and target."""
-    result = propagate(gm, param_names, placements, problem.tp, sequence_parallel)
+    result = propagate(gm, param_names, placements, problem.tp, sequence_parallel, sharded_logits)
     total = sum(
         costs.state_bytes(fqn, placements.get(fqn, R)) * problem.price
         for fqn in set(param_names.values())
@@ -352,7 +358,8 @@ def layout_cost(
         by_var = {problem.var_of[s]: result.places[s] for s in _tensor_sources(node)}
         places = {s: by_var[problem.var_of[s]] for s in _tensor_sources(first)}
         ops = operands_of(first, places, result.grads, problem.tp)
-        cost = costs.of(ops, decide_node(ops, gm, sequence_parallel), result.grads[first])
+        decision = decide_node(ops, gm, sequence_parallel, sharded_logits)
+        cost = costs.of(ops, decision, result.grads[first])
         total += cost.seconds + problem.price * cost.saved_bytes
         own = dict(zip(_tensor_sources(first), _tensor_sources(node)))
         for conv in cost.conversions:

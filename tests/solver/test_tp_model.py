@@ -17,9 +17,11 @@ from autopart.capture import capture
 from autopart.cost_models import CostModels
 from autopart.cost_models.tp_costs import TpCosts
 from autopart.mesh import Mesh
+from autopart.ops.loss_match import match_cross_entropy
 from autopart.passes import analyze
 from autopart.passes.tp_propagate import propagate
 from autopart.solver.tp_model import build_problem, layout_cost, solve_layout
+from tests.models import lm_loss
 
 R = Replicate()
 
@@ -202,6 +204,32 @@ def test_vocabulary_parallelism_is_chosen_when_the_vocabulary_dominates():
     small = solve_layout(problem).placements  # 128 tokens: sharding the vocabulary
     assert small.get("model.embed_tokens.weight") != Shard(0)  # saves less than it costs
     assert small.get("lm_head.weight") != Shard(0)
+
+
+def test_the_logits_of_a_parallel_cross_entropy_are_priced_without_their_gather():
+    """With a standard cross-entropy recognized, the runtime computes it from logits
+    sharded over the vocabulary: the layout's walk leaves them sharded, the model prices
+    no gather for them, and the plan predicts less tensor-parallel communication."""
+    import autopart
+
+    gm, names, costs, problem = _problem(_llama(32000), 1, 2048, MESHES["h100"], 2, meta=True)
+    leaf = match_cross_entropy(lm_loss, gm).logits
+    gathered = solve_layout(problem)
+    parallel = solve_layout(build_problem(gm, names, 2, costs, sharded_logits=leaf))
+    assert parallel.placements["lm_head.weight"] == Shard(0)
+    (output,) = gm.graph.find_nodes(op="output")
+    walks = [propagate(gm, names, parallel.placements, 2, sharded_logits=s) for s in (None, leaf)]
+    assert leaf in walks[0].decisions[output].inputs  # gathered whole for the user's loss
+    assert leaf not in walks[1].decisions[output].inputs
+    assert parallel.cost < gathered.cost
+
+    ids = torch.zeros(8, 2048, dtype=torch.long, device="meta")
+    plans = [
+        autopart.plan(_llama(32000), MESHES["h100"], (ids,), dp=4, tp=2, pp=1, loss_fn=loss)
+        for loss in (None, lm_loss)
+    ]
+    comm = [p.predicted.stages[-1].tp_comm_s for p in plans]
+    assert comm[1] < comm[0]
 
 
 def test_a_parallel_block_with_multi_query_attention_gets_its_mlp_sharded():
