@@ -71,6 +71,20 @@ class StageFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class Resharding:
+    """Tensor-parallel collectives the layout inserts at one operator, over every copy of
+    its block: what they move and cost per step, summed over the pipeline's stages."""
+
+    where: str  # the operator's module path, a repeated block's index as "*"
+    operator: str  # the operator it serves ("linear", "embedding", "output", ...)
+    collective: str  # "all_reduce", "all_gather", ...
+    backward: bool  # in backward (else forward, and again where recomputed)
+    count: int  # per step
+    bytes_each: int
+    seconds: float  # per step, all of them
+
+
+@dataclass(frozen=True, slots=True)
 class Predicted:
     """What the cost models expect of the plan, per rank (the largest where they differ)."""
 
@@ -82,6 +96,7 @@ class Predicted:
     memory: Mapping[str, int] = field(default_factory=dict)  # parameters, gradients, ...
     model_flops_per_device: float = 0.0  # achieved model FLOP/s per device
     stages: tuple[StageFigures, ...] = ()  # per pipeline rank
+    resharding: tuple[Resharding, ...] = ()  # the tp collectives, costliest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +290,8 @@ def _degrees(data: dict[str, Any]) -> Degrees:
 def _predicted(data: Mapping[str, Any]) -> Predicted:
     rest = dict(data)
     stages = tuple(StageFigures(**s) for s in rest.pop("stages", ()))
-    return Predicted(**rest, stages=stages)
+    resharding = tuple(Resharding(**r) for r in rest.pop("resharding", ()))
+    return Predicted(**rest, stages=stages, resharding=resharding)
 
 
 def _alternative(data: Mapping[str, Any]) -> Alternative:

@@ -10,7 +10,7 @@ from autopart.degrees import Axis
 from autopart.placements import placement_to_str
 
 if TYPE_CHECKING:
-    from autopart.plan import Plan, StageFigures
+    from autopart.plan import Plan, Resharding, StageFigures
 
 
 def format_bytes(n: float) -> str:
@@ -182,7 +182,32 @@ def _tensor_parallel_lines(plan: Plan) -> list[str]:
             f"layouts and their gradients) take {slowest.tp_comm_s * 1e3:.2f} ms per step on "
             f"the busiest rank ({slowest.tp_comm_s / predicted.step_time_s:.0%} of the step)."
         )
-    return [line]
+    return [line, *_resharding_lines(predicted.resharding if predicted else ())]
+
+
+# Resharding sites listed by name in `explain()`; the rest are summed in one line.
+RESHARDING_LISTED = 8
+
+
+def _resharding_lines(sites: tuple[Resharding, ...]) -> list[str]:
+    """Where the layout reshards, costliest first: each operator's collectives over
+    every copy of its block, per step."""
+    if not sites:
+        return []
+    lines = ["Where it reshards, per step over all stages (costliest first):"]
+    for r in sites[:RESHARDING_LISTED]:
+        lines.append(
+            f"  {r.collective.replace('_', '-')} ({'backward' if r.backward else 'forward'}) "
+            f"for {r.operator} at {r.where}: {r.count} × {format_bytes(r.bytes_each)}, "
+            f"{r.seconds * 1e3:.2f} ms"
+        )
+    rest = sites[RESHARDING_LISTED:]
+    if rest:
+        lines.append(
+            f"  and {_count(len(rest), 'more site')}: "
+            f"{sum(r.seconds for r in rest) * 1e3:.2f} ms together"
+        )
+    return lines
 
 
 def _count(n: int, thing: str) -> str:

@@ -30,6 +30,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 import autopart
 from autopart.api import captured_for_planning
+from autopart.ops.loss_match import match_cross_entropy
 from autopart.testing import run_world
 
 T = TypeVar("T")
@@ -102,6 +103,14 @@ LLAMA3_8B = dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=
 def lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of a Hugging Face causal LM's output."""
     return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+
+def lm_loss_pins(captured: Any) -> dict[str, Any]:
+    """The pins that tell the planner training runs `lm_loss` on `captured`: a standard
+    cross-entropy the runtime computes on logits sharded over the vocabulary, as every
+    published large run does (Megatron-LM's vocabulary-parallel cross-entropy)."""
+    loss = match_cross_entropy(lm_loss, captured.gm)
+    return {"sharded_logits": loss.logits} if loss is not None else {}
 
 
 def token_batch(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness import captured_on_meta, gpt, llama, pinned_as_published, print_json_line, timed
+from harness import (
+    captured_on_meta,
+    gpt,
+    llama,
+    lm_loss_pins,
+    pinned_as_published,
+    print_json_line,
+    timed,
+)
 from torch import nn
 
 import autopart
@@ -146,13 +154,15 @@ def run(name: str, config: Config) -> bool:
     record["mesh"] = mesh.describe()
     record["capture_s"] = round(capture_s, 1)
     try:
-        pinned = make_plan(c, mesh, Pins.of(**experts))
+        pinned = make_plan(c, mesh, Pins.of(**experts, **lm_loss_pins(c)))
         record["experts"] = _summary(pinned)
     except PlanError as e:
         pinned = None
         record["experts"] = {"pins": experts, "refused": str(e)[:300]}
     try:
-        free, solve_s = timed(lambda: make_plan(c, mesh, Pins.of(precision=config.precision)))
+        free, solve_s = timed(
+            lambda: make_plan(c, mesh, Pins.of(precision=config.precision, **lm_loss_pins(c)))
+        )
         record["free"] = _summary(free)
         record["solve_s"] = round(solve_s, 1)
     except PlanError as e:

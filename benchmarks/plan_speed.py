@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness import LLAMA3_8B, captured_on_meta, gpt, llama, print_json_line, timed
+from harness import LLAMA3_8B, captured_on_meta, gpt, llama, lm_loss_pins, print_json_line, timed
 from torch import nn
 
 import autopart
@@ -57,7 +57,9 @@ CASES = {
 def run(name: str, case: Case) -> None:
     c, capture_s = captured_on_meta(case.build, case.batch, case.seq)
     mesh = autopart.Mesh.cluster(case.device, nodes=case.nodes, per_node=8)
-    plan, solve_s = timed(lambda: make_plan(c, mesh, Pins.of(precision="bf16-mixed")))
+    plan, solve_s = timed(
+        lambda: make_plan(c, mesh, Pins.of(precision="bf16-mixed", **lm_loss_pins(c)))
+    )
     print_json_line(
         {
             "benchmark": "plan_speed",

@@ -80,7 +80,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from harness import captured_on_meta, llama, pinned_as_published, print_json_line, spearman, timed
+from harness import (
+    captured_on_meta,
+    llama,
+    lm_loss_pins,
+    pinned_as_published,
+    print_json_line,
+    spearman,
+    timed,
+)
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -261,7 +269,7 @@ def predict(name: str, run: Run) -> dict[str, Any]:
     published = run.published_step_s()
     record["published"] = {"step_s": round(published, 3), "tflops": _tflops(flops, run, published)}
     try:
-        plan, solve_s = timed(lambda: make_plan(c, mesh, Pins.of(**pins)))
+        plan, solve_s = timed(lambda: make_plan(c, mesh, Pins.of(**pins, **lm_loss_pins(c))))
     except PlanError as e:
         return record | {"refused": str(e)[:300], "error": None}
     p = plan.predicted

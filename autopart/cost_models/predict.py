@@ -142,24 +142,29 @@ class Choices(AxisAttributes):
 
     def recomputes(self, segment: SegmentWork) -> bool:
         """Whether a block lies in (or is) one of the recomputed module paths."""
-        return _block_in(segment, self.recompute)
+        return segment.is_block and self.recomputes_block(segment.key)
+
+    def recomputes_block(self, key: str) -> bool:
+        """Whether the block instance `key` lies in (or is) a recomputed module path."""
+        return _within(key, self.recompute)
 
     def recomputes_attention(self, segment: SegmentWork) -> bool:
         """Whether only a block's attention core is recomputed (selective)."""
         return (
-            _block_in(segment, self.recompute_attention)
+            segment.is_block
             and segment.has_attention_core
+            and _within(segment.key, self.recompute_attention)
             and not self.recomputes(segment)
         )
 
 
-def _block_in(segment: SegmentWork, paths: tuple[str, ...]) -> bool:
-    """Whether a block lies in (or is) one of `paths`: one set look-up per prefix of its
-    path, as the search asks it of every block."""
-    if not (segment.is_block and paths):
+def _within(key: str, paths: tuple[str, ...]) -> bool:
+    """Whether module path `key` lies in (or is) one of `paths`: one set look-up per
+    prefix of it, as the search asks it of every block."""
+    if not paths:
         return False
     chosen = frozenset(paths)
-    parts = segment.key.split(".")
+    parts = key.split(".")
     return any(".".join(parts[:i]) in chosen for i in range(1, len(parts) + 1))
 
 

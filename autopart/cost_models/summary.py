@@ -65,8 +65,10 @@ class Segment:
     owned: tuple[str, ...] = ()
     borrowed: tuple[str, ...] = ()
     # The tensor-parallel collectives its operators insert under the plan's layout
-    # (None: no layout given, the Megatron layout's are assumed).
+    # (None: no layout given, the Megatron layout's are assumed), and for each the
+    # operator it serves (the graph's output node for the outputs' gathers).
     tp_collectives: tuple[TpCollective, ...] | None = None
+    tp_collective_sites: tuple[fx.Node, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +221,22 @@ class GraphSummary:
             self._cache[key] = self._evaluate(dims)
         return self._cache[key]
 
+    def collective_sites(
+        self, dims: Mapping[str, int]
+    ) -> list[tuple[Segment, fx.Node, TpCollective, float]]:
+        """Every tp collective of the layout with the operator it serves and its bytes
+        at `dims` (as `evaluate` scales them), segment by segment."""
+        dims = {**self.example_dims, **dims}
+        scale = 1.0
+        if self.captured_batch is not None and BATCH in dims:
+            scale = dims[BATCH] / self.captured_batch
+        return [
+            (seg, site, c, evaluate(c.nbytes, dims) * (scale if c.activation else 1))
+            for seg in self.segments
+            if seg.tp_collectives is not None
+            for c, site in zip(seg.tp_collectives, seg.tp_collective_sites)
+        ]
+
     def _evaluate(self, dims: Mapping[str, int]) -> tuple[SegmentWork, ...]:
         scale = 1.0
         if self.captured_batch is not None and BATCH in dims:
@@ -236,9 +254,11 @@ class GraphSummary:
                 output = _output_bytes(seg.nodes, dims) * scale
                 evaluated = (works, output, _traffic(seg, dims, scale))
                 if seg.block_id is not None:
-                    by_block[seg.block_id] = evaluated
+                    by_block[seg.block_id] = (evaluated, _signature(seg))
             else:
-                evaluated = by_block[seg.block_id]
+                evaluated, signature = by_block[seg.block_id]
+                if _signature(seg) != signature:  # a copy with other collectives
+                    evaluated = (*evaluated[:2], _traffic(seg, dims, scale))
             out.append(SegmentWork(seg, *evaluated))
         return tuple(out)
 
@@ -263,6 +283,7 @@ def _segments(
             instance_run[key] = len(runs)
         runs.append((key, block.block_id if block else None, [node]))
     owners = _first_readers(runs, numel)
+    collectives = _collectives(gm, runs, layout)
     return tuple(
         Segment(
             key,
@@ -275,27 +296,34 @@ def _segments(
             len(owners[i]),
             tuple(owners[i]),
             tuple(sorted({p for n in nodes for p in PARAMS.get(n)} - set(owners[i]))),
-            _collectives(gm, nodes, layout, last=i == len(runs) - 1),
+            *collectives[i],
         )
         for i, (key, block_id, nodes) in enumerate(runs)
     )
 
 
 def _collectives(
-    gm: fx.GraphModule, nodes: list[fx.Node], layout: TpLayout | None, last: bool
-) -> tuple[TpCollective, ...] | None:
-    """The segment's tp collectives, each shared conversion once (the last segment
-    also gathers the graph's outputs)."""
+    gm: fx.GraphModule, runs: list[tuple[str, str | None, list[fx.Node]]], layout: TpLayout | None
+) -> list[tuple[tuple[TpCollective, ...] | None, tuple[fx.Node, ...]]]:
+    """Per segment, its tp collectives and the operator each serves. A shared conversion
+    of an activation is counted once, with the segment that produces the activation:
+    the copies of a block then carry alike collectives (the first block's input, the
+    embedding's partial sums, is the embedding's to reduce), so the inner stage model
+    sees them as copies. The graph's outputs are gathered by the last segment."""
     if layout is None:
-        return None
-    if last:
-        nodes = [*nodes, *(n for n in gm.graph.nodes if n.op == "output")]
-    out: dict[object, TpCollective] = {}
-    for node in nodes:
-        for i, c in enumerate(layout.collectives.get(node, ())):
-            key = (c.source, c.key, c.op, c.backward) if c.source is not None else (node, i)
-            out.setdefault(key, c)
-    return tuple(out.values())
+        return [(None, ())] * len(runs)
+    segment_of = {n: i for i, (_, _, nodes) in enumerate(runs) for n in nodes}
+    outputs = [n for n in gm.graph.nodes if n.op == "output"]
+    found: list[dict[object, tuple[TpCollective, fx.Node]]] = [{} for _ in runs]
+    for i, (_, _, nodes) in enumerate(runs):
+        for node in nodes + (outputs if i == len(runs) - 1 else []):
+            for k, c in enumerate(layout.collectives.get(node, ())):
+                if c.source is None:
+                    found[i].setdefault((node, k), (c, node))
+                    continue
+                owner = segment_of.get(c.source, i)
+                found[owner].setdefault((c.source, c.key, c.op, c.backward), (c, node))
+    return [(tuple(c for c, _ in f.values()), tuple(n for _, n in f.values())) for f in found]
 
 
 def _first_readers(
@@ -373,6 +401,14 @@ def _traffic(
         for c in seg.tp_collectives
     )
     return tuple((*k, n) for k, n in alike.items())
+
+
+def _signature(seg: Segment) -> tuple:
+    """What a segment's tp traffic depends on: its collectives, whatever their sites."""
+    return tuple(
+        (c.op, c.nbytes, c.backward, c.activation, c.low_precision)
+        for c in seg.tp_collectives or ()
+    )
 
 
 def _output_bytes(nodes: tuple[fx.Node, ...], dims: Mapping[str, int]) -> float:

@@ -16,7 +16,8 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from autopart.batch import batch_size, check_divisible
 from autopart.capture import BATCH, Captured
-from autopart.cost_models import Choices, predict
+from autopart.cost_models import Choices, CostModels, predict
+from autopart.cost_models.resharding import resharding
 from autopart.degrees import Axis, Degrees, MeshError, axis_names
 from autopart.mesh import Mesh
 from autopart.passes.batch_mixing import batch_mixing
@@ -123,6 +124,9 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         )
     others = [c for c in found if c is not candidate]
     alternatives = tuple(_alternative(c) for c in others[:MAX_ALTERNATIVES])
+    models = CostModels.of(mesh, plan.precision)
+    collectives = resharding(layouts.summary(plan.tp), Choices.of(plan), models, dims)
+    predicted = replace(predicted, resharding=collectives)
     return plan.with_changes(predicted=predicted, alternatives=alternatives)
 
 

@@ -258,4 +258,11 @@ def test_explain_names_what_each_sharded_parameter_does():
     text = plan.explain()
     assert "row-parallel: model.layers.*.self_attn.o_proj.weight (×2)" in text
     assert "vocabulary-parallel: model.embed_tokens.weight" in text
-    assert autopart.Plan.from_json(plan.to_json()).tp_roles == roles
+    # Where it reshards: each row-parallel product's all-reduce, once per layer and
+    # microbatch, and all of them together cost what the step's prediction charges.
+    assert "all-reduce (forward) for linear at model.layers.*.self_attn.o_proj: 2 × " in text
+    sites = plan.predicted.resharding
+    (stage,) = plan.predicted.stages
+    assert sum(r.seconds for r in sites) == pytest.approx(stage.tp_comm_s, rel=1e-9)
+    again = autopart.Plan.from_json(plan.to_json())
+    assert again.tp_roles == roles and again.predicted.resharding == sites
