@@ -62,7 +62,7 @@ def test_an_axis_added_to_degrees_alone_is_planned(monkeypatch):
     mesh = Mesh.cluster("cpu", nodes=1, per_node=8)
     blocks = ("transformer.h.0", "transformer.h.1")
     dims = {k: v for k, v in captured.dim_sizes.items() if k != "batch"}
-    layouts = TpLayouts(captured.gm, captured.parameter_names, False, mesh, dims)
+    layouts = TpLayouts(captured.gm, captured.parameter_names, mesh, dims)
     seen = {c.degrees["cp"] for c in _choices(layouts, mesh, Pins.of(), 8, blocks)}
     assert seen == {1, 2, 4, 8}
     plan = make_plan(captured, mesh, Pins.of(cp=2, tp=1, pp=1))

@@ -151,9 +151,10 @@ class Choices(AxisAttributes):
     def recomputes_attention(self, segment: SegmentWork) -> bool:
         """Whether only a block's attention core is recomputed (selective)."""
         return (
-            segment.is_block
-            and segment.has_attention_core
+            bool(self.recompute_attention)
+            and segment.is_block
             and _within(segment.key, self.recompute_attention)
+            and segment.has_attention_core
             and not self.recomputes(segment)
         )
 
@@ -343,7 +344,7 @@ def _rank_cost(
         activations=activations,
         gathered_params=gathered,
         pipeline_bytes=boundary if choices.pp > 1 else 0.0,
-        output_bytes=output_bytes(last, choices.tp) if last else 0.0,
+        output_bytes=last.output_bytes if last else 0.0,  # 1/tp of it if split
     )
     recomputed = [s for s in own if choices.recomputes(s)]
     attention_recomputed = sum(choices.recomputes_attention(s) for s in own)
@@ -371,13 +372,6 @@ def _rank_cost(
         memory=memory,
         figures=figures,
     )
-
-
-def output_bytes(last: SegmentWork, tp: int) -> float:
-    """The model's output per microbatch on one rank: 1/tp of it where the last
-    operator is split (a vocabulary-parallel LM head)."""
-    split = bool(last.nodes) and last.nodes[-1].tp_sharded
-    return last.output_bytes / (tp if split else 1)
 
 
 def _tp_comm(own: list[SegmentWork], choices: Choices, comm: CommModel) -> float:

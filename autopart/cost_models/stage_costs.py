@@ -45,7 +45,6 @@ from autopart.cost_models.predict import (
     Choices,
     CostModels,
     attention_recompute_cost,
-    output_bytes,
     p2p_comm,
     segment_times,
     tp_comm,
@@ -244,7 +243,7 @@ def stage_problem(
     gathered = max((s.param_numel(choices.tp) for s in blocks), default=0.0)
     zero3 = 2 * gathered * param_bytes if choices.dp > 1 and choices.zero == 3 else 0.0
     pipeline = 2 * boundary if pp > 1 else 0.0
-    loss = OUTPUT_GRADIENTS * output_bytes(segments[-1], choices.tp)
+    loss = OUTPUT_GRADIENTS * segments[-1].output_bytes
     last_rank = (chunks - 1) % pp
     starts = [i for i, s in enumerate(segments) if s.is_block][1:]
     return StageProblem(

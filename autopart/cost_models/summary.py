@@ -28,7 +28,7 @@ parameter is sharded if a contraction or an embedding reads it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import sympy
@@ -40,7 +40,15 @@ from autopart.cost_models.precision import bytes_scale, is_mixed
 from autopart.cost_models.tp_costs import TpCollective, collectives_of, distributed, split_by
 from autopart.cost_models.work import OTHER, NodeWork, evaluate, node_work, op_kind
 from autopart.ops.aten import op_name
-from autopart.ops.meta import BLOCK, EXAMPLE_DIMS, MODULE_PATH, PARAMS, SHAPE, TensorInfo
+from autopart.ops.meta import (
+    BLOCK,
+    EXAMPLE_DIMS,
+    MODULE_PATH,
+    PARAMS,
+    SHAPE,
+    TensorInfo,
+    tensor_info,
+)
 from autopart.passes.tp_propagate import operands_of, propagate
 from autopart.passes.tp_rules import R
 from autopart.policy import Precision
@@ -69,6 +77,7 @@ class Segment:
     # operator it serves (the graph's output node for the outputs' gathers).
     tp_collectives: tuple[TpCollective, ...] | None = None
     tp_collective_sites: tuple[fx.Node, ...] = ()
+    output_split: bool = False  # what it hands on is split over tp (sequence parallel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +125,7 @@ class SegmentWork:
 
     @property
     def has_attention_core(self) -> bool:
-        return any(w.in_attention_core for w in self.nodes)
+        return self._core_frees[0] > 0 or any(w.in_attention_core for w in self.nodes)
 
     @property
     def flops(self) -> float:
@@ -137,9 +146,12 @@ class SegmentWork:
         return s.param_numel - s.sharded_param_numel + s.sharded_param_numel / tp
 
     def sharded(self, tp: int) -> SegmentWork:
+        """One tp rank's share: its operators', and its output where the layout splits
+        what it hands on (a block's output under sequence parallelism)."""
         if tp == 1:
             return self
-        return replace(self, nodes=tuple(w.sharded(tp) for w in self.nodes))
+        output = self.output_bytes / (tp if self.segment.output_split else 1)
+        return replace(self, nodes=tuple(w.sharded(tp) for w in self.nodes), output_bytes=output)
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,12 +296,13 @@ def _segments(
         runs.append((key, block.block_id if block else None, [node]))
     owners = _first_readers(runs, numel)
     collectives = _collectives(gm, runs, layout)
+    flags = [_sharded_flags(gm, key, block_id, nodes, layout) for key, block_id, nodes in runs]
     return tuple(
         Segment(
             key,
             block_id,
             tuple(nodes),
-            _sharded_flags(gm, key, block_id, nodes, layout),
+            flags[i],
             tuple(layout is not None and n in layout.saves_replicated for n in nodes),
             sum(numel[p] for p in owners[i]),
             sum(numel[p] for p in owners[i] if _is_sharded_param(gm, nodes, p, layout)),
@@ -297,6 +310,7 @@ def _segments(
             tuple(owners[i]),
             tuple(sorted({p for n in nodes for p in PARAMS.get(n)} - set(owners[i]))),
             *collectives[i],
+            _output_split(nodes, flags[i]),
         )
         for i, (key, block_id, nodes) in enumerate(runs)
     )
@@ -411,13 +425,20 @@ def _signature(seg: Segment) -> tuple:
     )
 
 
+def _output_node(nodes: Sequence[fx.Node]) -> fx.Node | None:
+    """The last tensor the segment produces: what flows to the next one."""
+    return next((n for n in reversed(nodes) if isinstance(SHAPE.get(n), TensorInfo)), None)
+
+
+def _output_split(nodes: Sequence[fx.Node], sharded: Sequence[bool]) -> bool:
+    node = _output_node(nodes)
+    return node is not None and sharded[list(nodes).index(node)]
+
+
 def _output_bytes(nodes: tuple[fx.Node, ...], dims: Mapping[str, int]) -> float:
-    """The bytes of the last tensor the segment produces: what flows to the next one."""
-    for node in reversed(nodes):
-        info = SHAPE.get(node)
-        if isinstance(info, TensorInfo):
-            return evaluate(info.nbytes, dims)
-    return 0.0
+    """The bytes of the last tensor the segment produces, as captured."""
+    node = _output_node(nodes)
+    return evaluate(tensor_info(node).nbytes, dims) if node is not None else 0.0
 
 
 def _static_batch(gm: fx.GraphModule) -> int | None:

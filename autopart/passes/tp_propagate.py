@@ -22,6 +22,7 @@ from autopart.passes.tp_rules import (
     Decision,
     NodePlacement,
     Operands,
+    P,
     R,
     argument_leaves,
     decide,
@@ -118,9 +119,33 @@ def decide_node(
         if sharded_logits is not None and vocabulary_sharded(ops, sharded_logits):
             del inputs[sharded_logits]
         return Decision(output=R, inputs=inputs)
+    if sequence_parallel:
+        scattered = _scatter_partials(ops, gm)
+        if scattered is not None:
+            return scattered
     decision = decide(ops, gm)
     if sequence_parallel and decision.reduce_to == R and _seq_divisible(node, ops.tp):
         decision.reduce_to = decision.output = Shard(1)
+    return decision
+
+
+def _scatter_partials(ops: Operands, gm: fx.GraphModule) -> Decision | None:
+    """Under sequence parallelism, partial sums of shape [batch, seq, ...] (a
+    vocabulary-parallel embedding's lookup) are reduce-scattered along the sequence
+    rather than all-reduced, as a row-parallel product's are: every block then takes
+    its input sharded on the sequence, the first as the others. None where no operand
+    is such a partial, or the operator has no rule for the shards."""
+    partial = [i for i in ops.tensors if ops.places[i] == P]
+    if not partial or not all(
+        isinstance(ops.flat[i], fx.Node) and _seq_divisible(ops.flat[i], ops.tp) for i in partial
+    ):
+        return None
+    places = [Shard(1) if p == P else p for p in ops.places]
+    try:
+        decision = decide(Operands(ops.node, ops.flat, places, ops.shapes, ops.grads, ops.tp), gm)
+    except (AssertionError, ValueError, TypeError, IndexError):
+        return None
+    decision.inputs = {**{i: Shard(1) for i in partial}, **decision.inputs}
     return decision
 
 

@@ -42,7 +42,7 @@ class Pins:
     # The same, for the blocks whose attention core alone is recomputed (selective).
     recompute_attention: tuple[str, ...] | bool | None = None
     precision: str = "fp32"
-    sequence_parallel: bool = False
+    sequence_parallel: bool | None = None  # None: the solver's choice where tp > 1
     # The optimizer the plan will run, where known: ZeRO is left out unless it is exact
     # for it (policy.zero_refusal).
     optimizer_class: type[torch.optim.Optimizer] | None = None
@@ -95,13 +95,7 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     _check_pins(pins, mesh, batch)
     dims = {k: v for k, v in captured.dim_sizes.items() if k != BATCH}
     layouts = TpLayouts(
-        captured.gm,
-        captured.parameter_names,
-        pins.sequence_parallel,
-        mesh,
-        dims,
-        pins.precision,
-        pins.sharded_logits,
+        captured.gm, captured.parameter_names, mesh, dims, pins.precision, pins.sharded_logits
     )
     try:
         found = search(layouts, mesh, pins, batch, dims)
@@ -113,7 +107,8 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     # fit, the next plan that fits takes its place.
     for candidate in found:
         plan = _plan_of(candidate.choices, captured, mesh, pins, batch, layouts)
-        predicted = predict(layouts.summary(plan.tp), mesh, Choices.of(plan), dims=dims)
+        summary = layouts.summary(plan.tp, plan.sequence_parallel)
+        predicted = predict(summary, mesh, Choices.of(plan), dims=dims)
         if predicted.peak_memory_bytes <= mesh.device.memory_bytes:
             break
     else:
@@ -125,7 +120,7 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     others = [c for c in found if c is not candidate]
     alternatives = tuple(_alternative(c) for c in others[:MAX_ALTERNATIVES])
     models = CostModels.of(mesh, plan.precision)
-    collectives = resharding(layouts.summary(plan.tp), Choices.of(plan), models, dims)
+    collectives = resharding(summary, Choices.of(plan), models, dims)
     predicted = replace(predicted, resharding=collectives)
     return plan.with_changes(predicted=predicted, alternatives=alternatives)
 
@@ -204,11 +199,13 @@ def _plan_of(
         virtual_stages=pipeline.virtual_stages,
         stage_cuts=pipeline.stage_cuts,
         precision=pins.precision,
-        sequence_parallel=pins.sequence_parallel,
+        sequence_parallel=choices.sequence_parallel,
         recompute=choices.recompute,
         recompute_attention=choices.recompute_attention,
-        placements=_placements(captured, layouts.placements(choices.tp), choices.zero),
-        tp_roles=layouts.roles(choices.tp),
+        placements=_placements(
+            captured, layouts.placements(choices.tp, choices.sequence_parallel), choices.zero
+        ),
+        tp_roles=layouts.roles(choices.tp, choices.sequence_parallel),
     )
 
 
@@ -223,13 +220,7 @@ def _what_fits(
         return ""
     try:
         layouts = TpLayouts(
-            captured.gm,
-            captured.parameter_names,
-            False,
-            mesh,
-            dims,
-            pins.precision,
-            pins.sharded_logits,
+            captured.gm, captured.parameter_names, mesh, dims, pins.precision, pins.sharded_logits
         )
         c = search(layouts, mesh, open_pins, batch, dims)[0]
     except NoPlanFits:

@@ -7,6 +7,8 @@ Candidates, every combination the pins allow:
     where the model has a tensor-parallel layout; pp no more than the repeated blocks.
     An axis with no rule is enumerated at every degree;
   ZeRO stage 0-3 (0 when dp = 1);
+  sequence parallelism where tp > 1, as pinned, else where the layout model finds it
+    pays (`TpLayouts.sequence_parallel`: each layout is solved with and without);
   microbatches: every count giving a power-of-two microbatch size that divides the
     replica's batch (gradient accumulation without a pipeline too); schedule 1F1B,
     and interleaved 1F1B over 2 virtual stages where the blocks allow (GPipe where one
@@ -30,9 +32,9 @@ its rank r_c among the N candidates by step time:
 The second solve keeps the simplest of the plans within `slack` (5%) of the fastest, so
 plain data parallelism stays when nothing is measurably faster: correct first, then
 fast. Simplicity counts mechanisms (an axis switched on, the ZeRO stage, recomputation,
-interleaving, gradient accumulation), not degrees; among equally simple plans, the
-fastest, so the choice does not depend on the
-order in which candidates are enumerated. The solver runs on one worker with a fixed
+interleaving, gradient accumulation, sequence parallelism), not degrees; among equally
+simple plans, the fastest, so the choice does not depend on the order in which
+candidates are enumerated. The solver runs on one worker with a fixed
 seed, so it is deterministic, and logs the problem size and solve time.
 """
 
@@ -69,7 +71,7 @@ from autopart.policy import Precision, Schedule, zero_refusal
 from autopart.solver.pipeline import microbatches_problem
 from autopart.solver.stage_model import solve_stages
 from autopart.solver.tensor_parallel import choose_tp_placements
-from autopart.solver.tp_model import build_problem, parameter_roles, solve_layout
+from autopart.solver.tp_model import TpSolution, build_problem, parameter_roles, solve_layout
 
 if TYPE_CHECKING:
     from autopart.solver.pins import Pins
@@ -132,6 +134,7 @@ class Candidate:
             + bool(c.recompute_attention)
             + (c.virtual_stages > 1)
             + (c.microbatches > 1)
+            + c.sequence_parallel
         )
 
 
@@ -155,57 +158,64 @@ def search(
 
 
 class TpLayouts:
-    """Per tp degree, made once: the layout the rewrite will give the model (chosen by
-    the per-operator model, `tp_model`, from the costs on `mesh` at the sizes `dims`),
-    and the graph summary priced under it, so that the search prices what will run.
-    `sharded_logits`: the output leaf a vocabulary-parallel cross-entropy will read (a
-    standard cross-entropy the runtime recognized), whose gather the layout then saves."""
+    """Per tp degree and sequence parallelism (on or off), made once: the layout the
+    rewrite will give the model (chosen by the per-operator model, `tp_model`, from the
+    costs on `mesh` at the sizes `dims`), and the graph summary priced under it, so that
+    the search prices what will run. `sharded_logits`: the output leaf a
+    vocabulary-parallel cross-entropy will read (a standard cross-entropy the runtime
+    recognized), whose gather the layout then saves."""
 
     def __init__(
         self,
         gm: fx.GraphModule,
         param_names: Mapping[str, str],
-        sequence_parallel: bool,
         mesh: Mesh,
         dims: Mapping[str, int],
         precision: str = Precision.FP32,
         sharded_logits: int | None = None,
     ) -> None:
-        self.gm, self.param_names, self.sequence_parallel = gm, param_names, sequence_parallel
-        self.sharded_logits = sharded_logits
+        self.gm, self.param_names, self.sharded_logits = gm, param_names, sharded_logits
         self.mesh, self.dims, self.precision = mesh, {**dims, BATCH: 1}, precision
-        self._placements: dict[int, dict[str, Placement]] = {1: {}}
-        self._summaries: dict[int, GraphSummary] = {}
+        self._solutions: dict[tuple[int, bool], TpSolution] = {}
+        self._summaries: dict[tuple[int, bool], GraphSummary] = {}
 
-    def placements(self, tp: int) -> dict[str, Placement]:
-        if tp not in self._placements:
+    def placements(self, tp: int, sp: bool = False) -> dict[str, Placement]:
+        """The layout at `tp` ranks, with sequence parallelism where `sp`."""
+        return self._solution(tp, sp).placements if tp > 1 else {}
+
+    def sequence_parallel(self, tp: int, pinned: bool | None = None) -> bool:
+        """Whether the layout at `tp` runs sequence parallel: as pinned, else where the
+        layout model's objective (its time and its memory, priced) says it pays."""
+        if tp == 1:
+            return False
+        if pinned is not None:
+            return pinned
+        return self._solution(tp, True).cost < self._solution(tp, False).cost
+
+    def _solution(self, tp: int, sp: bool) -> TpSolution:
+        if (tp, sp) not in self._solutions:
             costs = TpCosts(self.gm, CostModels.of(self.mesh, self.precision), self.dims, tp)
-            problem = build_problem(
-                self.gm, self.param_names, tp, costs, self.sequence_parallel, self.sharded_logits
-            )
+            problem = build_problem(self.gm, self.param_names, tp, costs, sp, self.sharded_logits)
             pattern = functools.partial(choose_tp_placements, self.gm, self.param_names, tp)
-            self._placements[tp] = solve_layout(problem, pattern=pattern).placements
-        return self._placements[tp]
+            self._solutions[tp, sp] = solve_layout(problem, pattern=pattern)
+        return self._solutions[tp, sp]
 
-    def roles(self, tp: int) -> dict[str, str]:
-        """What each sharded parameter does in the layout at `tp` (`parameter_roles`)."""
+    def roles(self, tp: int, sp: bool = False) -> dict[str, str]:
+        """What each sharded parameter does in the layout (`parameter_roles`)."""
         if tp == 1:
             return {}
-        return parameter_roles(
-            self.gm, self.param_names, self.placements(tp), tp, self.sequence_parallel
-        )
+        return parameter_roles(self.gm, self.param_names, self.placements(tp, sp), tp, sp)
 
-    def summary(self, tp: int) -> GraphSummary:
-        if tp not in self._summaries:
+    def summary(self, tp: int, sp: bool = False) -> GraphSummary:
+        key = (tp, sp and tp > 1)
+        if key not in self._summaries:
             layout = (
-                TpLayout.of(
-                    self.gm, self.placements(tp), tp, self.sequence_parallel, self.sharded_logits
-                )
+                TpLayout.of(self.gm, self.placements(tp, sp), tp, sp, self.sharded_logits)
                 if tp > 1
                 else None
             )
-            self._summaries[tp] = GraphSummary(self.gm, layout)
-        return self._summaries[tp]
+            self._summaries[key] = GraphSummary(self.gm, layout)
+        return self._summaries[key]
 
 
 def _price(
@@ -232,7 +242,7 @@ def _price(
     for done, c in enumerate(sorted(choices, key=lambda c: not _usual_microbatches(c))):
         progress.update(done)
         assert models is not None
-        summary = layouts.summary(c.tp)
+        summary = layouts.summary(c.tp, c.sequence_parallel)
         floor = step_time_lower_bound(summary, c, dims, models) if best < math.inf else 0.0
         if floor > (1 + SLACK) * best:
             continue
@@ -255,7 +265,7 @@ def _price(
             continue
         assert models is not None
         inner += 1
-        summary = layouts.summary(c.tp)
+        summary = layouts.summary(c.tp, c.sequence_parallel)
         may_recompute = recomputable and c.zero != 3
         out[i] = Candidate(*_inner(summary, mesh, c, predicted, dims, models, may_recompute))
         if out[i].predicted.peak_memory_bytes <= memory:
@@ -277,7 +287,7 @@ def _with_inner_cuts(
     balanced by compute), where they fit."""
     c = chosen.choices
     models = CostModels.of(mesh, c.precision)
-    summary = layouts.summary(c.tp)
+    summary = layouts.summary(c.tp, c.sequence_parallel)
     choices, predicted = _inner(summary, mesh, c, chosen.predicted, dims, models, False)
     if predicted.step_time_s > chosen.predicted.step_time_s:
         return chosen
@@ -397,7 +407,8 @@ def _choices(
         if not _admissible(degrees, mesh, pins, batch, len(blocks)):
             continue
         tp, pp, dp = degrees[Axis.TP], degrees[Axis.PP], degrees[Axis.DP]
-        if tp > 1 and not layouts.placements(tp) and pins.degree(Axis.TP) is None:
+        sp = layouts.sequence_parallel(tp, pins.sequence_parallel)
+        if tp > 1 and not layouts.placements(tp, sp) and pins.degree(Axis.TP) is None:
             continue  # no layout shards anything at this tp (a pinned tp may replicate all)
         for schedule, virtual, m in _pipelines(pp, batch // dp, pins, len(blocks)):
             for zero in _zero_stages(dp, pins):
@@ -412,6 +423,7 @@ def _choices(
                         pins.precision,
                         recompute,
                         _pinned_paths(pins.recompute_attention, blocks),
+                        sequence_parallel=sp,
                     )
 
 

@@ -139,12 +139,32 @@ def build_problem(
         if key in groups:
             groups[key].count += 1
             continue
-        group = groups[key] = Group(node, var_of[node], sources, count=1)
+        groups[key] = Group(node, var_of[node], sources, count=1)
+
+    def enumerate_group(group: Group) -> None:
+        group.combos, group.outputs, group.costs = [], [], []
         _enumerate(
             group, gm, candidates, var_of, grads, tp, costs, sequence_parallel, sharded_logits
         )
-        outs = candidates.setdefault(var_of[node], [])
+        outs = candidates.setdefault(group.var, [])
         outs.extend(p for p in dict.fromkeys(group.outputs) if p not in outs)
+
+    # In graph order, then again for the groups whose operands gained placements since:
+    # a block's copies share variables, so a later copy's group (another boundary, as
+    # the sequence-parallel input of every block but the first) can give a variable a
+    # placement after the groups reading it were enumerated.
+    seen: dict[tuple, tuple[int, ...]] = {}
+    pending = list(groups)
+    while pending:
+        for key in pending:
+            group = groups[key]
+            seen[key] = tuple(len(candidates.get(v, ())) for v in group.sources)
+            enumerate_group(group)
+        pending = [
+            key
+            for key, group in groups.items()
+            if tuple(len(candidates.get(v, ())) for v in group.sources) != seen[key]
+        ]
     problem = TpProblem(tp, candidates, groups, group_of, var_of, param_var, state_cost, price)
     problem.conversion_sites = _conversion_sites(gm, problem)
     return problem

@@ -160,24 +160,35 @@ def test_an_op_without_a_rule_falls_back_to_replication_and_stays_correct():
     assert_matches({"losses": [], "params": params}, {"losses": [], "params": snapshot(model)})
 
 
-def _train_megatron_sequence_parallel(batch):
-    """Sequence parallelism under Megatron's layout (the pattern generator's). On this
-    CPU mesh the solver's own layout avoids the sequence shards, whose extra collectives
-    cost more than they save at this size."""
+def _train_sequence_parallel(batch):
+    """Sequence parallelism under the solver's own layout (its vocabulary-parallel
+    embedding's partial sums reduce-scattered along the sequence) and under Megatron's
+    (the pattern generator's)."""
     ids, _ = batch
-    plan = autopart.plan(tiny_llama(), autopart.Mesh.local(), (ids,), tp=2, sequence_parallel=True)
+    mesh = autopart.Mesh.local()
+    plan = autopart.plan(tiny_llama(), mesh, (ids,), tp=2, sequence_parallel=True)
     places, _ = _placements(tiny_llama(), 2)
     megatron = {fqn: (Replicate(), places.get(fqn, Replicate())) for fqn in plan.placements}
-    plan = plan.with_changes(placements=megatron)
-    return train_case(tiny_llama(), batch, STEPS, inspect=_collectives_and_local_size, plan=plan)
+    return {
+        name: train_case(
+            tiny_llama(), batch, STEPS, inspect=_collectives_and_local_size, plan=chosen
+        )
+        for name, chosen in (("solver", plan), ("megatron", plan.with_changes(placements=megatron)))
+    }
 
 
 def test_sequence_parallel_matches_single_device_and_reduce_scatters():
     batch = token_batch(batch=8)
-    result = run_world(_train_megatron_sequence_parallel, 2, batch)[0]
-    assert_matches(result, train_single_device("llama", "adamw", STEPS, batch))
-    kinds = [k for k, _ in result["collectives"]]
-    assert "reduce_scatter" in kinds and "all_reduce" not in kinds
+    results = run_world(_train_sequence_parallel, 2, batch)[0]
+    reference = train_single_device("llama", "adamw", STEPS, batch)
+    for name, result in results.items():
+        assert_matches(result, reference)
+        kinds = [k for k, _ in result["collectives"]]
+        assert "reduce_scatter" in kinds, name
+    # Megatron's layout replicates the embedding: nothing is all-reduced. The solver's
+    # shards it over the vocabulary, and its lookup's partial sums are reduce-scattered.
+    assert "all_reduce" not in [k for k, _ in results["megatron"]["collectives"]]
+    assert results["solver"]["local_numel"] < results["megatron"]["local_numel"]
 
 
 @pytest.mark.parametrize("factory", [tiny_gpt2, tiny_llama])

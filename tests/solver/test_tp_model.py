@@ -21,7 +21,7 @@ from autopart.ops.loss_match import match_cross_entropy
 from autopart.passes import analyze
 from autopart.passes.tp_propagate import propagate
 from autopart.solver.tp_model import build_problem, layout_cost, solve_layout
-from tests.models import lm_loss
+from tests.models import LM_FACTORIES, lm_loss, token_batch
 
 R = Replicate()
 
@@ -117,7 +117,9 @@ class ParallelBlockLM(nn.Module):
         return self.head(x)
 
 
-def _problem(model: nn.Module, batch: int, seq: int, mesh: Mesh, tp: int, meta: bool = False):
+def _problem(
+    model: nn.Module, batch: int, seq: int, mesh: Mesh, tp: int, meta: bool = False, sp=False
+):
     device = "meta" if meta else "cpu"
     if meta:
         model = model.to("meta")
@@ -126,37 +128,41 @@ def _problem(model: nn.Module, batch: int, seq: int, mesh: Mesh, tp: int, meta: 
     analyze(captured.gm, captured.context())
     gm, names = captured.gm, captured.parameter_names
     costs = TpCosts(gm, CostModels.of(mesh, "fp32"), {**captured.dim_sizes, "batch": 1}, tp)
-    return gm, names, costs, build_problem(gm, names, tp, costs)
+    return gm, names, costs, build_problem(gm, names, tp, costs, sp)
 
 
 MESHES = {"h100": Mesh.cluster("h100-80g", 1, 8), "cpu": Mesh.cluster("cpu", 1, 8)}
 
 
 @pytest.mark.parametrize(
-    "factory, tp, mesh",
+    "factory, tp, mesh, sp",
     [
-        (MlpLM, 2, "h100"),
-        (MlpLM, 4, "h100"),
-        (MlpLM, 2, "cpu"),
-        (MlpLM, 4, "cpu"),
-        (AttentionLM, 2, "h100"),
-        (AttentionLM, 4, "cpu"),
+        (MlpLM, 2, "h100", False),
+        (MlpLM, 4, "h100", False),
+        (MlpLM, 2, "cpu", False),
+        (MlpLM, 4, "cpu", False),
+        (AttentionLM, 2, "h100", False),
+        (AttentionLM, 4, "cpu", False),
+        (MlpLM, 2, "h100", True),
+        (AttentionLM, 2, "h100", True),
     ],
 )
-def test_the_model_finds_the_brute_force_optimum(factory, tp, mesh):
-    gm, names, costs, problem = _problem(factory(), 4, 16, MESHES[mesh], tp)
+def test_the_model_finds_the_brute_force_optimum(factory, tp, mesh, sp):
+    gm, names, costs, problem = _problem(factory(), 4, 16, MESHES[mesh], tp, sp=sp)
     variables = sorted(set(problem.param_var.values()))
+
+    def cost(placements):
+        return layout_cost(problem, gm, names, placements, costs, sp)
+
     best = min(
-        layout_cost(problem, gm, names, _expand(problem, dict(zip(variables, choice))), costs)
+        cost(_expand(problem, dict(zip(variables, choice))))
         for choice in itertools.product(*(problem.candidates[v] for v in variables))
     )
     solution = solve_layout(problem)
     assert solution.status == "OPTIMAL"
     assert solution.cost == pytest.approx(best, rel=1e-4)
     # The objective is what the rewrite's own walk of the chosen layout costs.
-    assert layout_cost(problem, gm, names, solution.placements, costs) == pytest.approx(
-        solution.cost, rel=1e-9
-    )
+    assert cost(solution.placements) == pytest.approx(solution.cost, rel=1e-9)
 
 
 def _expand(problem, chosen):
@@ -230,6 +236,29 @@ def test_the_logits_of_a_parallel_cross_entropy_are_priced_without_their_gather(
     ]
     comm = [p.predicted.stages[-1].tp_comm_s for p in plans]
     assert comm[1] < comm[0]
+
+
+def test_sequence_parallelism_comes_out_of_the_costs():
+    """Sequence parallelism is a choice the costs make: on H100s at a long sequence its
+    Megatron layout (row-parallel products reduce-scattered, the norms on sequence
+    shards) costs less than all-reducing, so it is chosen; on a CPU mesh, where each
+    collective's latency dominates a tiny model's, it is not."""
+    from autopart.solver.search import TpLayouts
+
+    ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
+    captured = capture(_llama(32000, hidden=4096), (ids,))
+    analyze(captured.gm, captured.context())
+    layouts = TpLayouts(captured.gm, captured.parameter_names, MESHES["h100"], {"seq": 4096})
+    assert layouts.sequence_parallel(8)
+    places = layouts.placements(8, True)
+    assert places["model.layers.1.mlp.down_proj.weight"] == Shard(1)
+    assert places["model.layers.1.self_attn.o_proj.weight"] == Shard(1)
+
+    captured = capture(LM_FACTORIES["llama"](), (token_batch(8)[0],))
+    analyze(captured.gm, captured.context())
+    dims = {k: v for k, v in captured.dim_sizes.items() if k != "batch"}
+    layouts = TpLayouts(captured.gm, captured.parameter_names, MESHES["cpu"], dims)
+    assert not layouts.sequence_parallel(2)
 
 
 def test_a_parallel_block_with_multi_query_attention_gets_its_mlp_sharded():
