@@ -3,8 +3,9 @@
 For each configuration (model shape, cluster, global batch, and the parallelism its
 authors trained with), on the meta device:
   * the experts' plan, pinned: what the source publishes (tp, pp, dp, microbatch size,
-    schedule, ZeRO stage: none for Megatron-LM's and MT-NLG's runs), the rest
-    (recomputation, stage cuts) left to autopart's inner model. It must be inside the
+    schedule, ZeRO stage: none for Megatron-LM's and MT-NLG's runs; no sequence
+    parallelism, which these runs predate, but for Llama 3, which does not say), the
+    rest (recomputation, stage cuts) left to autopart's inner model. It must be inside the
     search space: pinned, it gets a prediction;
   * the free plan: only the precision pinned.
 Checks, per configuration: when the experts' plan fits, the free search finds a plan
@@ -66,7 +67,14 @@ class Config:
 
 CONFIGS = {
     "gpt-18.4b": Config(
-        "M", gpt(6144, 40, 48), "a100-80g", 256, 1024, 2048, "fp16-mixed", dict(tp=8, pp=1, zero=0)
+        "M",
+        gpt(6144, 40, 48),
+        "a100-80g",
+        256,
+        1024,
+        2048,
+        "fp16-mixed",
+        dict(tp=8, pp=1, zero=0, sequence_parallel=False),
     ),
     "gpt-145.6b": Config(
         "M",
@@ -76,7 +84,7 @@ CONFIGS = {
         2304,
         2048,
         "fp16-mixed",
-        dict(tp=8, pp=8, schedule="1f1b", zero=0),
+        dict(tp=8, pp=8, schedule="1f1b", zero=0, sequence_parallel=False),
         1,
     ),
     "gpt-310.1b": Config(
@@ -87,7 +95,14 @@ CONFIGS = {
         2160,
         2048,
         "fp16-mixed",
-        dict(tp=8, pp=16, schedule="interleaved-1f1b", virtual_stages=2, zero=0),
+        dict(
+            tp=8,
+            pp=16,
+            schedule="interleaved-1f1b",
+            virtual_stages=2,
+            zero=0,
+            sequence_parallel=False,
+        ),
         1,
     ),
     "gpt-1008b": Config(
@@ -98,7 +113,7 @@ CONFIGS = {
         3072,
         2048,
         "fp16-mixed",
-        dict(tp=8, pp=64, schedule="1f1b", zero=0),
+        dict(tp=8, pp=64, schedule="1f1b", zero=0, sequence_parallel=False),
         1,
     ),
     "mt-nlg-530b": Config(
@@ -109,7 +124,7 @@ CONFIGS = {
         1920,
         2048,
         "fp16-mixed",
-        dict(tp=8, pp=35, schedule="1f1b", zero=0),
+        dict(tp=8, pp=35, schedule="1f1b", zero=0, sequence_parallel=False),
         1,
     ),
     "bloom-176b": Config(
@@ -120,7 +135,7 @@ CONFIGS = {
         2048,
         2048,
         "bf16-mixed",
-        dict(tp=4, pp=12, zero=1, schedule="1f1b"),
+        dict(tp=4, pp=12, zero=1, schedule="1f1b", sequence_parallel=False),
         2,
     ),
     "llama3-405b": Config(

@@ -62,7 +62,8 @@ depth, heads and vocabulary, sequence 2048, learned positions, 4h MLP):
         16,384 GPUs at dp 128, 16 sequences per dp rank, 400 TFLOP/s per GPU; FSDP
         sharding optimizer state and gradients, weights kept from forward to backward
         (section 3.3): ZeRO stage 2 is autopart's nearest. The microbatch size, virtual
-        stages and recomputation are not published and are autopart's. Their FLOP
+        stages, recomputation and sequence parallelism are not published and are
+        autopart's. Their FLOP
         count is not stated: the PaLM convention (Chowdhery et al., 2022, appendix B),
         6·N + 12·l·h·s per token, N the parameters but the input embedding's, is
         assumed.
@@ -191,8 +192,9 @@ A100, H100 = "a100-80g", "h100-80g"
 
 
 def _megatron(tp: int, pp: int, v: int = 1) -> dict[str, Any]:
-    """Megatron-LM's runs: tp × pp, no ZeRO, every block recomputed."""
-    pins: dict[str, Any] = dict(tp=tp, pp=pp, zero=0, recompute=True)
+    """Megatron-LM's runs: tp × pp, no ZeRO, every block recomputed, no sequence
+    parallelism (which came after these runs, or was not used in them)."""
+    pins: dict[str, Any] = dict(tp=tp, pp=pp, zero=0, recompute=True, sequence_parallel=False)
     if pp > 1:
         pins["schedule"] = "interleaved-1f1b" if v > 1 else "1f1b"
         pins["virtual_stages"] = v if v > 1 else None
@@ -244,7 +246,8 @@ RUNS: dict[str, Run] = {
     ),
     "b22-bloom-176b": Run(
         "B22", Gpt(14336, 70, 112, vocab=250880), 176, A100, 384, 2048, 2048, BF16,
-        dict(tp=4, pp=12, zero=1, schedule="1f1b", recompute=True), 2, tflops=150,
+        dict(tp=4, pp=12, zero=1, schedule="1f1b", recompute=True, sequence_parallel=False),
+        2, tflops=150,
         node_nics=(4, 100),
     ),
     **{
