@@ -278,7 +278,9 @@ def test_explain_names_what_each_sharded_parameter_does():
     import autopart
 
     ids = torch.zeros(8, 2048, dtype=torch.long, device="meta")
-    plan = autopart.plan(_llama(32000), MESHES["h100"], (ids,), dp=4, tp=2, pp=1)
+    plan = autopart.plan(
+        _llama(32000), MESHES["h100"], (ids,), dp=4, tp=2, pp=1, sequence_parallel=False
+    )
     roles = plan.tp_roles
     assert roles["model.embed_tokens.weight"] == "vocabulary-parallel"
     assert roles["lm_head.weight"] == "column-parallel"
