@@ -202,9 +202,7 @@ def _plan_of(
         sequence_parallel=choices.sequence_parallel,
         recompute=choices.recompute,
         recompute_attention=choices.recompute_attention,
-        placements=_placements(
-            captured, layouts.placements(choices.tp, choices.sequence_parallel), choices.zero
-        ),
+        placements=_placements(captured, layouts.placements(choices.tp), choices.zero),
         tp_roles=layouts.roles(choices.tp, choices.sequence_parallel),
     )
 

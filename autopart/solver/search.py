@@ -8,7 +8,7 @@ Candidates, every combination the pins allow:
     An axis with no rule is enumerated at every degree;
   ZeRO stage 0-3 (0 when dp = 1);
   sequence parallelism where tp > 1, as pinned, else where the layout model finds it
-    pays (`TpLayouts.sequence_parallel`: each layout is solved with and without);
+    pays (`TpLayouts.sequence_parallel`: the layout solved with and without it);
   microbatches: every count giving a power-of-two microbatch size that divides the
     replica's batch (gradient accumulation without a pipeline too); schedule 1F1B,
     and interleaved 1F1B over 2 virtual stages where the blocks allow (GPipe where one
@@ -163,7 +163,12 @@ class TpLayouts:
     costs on `mesh` at the sizes `dims`), and the graph summary priced under it, so that
     the search prices what will run. `sharded_logits`: the output leaf a
     vocabulary-parallel cross-entropy will read (a standard cross-entropy the runtime
-    recognized), whose gather the layout then saves."""
+    recognized), whose gather the layout then saves.
+
+    The layout with sequence parallelism must shard every parameter the one without it
+    shards (on any dim): solved freely, it can trade whole weights for fewer collectives
+    (an MLP replicated on sequence shards), a memory cost the layout model's price of
+    memory does not bound but the device's memory would."""
 
     def __init__(
         self,
@@ -197,7 +202,8 @@ class TpLayouts:
             costs = TpCosts(self.gm, CostModels.of(self.mesh, self.precision), self.dims, tp)
             problem = build_problem(self.gm, self.param_names, tp, costs, sp, self.sharded_logits)
             pattern = functools.partial(choose_tp_placements, self.gm, self.param_names, tp)
-            self._solutions[tp, sp] = solve_layout(problem, pattern=pattern)
+            sharded = self.placements(tp) if sp else {}
+            self._solutions[tp, sp] = solve_layout(problem, pattern=pattern, sharded=sharded)
         return self._solutions[tp, sp]
 
     def roles(self, tp: int, sp: bool = False) -> dict[str, str]:
@@ -408,7 +414,7 @@ def _choices(
             continue
         tp, pp, dp = degrees[Axis.TP], degrees[Axis.PP], degrees[Axis.DP]
         sp = layouts.sequence_parallel(tp, pins.sequence_parallel)
-        if tp > 1 and not layouts.placements(tp, sp) and pins.degree(Axis.TP) is None:
+        if tp > 1 and not layouts.placements(tp) and pins.degree(Axis.TP) is None:
             continue  # no layout shards anything at this tp (a pinned tp may replicate all)
         for schedule, virtual, m in _pipelines(pp, batch // dp, pins, len(blocks)):
             for zero in _zero_stages(dp, pins):

@@ -43,7 +43,7 @@ import logging
 import math
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
@@ -268,12 +268,17 @@ def solve_layout(
     problem: TpProblem,
     hint: Mapping[str, Placement] | None = None,
     pattern: Callable[[], Mapping[str, Placement]] | None = None,
+    sharded: Collection[str] = (),
 ) -> TpSolution:
     """The cheapest consistent layout. `hint` (FQN -> placement) is where the search
     starts; `pattern` makes one (another strategy generator's layout) should the search
-    not prove its optimum within its work limit, for a second search from it."""
+    not prove its optimum within its work limit, for a second search from it. The
+    parameters in `sharded` (FQNs) must be sharded, on any dim."""
     start = time.perf_counter()
     built = _Model(problem)
+    for param in {problem.param_var[fqn] for fqn in sharded}:
+        if R in built.x[param]:
+            built.model.add(built.x[param][R] == 0)
     if hint is not None:
         for var, places in built.x.items():
             if isinstance(var, str):
@@ -285,7 +290,7 @@ def solve_layout(
     solver.parameters.max_deterministic_time = DETERMINISTIC_LIMIT
     status = solver.solve(built.model)
     if status != cp_model.OPTIMAL and hint is None and pattern is not None:
-        return solve_layout(problem, pattern(), None)
+        return solve_layout(problem, pattern(), None, sharded)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(f"the tensor-parallel model has no solution ({solver.status_name()})")
     chosen = {
