@@ -518,13 +518,14 @@ def _bucketing(own: list[SegmentWork], tp: int) -> tuple[list[float], list[list[
         if params and (seg.is_block or not in_run):
             buckets.append(0.0)
         mine = [len(buckets) - 1] if params else []
-        while params > 0:
-            if buckets[-1] >= cap:
-                buckets.append(0.0)
-                mine.append(len(buckets) - 1)
-            take = min(params, cap - buckets[-1])
-            buckets[-1] += take
-            params -= take
+        if params > 0:
+            # Fill the open bucket, then whole buckets of `cap`, then the rest.
+            first = min(params, max(0.0, cap - buckets[-1]))
+            buckets[-1] += first
+            whole, rest = divmod(params - first, cap)
+            more = [cap] * int(whole) + ([rest] if rest > 0 else [])
+            mine.extend(range(len(buckets), len(buckets) + len(more)))
+            buckets.extend(more)
         of_segment.append(mine)
         in_run = (in_run or seg.param_numel(tp) > 0) and not seg.is_block
     return buckets, of_segment
