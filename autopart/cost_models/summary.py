@@ -49,8 +49,8 @@ from autopart.ops.meta import (
     TensorInfo,
     tensor_info,
 )
+from autopart.passes.tp_decision import R
 from autopart.passes.tp_propagate import operands_of, propagate
-from autopart.passes.tp_rules import R
 from autopart.policy import Precision
 
 _NO_WORK = ("placeholder", "get_attr", "output")

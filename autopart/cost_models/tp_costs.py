@@ -47,7 +47,7 @@ from autopart.cost_models.memory import STATE_BYTES
 from autopart.cost_models.work import NodeWork, evaluate, is_low_precision, node_work
 from autopart.ops.meta import BLOCK, SHAPE, TensorInfo
 from autopart.passes.blocks import block_counterparts
-from autopart.passes.tp_rules import Decision, Operands, R
+from autopart.passes.tp_decision import Decision, Operands, R
 from autopart.policy import Precision
 
 if TYPE_CHECKING:

@@ -48,8 +48,8 @@ from autopart.ops.meta import (
 from autopart.ops.shards import local_shard
 from autopart.ops.vocab_parallel import LOCAL_OPS
 from autopart.passes.runner import PassContext
+from autopart.passes.tp_decision import NO_RULE, NodePlacement, flatten_args
 from autopart.passes.tp_propagate import Propagation, propagate
-from autopart.passes.tp_rules import NO_RULE, NodePlacement, flatten_args
 
 log = logging.getLogger("autopart.tp")
 

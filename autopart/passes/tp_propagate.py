@@ -18,15 +18,15 @@ from torch.distributed.tensor import Placement, Shard
 from autopart.batch import SEQ
 from autopart.ops.aten import VIEW_OPS, op_name
 from autopart.ops.meta import SHAPE, TensorInfo
-from autopart.passes.tp_rules import (
+from autopart.passes.tp_decision import (
     Decision,
     NodePlacement,
     Operands,
     P,
     R,
     argument_leaves,
-    decide,
 )
+from autopart.passes.tp_rules import decide
 
 log = logging.getLogger("autopart.tp")
 

@@ -9,7 +9,8 @@ A rule sees one node with the placements of its tensor operands (`R` replicated,
 - the placement of the output;
 - the size arguments to change so the local op sees local sizes (a `view` to 32
   heads becomes a view to 32/tp heads);
-- or a fallback: an operator with no rule replicates its inputs (all-gathers them),
+- or a fallback: an operator with no rule here takes DTensor's registered strategy
+  (`tp_dtensor`); one without either replicates its inputs (all-gathers them),
   computes redundantly and warns once. Correct first, then fast.
 
 Rules are pure: the same code plans (dry run) and rewrites.
@@ -19,24 +20,26 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, SupportsInt, TypeAlias, cast
+from typing import SupportsInt, cast
 
 import sympy
 import torch
 from torch import fx
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.utils import _pytree as pytree
+from torch.distributed.tensor import Placement, Shard
 
 from autopart.ops.aten import ATTENTION_OPS, VIEW_OPS, op_name
 from autopart.ops.meta import SHAPE, TensorInfo, tensor_info
-
-R = Replicate()
-P = Partial()
-NO_RULE = "no sharding rule for"  # how a fallback for an operator without a rule begins
-
-# A node's placement: one, or one per output of a multi-output op (split, chunk).
-NodePlacement: TypeAlias = Placement | tuple[Placement, ...]
+from autopart.passes.tp_decision import (
+    NO_RULE,
+    Decision,
+    NodePlacement,
+    Operands,
+    P,
+    R,
+    fallback,
+    replicated_output,
+)
+from autopart.passes.tp_dtensor import dtensor_decision
 
 # Needed on top of the `pointwise` tag: ops that act elementwise without carrying it.
 _ELEMENTWISE = frozenset(
@@ -65,44 +68,6 @@ _CONTRACTIONS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul"})
 _IGNORED = frozenset({"_assert_tensor_metadata", "_assert_scalar", "sym_size", "sym_numel"})
 
 
-@dataclass
-class Decision:
-    """What a rule decided for one node. Indices refer to the node's flattened
-    (args, kwargs) leaves."""
-
-    output: NodePlacement
-    inputs: dict[int, Placement] = field(default_factory=dict)
-    copy_to_group: set[int] = field(default_factory=set)  # R operands with partial grads
-    updates: dict[int, Any] = field(default_factory=dict)  # new values of size leaves
-    # A row-parallel product: its partial sums are reduced right after it, to `reduce_to`
-    # (R by all-reduce; S(1) by reduce-scatter under sequence parallelism), and a bias
-    # is added once, after the reduction.
-    reduce_to: Placement | None = None
-    has_bias: bool = False
-    gather_grad: set[int] = field(default_factory=set)  # S -> R with reduce-scatter backward
-    fused_split: int = 0  # a split of a sharded dim into this many equal parts
-    fallback: str = ""  # why the op is replicated instead
-    # The local operator that runs instead (`ops.vocab_parallel.LOCAL_OPS`), called
-    # with the node's tensor operands and the tp group.
-    local_op: str = ""
-
-
-@dataclass
-class Operands:
-    """A node's flattened (args, kwargs) with what is known of each tensor leaf."""
-
-    node: fx.Node
-    flat: list[Any]
-    places: list[NodePlacement | None]  # None where the leaf is not a tensor node
-    shapes: list[TensorInfo | None]
-    grads: list[bool]  # whether the leaf requires grad
-    tp: int
-
-    @property
-    def tensors(self) -> list[int]:
-        return [i for i, p in enumerate(self.places) if p is not None]
-
-
 def decide(ops: Operands, gm: fx.GraphModule) -> Decision:
     name = op_name(ops.node, gm)
     tensor_places = [ops.places[i] for i in ops.tensors]
@@ -111,12 +76,12 @@ def decide(ops: Operands, gm: fx.GraphModule) -> Decision:
     if name in _IGNORED:
         return Decision(output=R)
     if all(p == R for p in tensor_places):
-        return Decision(output=_replicated_output(ops.node))
+        return Decision(output=replicated_output(ops.node))
     if any(p == P for p in tensor_places):
         return _reduce_partials_first(ops, gm)
     rule = _rule_for(name, ops.node)
     if rule is None:
-        return fallback(ops, f"{NO_RULE} {name}")
+        return dtensor_decision(ops) or fallback(ops, f"{NO_RULE} {name}")
     return rule(ops)
 
 
@@ -127,6 +92,10 @@ def _rule_for(name: str, node: fx.Node) -> Callable[[Operands], Decision] | None
         return _attention
     if name in ("view", "_unsafe_view", "reshape"):
         return _reshape
+    if name == "flatten":
+        return _flatten
+    if name == "unflatten":
+        return _unflatten
     if name in ("transpose", "t", "permute", "unsqueeze", "squeeze", "expand"):
         return _dim_shuffle
     if name in ("split", "split_with_sizes", "chunk"):
@@ -150,20 +119,6 @@ def _rule_for(name: str, node: fx.Node) -> Callable[[Operands], Decision] | None
 
 def _is_pointwise(node: fx.Node) -> bool:
     return torch.Tag.pointwise in getattr(node.target, "tags", ())
-
-
-def _replicated_output(node: fx.Node) -> NodePlacement:
-    info = SHAPE.get(node)
-    return tuple(R for _ in info) if isinstance(info, tuple) else R
-
-
-def fallback(ops: Operands, reason: str) -> Decision:
-    """Replicate every tensor operand and compute the op redundantly."""
-    return Decision(
-        output=_replicated_output(ops.node),
-        inputs={i: R for i in ops.tensors if ops.places[i] != R},
-        fallback=reason,
-    )
 
 
 def _reduce_partials_first(ops: Operands, gm: fx.GraphModule) -> Decision:
@@ -329,6 +284,53 @@ def _reshape(ops: Operands) -> Decision:
     elif isinstance(size, fx.Node):
         return fallback(ops, "reshape to a symbolic size on the sharded dim")
     return decision
+
+
+def _flatten(ops: Operands) -> Decision:
+    """flatten(start, end) merges dims start..end: a shard outside them moves with the
+    dims; a shard on `start`, the outermost of the merged dims, shards the merged dim."""
+    x = ops.places[0]
+    if not isinstance(x, Shard):
+        return fallback(ops, "expected a sharded input")
+    rank = _rank(ops, 0)
+    d = _norm_dim(x.dim, rank)
+    start, end = (
+        _norm_dim(_int(_argument(ops.node, k, name, default)), max(rank, 1))
+        for k, name, default in ((1, "start_dim", 0), (2, "end_dim", -1))
+    )
+    if d < start:
+        return Decision(output=Shard(d))
+    if d > end:
+        return Decision(output=Shard(d - (end - start)))
+    if d == start:
+        return Decision(output=Shard(start))
+    return fallback(ops, "flatten merges the sharded dim into an outer one")
+
+
+def _unflatten(ops: Operands) -> Decision:
+    """unflatten(dim, sizes) splits dim: a shard elsewhere moves with the dims; a shard
+    on it goes to the outermost of the new dims, whose size becomes local."""
+    x = ops.places[0]
+    if not isinstance(x, Shard):
+        return fallback(ops, "expected a sharded input")
+    rank = _rank(ops, 0)
+    d, dim = _norm_dim(x.dim, rank), _norm_dim(_int(ops.flat[1]), rank)
+    new_dims = len(ops.flat) - 2  # leaves: x, dim, *sizes
+    if d != dim:
+        return Decision(output=Shard(d if d < dim else d + new_dims - 1))
+    size = ops.flat[2]
+    if not _divisible(tensor_info(ops.node).shape[dim], ops.tp) or isinstance(size, fx.Node):
+        return fallback(ops, "unflatten splits the sharded dim unevenly")
+    decision = Decision(output=Shard(dim))
+    if isinstance(size, int) and size != -1:
+        decision.updates[2] = size // ops.tp
+    return decision
+
+
+def _argument(node: fx.Node, position: int, name: str, default: int) -> fx.node.Argument:
+    if len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get(name, default)
 
 
 def _run_of(
@@ -559,34 +561,3 @@ def _contraction(ops: Operands) -> Decision:
             decision.copy_to_group.add(bias_i)
         return decision
     return fallback(ops, f"{name} with operands {a} and {b}")
-
-
-def flatten_args(node: fx.Node) -> tuple[list[Any], Any]:
-    """The leaves of a node's arguments and their structure (pytree's), to rebuild them."""
-    return pytree.tree_flatten((node.args, node.kwargs))
-
-
-def argument_leaves(node: fx.Node) -> list[Any]:
-    """`flatten_args(node)[0]`, an order of magnitude faster: the solver walks every
-    node of the graph once per layout it tries. An fx node's arguments nest only tuples,
-    lists and dicts (fx's immutable ones among them), which pytree flattens in order,
-    dict values in insertion order."""
-    out: list[Any] = []
-
-    def walk(a: Any) -> None:
-        if type(a) in _SEQUENCES:
-            for x in a:
-                walk(x)
-        elif type(a) in _MAPPINGS:
-            for x in a.values():
-                walk(x)
-        else:
-            out.append(a)
-
-    walk(node.args)
-    walk(node.kwargs)
-    return out
-
-
-_SEQUENCES = (tuple, list, fx.immutable_collections.immutable_list)
-_MAPPINGS = (dict, fx.immutable_collections.immutable_dict)

@@ -54,8 +54,8 @@ from autopart.cost_models.tp_costs import DecisionCost, TpCosts
 from autopart.ops.aten import op_name
 from autopart.ops.meta import BLOCK, SHAPE, TensorInfo
 from autopart.passes.blocks import block_counterparts
+from autopart.passes.tp_decision import Decision, NodePlacement, R, argument_leaves
 from autopart.passes.tp_propagate import decide_node, gradient_flow, operands_of, propagate
-from autopart.passes.tp_rules import Decision, NodePlacement, R, argument_leaves
 
 log = logging.getLogger("autopart.solver")
 

@@ -12,9 +12,11 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autopart
 from autopart.capture import capture
+from autopart.ops.aten import op_name
 from autopart.passes import analyze
-from autopart.passes.tp_propagate import propagate
-from autopart.passes.tp_rules import argument_leaves, flatten_args
+from autopart.passes.tp_decision import argument_leaves, flatten_args
+from autopart.passes.tp_propagate import gradient_flow, operands_of, propagate
+from autopart.passes.tp_rules import decide
 from autopart.solver.tensor_parallel import choose_tp_placements
 from autopart.testing import run_world
 from tests.harness import assert_every_rank_matches, case_key, train_case
@@ -108,22 +110,34 @@ def test_tensor_parallel_matches_single_device(world, pins):
             assert {axis for _, axis in result["collectives"]} == {"tp"}
 
 
-class CumsumMLP(nn.Module):
-    def __init__(self):
+# Operators autopart has no rule for, between a column- and a row-parallel linear: a
+# cumulative sum over the sharded features (DTensor's strategy replicates it too, so it
+# falls back), and over the rows or a sort of them (DTensor's strategies keep the
+# feature shards).
+MIXES = {
+    "cumsum_features": lambda h: torch.cumsum(h, dim=-1),
+    "cumsum_rows": lambda h: torch.cumsum(h, dim=0),
+    "sort_rows": lambda h: torch.sort(h, dim=0).values,
+}
+
+
+class MixMLP(nn.Module):
+    def __init__(self, mix: str):
         super().__init__()
         torch.manual_seed(0)
+        self.mix = MIXES[mix]
         self.up = nn.Linear(8, 16)
         self.down = nn.Linear(16, 8)
 
     def forward(self, x):
-        return self.down(torch.cumsum(torch.relu(self.up(x)), dim=-1))
+        return self.down(self.mix(torch.relu(self.up(x))))
 
 
-def _forced_layout(x, target):
-    model = CumsumMLP()
+def _forced_layout(mix, x, target):
+    model = MixMLP(mix)
     mesh = autopart.Mesh.local()
     plan = autopart.plan(model, mesh, (x,), tp=2)
-    forced = dict(plan.placements)  # column-parallel up, row-parallel down: cumsum between
+    forced = dict(plan.placements)  # column-parallel up, row-parallel down: the mix between
     forced.update(
         {
             "up.weight": (Replicate(), Shard(0)),
@@ -142,14 +156,27 @@ def _forced_layout(x, target):
             optimizer=make_optimizer("sgd"),
         )
     losses = [pm.train_step(x, target).item() for _ in range(3)]
-    return losses, pm.full_state_dict(), [str(w.message) for w in caught]
+    kinds = sorted(info.kind for _, info in pm.collectives())
+    params = pm.full_state_dict()
+    pm.close()
+    return losses, params, [str(w.message) for w in caught], kinds
 
 
-def test_an_op_without_a_rule_falls_back_to_replication_and_stays_correct():
-    x, target = torch.randn(4, 8), torch.randn(4, 8)
-    losses, params, messages = run_world(_forced_layout, 2, x, target)[0]
-    assert any("cumsum" in m and "replicates" in m for m in messages)
-    model = CumsumMLP()
+def _forced_layouts(x, target):
+    return {mix: _forced_layout(mix, x, target) for mix in MIXES}
+
+
+MIX_BATCH = tuple(torch.randn(4, 8, generator=torch.Generator().manual_seed(k)) for k in (0, 1))
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    """Every mix trained in one world of 2 (rank 0's results)."""
+    return run_world(_forced_layouts, 2, *MIX_BATCH)[0]
+
+
+def _assert_trains_like_one_device(mix, x, target, losses, params):
+    model = MixMLP(mix)
     opt = make_optimizer("sgd")(model.parameters())
     for step in range(3):
         opt.zero_grad()
@@ -158,6 +185,26 @@ def test_an_op_without_a_rule_falls_back_to_replication_and_stays_correct():
         opt.step()
         assert losses[step] == pytest.approx(loss.item(), rel=1e-5)
     assert_matches({"losses": [], "params": params}, {"losses": [], "params": snapshot(model)})
+
+
+def test_an_op_without_a_rule_falls_back_to_replication_and_stays_correct(mixed):
+    x, target = MIX_BATCH
+    losses, params, messages, kinds = mixed["cumsum_features"]
+    assert any("cumsum" in m and "replicates" in m for m in messages)
+    assert "all_gather" in kinds
+    _assert_trains_like_one_device("cumsum_features", x, target, losses, params)
+
+
+@pytest.mark.parametrize("mix", ["cumsum_rows", "sort_rows"])
+def test_an_op_without_a_rule_takes_dtensors_strategy_and_stays_sharded(mixed, mix):
+    """cumsum and sort have no autopart rule; DTensor's registered strategies keep them
+    on the feature shards, so nothing is gathered between the two linears."""
+    x, target = MIX_BATCH
+    losses, params, messages, kinds = mixed[mix]
+    assert not [m for m in messages if "replicates" in m]
+    assert "all_gather" not in kinds
+    assert kinds.count("all_reduce") == 1  # the row-parallel product's partial sums
+    _assert_trains_like_one_device(mix, x, target, losses, params)
 
 
 def _train_sequence_parallel(batch):
@@ -266,3 +313,49 @@ def test_a_padding_row_keeps_the_embedding_lookup_whole():
     for rank, result in enumerate(per_rank):
         assert not result.pop("vocab_parallel"), rank
         assert_matches(result, reference)
+
+
+class Reshaped(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize(
+    "fn, shape, place, want",
+    [
+        (lambda x: x.flatten(2), (4, 6, 2, 2), Shard(0), Shard(0)),  # a batch shard stays
+        (lambda x: x.flatten(2), (4, 6, 2, 2), Shard(1), Shard(1)),
+        (lambda x: x.flatten(1), (4, 6, 2, 2), Shard(1), Shard(1)),  # outermost of the merge
+        (lambda x: x.flatten(1), (4, 6, 2, 2), Shard(2), None),  # inside it: gathered
+        (lambda x: x.flatten(0, 1), (4, 6, 2, 2), Shard(3), Shard(2)),
+        (lambda x: x.unflatten(2, (4, 2)), (4, 6, 8), Shard(0), Shard(0)),
+        (lambda x: x.unflatten(1, (3, 2)), (4, 6, 8), Shard(2), Shard(3)),
+        (lambda x: x.unflatten(2, (4, 2)), (4, 6, 8), Shard(2), Shard(2)),  # heads split
+    ],
+)
+def test_flatten_and_unflatten_move_the_shard_with_its_dim(fn, shape, place, want):
+    """Ranks change through (un)flatten, so the shard follows its dim, not the right
+    edge as an elementwise operator's would."""
+    captured = capture(Reshaped(fn), (torch.randn(*shape),))
+    analyze(captured.gm, captured.context())
+    gm = captured.gm
+    node = next(n for n in gm.graph.nodes if op_name(n, gm) in ("flatten", "unflatten"))
+    ops = operands_of(node, {node.all_input_nodes[0]: place}, gradient_flow(gm, {}), 2)
+    decision = decide(ops, gm)
+    if want is None:
+        assert decision.fallback and decision.output == Replicate()
+        return
+    assert not decision.fallback and decision.output == want
+    local = torch.randn(*shape).tensor_split(2, place.dim)[0]
+    if decision.updates:  # the split's sizes are local
+        ((leaf, size),) = decision.updates.items()
+        assert (leaf, size) == (2, 2)
+        local_out = local.unflatten(2, (2, 2))
+    else:
+        local_out = fn(local)
+    whole = fn(torch.randn(*shape))
+    assert local_out.shape[want.dim] * 2 == whole.shape[want.dim]

@@ -1,0 +1,109 @@
+"""What a sharding decision is: the placements a tp layout gives one operator.
+
+`Operands` is what a strategy generator sees of one node (its flattened arguments, the
+placements and global shapes of its tensor operands); `Decision` is what it answers.
+Two generators answer: autopart's rules (`tp_rules`) and, for operators without one,
+DTensor's registered strategies (`tp_dtensor`). The walk (`tp_propagate`) records their
+decisions and the rewrite applies them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from torch import fx
+from torch.distributed.tensor import Partial, Placement, Replicate
+from torch.utils import _pytree as pytree
+
+from autopart.ops.meta import SHAPE, TensorInfo
+
+R = Replicate()
+P = Partial()
+NO_RULE = "no sharding rule for"  # how a fallback for an operator without a rule begins
+
+# A node's placement: one, or one per output of a multi-output op (split, chunk).
+NodePlacement: TypeAlias = Placement | tuple[Placement, ...]
+
+
+@dataclass
+class Decision:
+    """What a rule decided for one node. Indices refer to the node's flattened
+    (args, kwargs) leaves."""
+
+    output: NodePlacement
+    inputs: dict[int, Placement] = field(default_factory=dict)
+    copy_to_group: set[int] = field(default_factory=set)  # R operands with partial grads
+    updates: dict[int, Any] = field(default_factory=dict)  # new values of size leaves
+    # A row-parallel product: its partial sums are reduced right after it, to `reduce_to`
+    # (R by all-reduce; S(1) by reduce-scatter under sequence parallelism), and a bias
+    # is added once, after the reduction.
+    reduce_to: Placement | None = None
+    has_bias: bool = False
+    gather_grad: set[int] = field(default_factory=set)  # S -> R with reduce-scatter backward
+    fused_split: int = 0  # a split of a sharded dim into this many equal parts
+    fallback: str = ""  # why the op is replicated instead
+    # The local operator that runs instead (`ops.vocab_parallel.LOCAL_OPS`), called
+    # with the node's tensor operands and the tp group.
+    local_op: str = ""
+
+
+@dataclass
+class Operands:
+    """A node's flattened (args, kwargs) with what is known of each tensor leaf."""
+
+    node: fx.Node
+    flat: list[Any]
+    places: list[NodePlacement | None]  # None where the leaf is not a tensor node
+    shapes: list[TensorInfo | None]
+    grads: list[bool]  # whether the leaf requires grad
+    tp: int
+
+    @property
+    def tensors(self) -> list[int]:
+        return [i for i, p in enumerate(self.places) if p is not None]
+
+
+def replicated_output(node: fx.Node) -> NodePlacement:
+    info = SHAPE.get(node)
+    return tuple(R for _ in info) if isinstance(info, tuple) else R
+
+
+def fallback(ops: Operands, reason: str) -> Decision:
+    """Replicate every tensor operand and compute the op redundantly."""
+    return Decision(
+        output=replicated_output(ops.node),
+        inputs={i: R for i in ops.tensors if ops.places[i] != R},
+        fallback=reason,
+    )
+
+
+def flatten_args(node: fx.Node) -> tuple[list[Any], Any]:
+    """The leaves of a node's arguments and their structure (pytree's), to rebuild them."""
+    return pytree.tree_flatten((node.args, node.kwargs))
+
+
+def argument_leaves(node: fx.Node) -> list[Any]:
+    """`flatten_args(node)[0]`, an order of magnitude faster: the solver walks every
+    node of the graph once per layout it tries. An fx node's arguments nest only tuples,
+    lists and dicts (fx's immutable ones among them), which pytree flattens in order,
+    dict values in insertion order."""
+    out: list[Any] = []
+
+    def walk(a: Any) -> None:
+        if type(a) in _SEQUENCES:
+            for x in a:
+                walk(x)
+        elif type(a) in _MAPPINGS:
+            for x in a.values():
+                walk(x)
+        else:
+            out.append(a)
+
+    walk(node.args)
+    walk(node.kwargs)
+    return out
+
+
+_SEQUENCES = (tuple, list, fx.immutable_collections.immutable_list)
+_MAPPINGS = (dict, fx.immutable_collections.immutable_dict)
