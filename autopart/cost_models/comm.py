@@ -9,13 +9,21 @@ algorithm takes `steps` sequential steps and sends `volume`·M bytes per rank:
 gathered output of an all-gather, the input of a reduce-scatter, the send buffer of an
 all-to-all, the message of a send/recv.
 
-Algorithms (the cheapest is taken):
+Algorithms (the cheapest the backends run is taken; `algorithms` prices them all):
     ring                 all-reduce 2(n−1) steps, volume 2(n−1)/n;
                          all-gather, reduce-scatter, all-to-all n−1 steps, (n−1)/n;
                          broadcast (pipelined chain) n−1 steps, volume 1
     recursive doubling   ⌈log2 n⌉ steps; all-reduce volume ⌈log2 n⌉ (the whole buffer
                          each step), all-gather / reduce-scatter (n−1)/n; broadcast
                          (binomial tree) ⌈log2 n⌉ steps of the whole buffer
+    halving-doubling     all-reduce as Rabenseifner's butterfly: a reduce-scatter by
+                         recursive halving, then an all-gather by recursive doubling,
+                         2⌈log2 n⌉ steps, volume 2(n−1)/n (the ring's bytes in
+                         logarithmically many steps; a power of two n, else the
+                         surplus ranks fold in first: two more steps of the buffer)
+    parameter server     all-reduce through one server, one of the ranks: the others
+                         send it their buffers and take the sum back, 2 steps, but
+                         the server's link carries n−1 buffers each way: volume 2(n−1)
     tree                 all-reduce as NCCL's pipelined double binary tree: a reduce up
                          and a broadcast down, 2⌈log2 n⌉ steps, volume 2 (each rank
                          sends the buffer up and down once); across nodes on as many of
@@ -159,7 +167,8 @@ class CommModel:
         ranks, `stride` ranks apart: the cheapest algorithm."""
         key = (op, nbytes, size, stride)
         if key not in self._times:
-            self._times[key] = min(self.algorithms(op, nbytes, size, stride).values())
+            times = self.algorithms(op, nbytes, size, stride)
+            self._times[key] = min(t for name, t in times.items() if name not in NOT_RUN)
         return self._times[key]
 
     def algorithms(self, op: str, nbytes: float, size: int, stride: int = 1) -> dict[str, float]:
@@ -178,6 +187,8 @@ class CommModel:
         if op not in (SEND_RECV, ALL_TO_ALL):
             times["recursive_doubling"] = _doubling(op, nbytes, size, across)
         if op == ALL_REDUCE:
+            times["halving_doubling"] = _halving_doubling(nbytes, size, across)
+            times["parameter_server"] = _parameter_server(nbytes, size, across)
             times["tree"] = _tree(nbytes, size, self._ring_link(where))
         if where.spans_nodes and where.per_node > 1 and op in _HIERARCHICAL:
             times["hierarchical"] = self._hierarchical(op, nbytes, where)
@@ -218,6 +229,9 @@ class CommModel:
 
 
 _HIERARCHICAL = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
+# Priced, for comparison, but not what a step costs: neither NCCL (ring, trees, in-node
+# reductions) nor PyTorch's Gloo (ring) runs them.
+NOT_RUN = frozenset({"halving_doubling", "parameter_server"})
 
 
 def _doubling(op: str, nbytes: float, size: int, link: Link) -> float:
@@ -227,6 +241,21 @@ def _doubling(op: str, nbytes: float, size: int, link: Link) -> float:
     if op in (ALL_REDUCE, BROADCAST):
         return link.time(steps, steps, nbytes)
     return link.time(steps, (size - 1) / size, nbytes)
+
+
+def _halving_doubling(nbytes: float, size: int, link: Link) -> float:
+    """Rabenseifner's all-reduce: recursive halving then doubling, 2⌈log2 n⌉ steps and
+    2(n−1)/n of the buffer, on the largest power of two of the ranks; the others first
+    hand their buffer to a partner and take the sum back (two steps of the buffer)."""
+    power = 2 ** int(math.log2(size))
+    time = link.time(2 * math.log2(power), 2 * (power - 1) / power, nbytes)
+    return time if power == size else time + link.time(2, 2.0, nbytes)
+
+
+def _parameter_server(nbytes: float, size: int, link: Link) -> float:
+    """The server's link carries the n−1 other ranks' buffers up and the sum back
+    down: 2 steps, 2(n−1) buffers."""
+    return link.time(2, 2.0 * (size - 1), nbytes)
 
 
 def _tree(nbytes: float, size: int, link: Link) -> float:

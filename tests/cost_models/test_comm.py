@@ -3,15 +3,21 @@ measured costs."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
 
-from autopart.cost_models.comm import CommModel, ring_steps, ring_volume
+from autopart.cost_models.comm import NOT_RUN, CommModel, ring_steps, ring_volume
 from autopart.mesh import PRESETS, DeviceSpec, Mesh
 
 H100 = PRESETS["h100-80g"]
 MB = 1e6
+
+
+def _chosen(times: dict[str, float]) -> str:
+    """The algorithm that prices the collective: the cheapest the backends run."""
+    return min((name for name in times if name not in NOT_RUN), key=times.__getitem__)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 64])
@@ -28,14 +34,14 @@ def test_large_all_reduce_inside_a_node_is_bandwidth_bound():
     nbytes = 1e9
     bandwidth_term = 2 * 7 / 8 * nbytes / H100.intra_node_bandwidth
     times = comm.algorithms("all_reduce", nbytes, 8)
-    assert min(times, key=times.get) == "ring"
+    assert _chosen(times) == "ring"
     assert comm.time("all_reduce", nbytes, 8) == pytest.approx(bandwidth_term, rel=0.03)
 
 
 def test_small_all_reduce_is_latency_bound_and_avoids_the_ring():
     comm = CommModel(Mesh.cluster(H100, nodes=64, per_node=8))
     times = comm.algorithms("all_reduce", 1024, 64, stride=8)
-    assert min(times, key=times.get) != "ring"
+    assert _chosen(times) != "ring"
     assert comm.time("all_reduce", 1024, 64, stride=8) < times["ring"] / 5
 
 
@@ -123,5 +129,64 @@ def test_latency_bound_all_reduce_at_thousands_of_ranks_takes_a_tree():
     # inter-node latency (61 ms) but 2 × 11 tree steps.
     comm = CommModel(Mesh.cluster("a100-80g", nodes=2048, per_node=8))
     times = comm.algorithms("all_reduce", 2**20, 2048, stride=8)
-    assert min(times, key=times.get) == "tree"
+    assert _chosen(times) == "tree"
     assert times["ring"] > 50 * times["tree"]
+
+
+# Textbook all-reduce costs (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009)
+# for P ranks, latency L per step and bandwidth B, of an M-byte buffer.
+L, B, M = 5e-6, 100e9, 64 * MB
+
+
+def _flat(ranks: int) -> CommModel:
+    """P ranks in one node, every link alike."""
+    device = replace(H100, intra_node_bandwidth=B, intra_node_latency=L)
+    return CommModel(Mesh.cluster(device, nodes=1, per_node=ranks))
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 64])
+def test_all_reduce_algorithms_cost_their_textbook_formulas(p):
+    log_p = math.log2(p)
+    times = _flat(p).algorithms("all_reduce", M, p)
+    assert times["ring"] == pytest.approx(2 * (p - 1) * L + 2 * (p - 1) / p * M / B)
+    assert times["recursive_doubling"] == pytest.approx(log_p * L + log_p * M / B)
+    assert times["halving_doubling"] == pytest.approx(2 * log_p * L + 2 * (p - 1) / p * M / B)
+    assert times["tree"] == pytest.approx(2 * log_p * L + 2 * M / B)  # pipelined: 2M, not 2M log P
+    assert times["parameter_server"] == pytest.approx(2 * L + 2 * (p - 1) * M / B)
+
+
+def test_halving_doubling_folds_in_the_ranks_beyond_a_power_of_two():
+    p, power = 6, 4
+    halving = _flat(p).algorithms("all_reduce", M, p)["halving_doubling"]
+    folded = 2 * L + 2 * M / B  # hand the buffer over, take the sum back
+    assert halving == pytest.approx(2 * 2 * L + 2 * (power - 1) / power * M / B + folded)
+
+
+def test_hierarchical_all_reduce_crosses_the_slow_links_once():
+    """k nodes of g ranks: reduce-scatter inside the node, all-reduce of M/g across
+    nodes (a ring for a large buffer), all-gather inside the node."""
+    k, g = 4, 8
+    inter_b, inter_l = 25e9, 20e-6
+    device = replace(
+        H100,
+        intra_node_bandwidth=B,
+        intra_node_latency=L,
+        inter_node_bandwidth=inter_b,
+        inter_node_latency=inter_l,
+    )
+    comm = CommModel(Mesh.cluster(device, nodes=k, per_node=g))
+    inside = 2 * ((g - 1) * L + (g - 1) / g * M / B)
+    across = 2 * (k - 1) * inter_l + 2 * (k - 1) / k * (M / g) / inter_b
+    assert comm.algorithms("all_reduce", M, k * g)["hierarchical"] == pytest.approx(inside + across)
+
+
+def test_the_cheapest_algorithm_the_backends_run_prices_a_step():
+    """Small buffers are latency-bound: recursive doubling's log P steps beat the
+    ring's 2(P−1); large ones bandwidth-bound: the ring's 2(P−1)/P·M beats the tree's
+    2M. Halving-doubling and the parameter server are priced but run by neither NCCL
+    nor PyTorch's Gloo, so they never set the price."""
+    small = _flat(64).algorithms("all_reduce", 1024, 64)
+    assert _flat(64).time("all_reduce", 1024, 64) == small["recursive_doubling"] < small["ring"]
+    large = _flat(8).algorithms("all_reduce", M, 8)
+    assert _flat(8).time("all_reduce", M, 8) == large["ring"] < large["tree"]
+    assert large["halving_doubling"] < large["ring"]  # cheaper on paper, but not run
