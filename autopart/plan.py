@@ -126,6 +126,11 @@ class Plan(AxisAttributes):
     virtual_stages: int = 1
     precision: str = "fp32"
     sequence_parallel: bool = False  # tp activations between blocks sharded on the sequence
+    # Local SGD (opt-in; it changes the math): after `sync_warmup` steps of plain data
+    # parallelism, replicas step on their own gradients and average their parameters
+    # every `sync_every` steps. None: plain data parallelism (gradients all-reduced).
+    sync_every: int | None = None
+    sync_warmup: int = 0
     recompute: tuple[str, ...] = ()  # module paths of blocks recomputed in backward
     # Module paths of blocks whose attention core alone is recomputed (selective).
     recompute_attention: tuple[str, ...] = ()
@@ -156,6 +161,13 @@ class Plan(AxisAttributes):
             out.append(check_choice(Schedule, self.schedule, "schedule"))
         if (self.recompute or self.recompute_attention) and self.zero == 3:
             out.append("recomputation together with ZeRO-3 is not supported: choose one")
+        if (self.sync_every is not None and self.sync_every < 1) or self.sync_warmup < 0:
+            out.append("sync_every must be at least 1 and sync_warmup at least 0")
+        if self.sync_every is not None and self.zero:
+            out.append(
+                f"local SGD (sync_every={self.sync_every}) keeps a whole replica on every "
+                f"data-parallel rank, which ZeRO-{self.zero} shards: use zero=0"
+            )
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence parallelism needs tp > 1")
         if self.pp > 1 and self.schedule is None:

@@ -146,6 +146,7 @@ def explain_plan(plan: Plan) -> str:
             3: "optimizer state, gradients and parameters",
         }[plan.zero]
         lines.append(f"ZeRO-{plan.zero} shards the {what} over the {plan.dp} dp ranks.")
+    lines += _local_sgd_lines(plan)
     lines += _stage_lines(plan)
     lines.append(_reduction_order(plan))
     if plan.predicted is not None:
@@ -285,12 +286,28 @@ _ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
 _COMPUTE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 
 
+def _local_sgd_lines(plan: Plan) -> list[str]:
+    if plan.sync_every is None or plan.dp == 1:
+        return []
+    start = (
+        f"after {plan.sync_warmup} steps of plain data parallelism, " if plan.sync_warmup else ""
+    )
+    return [
+        f"Local SGD, as asked (sync_every={plan.sync_every}): {start}the {plan.dp} "
+        "data-parallel replicas step on their own gradients and average their parameters "
+        f"every {plan.sync_every} steps. This changes the math (only sync_every=1 with SGD "
+        "matches one device); the predicted step time still prices a gradient all-reduce "
+        "every step."
+    ]
+
+
 def _reduction_order(plan: Plan) -> str:
     """Which sums the plan runs in another order than one device, and the size of the
     difference that makes."""
     sums = []
     if plan.dp > 1:
-        sums.append(f"gradients over the {plan.dp} data-parallel ranks (fp32)")
+        summed = "gradients" if plan.sync_every is None else "parameters"
+        sums.append(f"{summed} over the {plan.dp} data-parallel ranks (fp32)")
     if plan.microbatches > 1:
         sums.append(f"gradients over {plan.microbatches} microbatches (fp32)")
     if plan.tp > 1:

@@ -9,7 +9,8 @@ how the optimizer steps them:
     close()   remove every hook autopart put on the model's parameters
 
 Stage 0 (here) keeps a full replica of everything and all-reduces the gradients;
-stages 1-3 shard optimizer state, gradients and parameters (runtime/zero.py).
+stages 1-3 shard optimizer state, gradients and parameters (runtime/zero.py). Local SGD
+(here, opt-in) keeps full replicas too but averages parameters instead, every few steps.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
 from autopart.runtime.grad_sync import GradientSync, params_in_backward_order
 from autopart.runtime.zero import zero_state
@@ -84,18 +86,72 @@ class ReplicatedState:
         self.sync.close()
 
 
+class LocalSgdState:
+    """Local SGD, after a warm-up of plain data parallelism (post-local-SGD): for
+    `warmup` steps the gradients are all-reduced; from then on every replica steps on
+    its own gradients, and the replicas average their parameters after every `every`-th
+    local step. With `every` = 1 and SGD (with or without momentum: both are linear in
+    the gradients) it is plain data parallelism, up to reduction order; otherwise the
+    math differs from one device, as the user asked."""
+
+    def __init__(
+        self,
+        stages: list[fx.GraphModule],
+        group: dist.ProcessGroup,
+        optimizer: OptimizerFactory,
+        accumulation: int,
+        every: int,
+        warmup: int,
+    ) -> None:
+        self.params = list(dict.fromkeys(p for gm in stages for p in gm.parameters()))
+        self.optimizer = optimizer(self.params)
+        self.group, self.every, self.warmup = group, every, warmup
+        self.sync: GradientSync | None = (
+            GradientSync(params_in_backward_order(stages), group, accumulation) if warmup else None
+        )
+        self.steps = 0
+
+    def begin(self) -> None:
+        if self.sync is not None and self.steps == self.warmup:
+            self.sync.close()  # the warm-up is over: local steps from here on
+            self.sync = None
+        if self.sync is not None:
+            self.sync.begin()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def finish(self) -> None:
+        if self.sync is not None:
+            self.sync.finish()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.steps += 1
+        local = self.steps - self.warmup
+        if local > 0 and local % self.every == 0:
+            average_parameters(iter(self.params), self.group)
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
+
+
 def build_data_parallel_state(
     zero: int,
     stages: list[fx.GraphModule],
     group: dist.ProcessGroup,
     optimizer: OptimizerFactory,
     accumulation: int,
+    sync_every: int | None = None,
+    sync_warmup: int = 0,
 ) -> DataParallelState:
     """The state for ZeRO stage `zero` of this rank's `stages` over the data-parallel
     `group`. `accumulation` is how many backward passes (microbatches) contribute to
-    each step's gradients."""
+    each step's gradients; `sync_every`, where set, makes it local SGD."""
     if dist.get_world_size(group) == 1:
         return LocalState(stages, optimizer)
+    if sync_every is not None:
+        return LocalSgdState(stages, group, optimizer, accumulation, sync_every, sync_warmup)
     if zero == 0:
         return ReplicatedState(stages, group, optimizer, accumulation)
     return zero_state(zero, stages, group, optimizer, accumulation)

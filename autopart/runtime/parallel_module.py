@@ -84,7 +84,13 @@ class ParallelModule(nn.Module):
         )
         self.state = (
             build_data_parallel_state(
-                plan.zero, program.stages, groups.group(Axis.DP), optimizer, plan.microbatches
+                plan.zero,
+                program.stages,
+                groups.group(Axis.DP),
+                optimizer,
+                plan.microbatches,
+                plan.sync_every,
+                plan.sync_warmup,
             )
             if optimizer
             else None

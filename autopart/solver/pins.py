@@ -43,6 +43,8 @@ class Pins:
     recompute_attention: tuple[str, ...] | bool | None = None
     precision: str = "fp32"
     sequence_parallel: bool | None = None  # None: the solver's choice where tp > 1
+    sync_every: int | None = None  # local SGD: the user's choice only (it changes the math)
+    sync_warmup: int = 0
     # The optimizer the plan will run, where known: ZeRO is left out unless it is exact
     # for it (policy.zero_refusal).
     optimizer_class: type[torch.optim.Optimizer] | None = None
@@ -74,6 +76,13 @@ class Pins:
             if problem:
                 aliases = ", ".join(f"{a!r} for {p!r}" for a, p in PRECISION_ALIASES.items())
                 raise PlanError(f"{problem} (or {aliases})")
+        if pins.get("sync_every") is not None:  # local SGD keeps whole replicas: no ZeRO
+            if pins.get("zero"):
+                raise PlanError(
+                    f"local SGD (sync_every={pins['sync_every']}) keeps a whole replica on "
+                    f"every data-parallel rank, which ZeRO-{pins['zero']} shards: use zero=0"
+                )
+            pins["zero"] = 0
         pinned = {k: pins.pop(k) for k in axes if k in pins and pins[k] is not None}
         try:
             Degrees(pinned)  # positive integers, or a clear error
@@ -200,6 +209,8 @@ def _plan_of(
         stage_cuts=pipeline.stage_cuts,
         precision=pins.precision,
         sequence_parallel=choices.sequence_parallel,
+        sync_every=pins.sync_every,
+        sync_warmup=pins.sync_warmup,
         recompute=choices.recompute,
         recompute_attention=choices.recompute_attention,
         placements=_placements(captured, layouts.placements(choices.tp), choices.zero),

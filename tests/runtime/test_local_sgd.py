@@ -1,0 +1,129 @@
+"""Local SGD (`sync_every=H`, opt-in): replicas step on their own gradients and average
+their parameters every H steps, after `sync_warmup` steps of plain data parallelism.
+H = 1 with SGD is plain data parallelism; H = 2 is what two replicas trained apart and
+averaged give, which is not one device's result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autopart
+from autopart.plan import PlanError
+from autopart.testing import run_world
+from tests.models import assert_matches, make_optimizer, snapshot
+
+STEPS = 5
+DP = 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+
+def _train(pins: dict) -> dict:
+    x, target = _batch()
+    pm = autopart.parallelize(
+        _model(),
+        autopart.Mesh.local(),
+        (x,),
+        loss_fn=nn.functional.mse_loss,
+        optimizer=make_optimizer("sgd"),
+        dp=DP,
+        **pins,
+    )
+    losses = [pm.train_step(x, target).item() for _ in range(STEPS)]
+    result = {"losses": losses, "params": pm.full_state_dict(), "explain": pm.plan.explain()}
+    pm.close()
+    return result
+
+
+def _train_all(cases: dict[str, dict]) -> dict[str, dict]:
+    return {name: _train(pins) for name, pins in cases.items()}
+
+
+def _replicas_apart(every: int, warmup: int) -> dict:
+    """Two replicas, each on its half of the batch: gradients averaged during the
+    warm-up, then their own, with parameters averaged after every `every`-th local step."""
+    x, target = _batch()
+    halves = list(zip(x.chunk(DP), target.chunk(DP)))
+    replicas = [_model() for _ in range(DP)]
+    optimizers = [make_optimizer("sgd")(m.parameters()) for m in replicas]
+    losses = []
+    for step in range(1, STEPS + 1):
+        local = []
+        for model, opt, (xs, ts) in zip(replicas, optimizers, halves):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(xs), ts)
+            loss.backward()
+            local.append(loss.item())
+        if step <= warmup:
+            for params in zip(*(m.parameters() for m in replicas)):
+                mean = torch.stack([p.grad for p in params]).mean(0)
+                for p in params:
+                    p.grad = mean.clone()
+        for opt in optimizers:
+            opt.step()
+        if step > warmup and (step - warmup) % every == 0:
+            with torch.no_grad():
+                for params in zip(*(m.parameters() for m in replicas)):
+                    mean = torch.stack(list(params)).mean(0)
+                    for p in params:
+                        p.copy_(mean)
+        losses.append(sum(local) / DP)
+    return {"losses": losses, "params": snapshot(replicas[0])}
+
+
+def _one_device() -> dict:
+    x, target = _batch()
+    model = _model()
+    opt = make_optimizer("sgd")(model.parameters())
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": snapshot(model)}
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict[str, dict]:
+    cases = {
+        "every_1": {"sync_every": 1},
+        "every_2_after_1": {"sync_every": 2, "sync_warmup": 1},
+        "plain": {},
+    }
+    return run_world(_train_all, DP, cases)[0]
+
+
+def test_averaging_every_step_with_sgd_is_plain_data_parallelism(trained):
+    assert_matches(trained["every_1"], _one_device())
+    assert_matches(trained["plain"], _one_device())
+
+
+def test_averaging_every_two_steps_is_two_replicas_trained_apart(trained):
+    result = trained["every_2_after_1"]
+    assert_matches(result, _replicas_apart(every=2, warmup=1))
+    # ... which is not one device's training: the test would notice a plain all-reduce.
+    with pytest.raises(AssertionError):
+        assert_matches(result, _one_device())
+    assert "Local SGD, as asked (sync_every=2)" in trained["every_2_after_1"]["explain"]
+    assert "This changes the math" in trained["every_2_after_1"]["explain"]
+
+
+def test_local_sgd_refuses_zero():
+    x, _ = _batch()
+    mesh = autopart.Mesh.cluster("cpu", 1, 2)
+    with pytest.raises(PlanError, match="ZeRO-1 shards: use zero=0"):
+        autopart.plan(_model(), mesh, (x,), dp=2, zero=1, sync_every=2)
+    plan = autopart.plan(_model(), mesh, (x,), dp=2, sync_every=2)
+    assert plan.zero == 0 and plan.sync_every == 2
