@@ -24,7 +24,7 @@ from autopart.degrees import Axis, AxisAttributes, Degrees, MeshError
 from autopart.mesh import Mesh
 from autopart.placements import placement_from_str, placement_to_str
 from autopart.plan_format import PLACEMENT_AXES, diff_plans, explain_plan, format_plan
-from autopart.policy import Precision, Schedule, check_choice
+from autopart.policy import Precision, Schedule, check_choice, compression_refusal
 
 PLAN_VERSION = 1
 
@@ -131,6 +131,9 @@ class Plan(AxisAttributes):
     # every `sync_every` steps. None: plain data parallelism (gradients all-reduced).
     sync_every: int | None = None
     sync_warmup: int = 0
+    # Opt-in compression of the data-parallel gradient all-reduce (it changes the math):
+    # "bf16" or "powersgd:rank=R" (`runtime.grad_compression`); None: exact.
+    grad_compression: str | None = None
     recompute: tuple[str, ...] = ()  # module paths of blocks recomputed in backward
     # Module paths of blocks whose attention core alone is recomputed (selective).
     recompute_attention: tuple[str, ...] = ()
@@ -163,6 +166,13 @@ class Plan(AxisAttributes):
             out.append("recomputation together with ZeRO-3 is not supported: choose one")
         if (self.sync_every is not None and self.sync_every < 1) or self.sync_warmup < 0:
             out.append("sync_every must be at least 1 and sync_warmup at least 0")
+        if self.grad_compression is not None:
+            out.append(compression_refusal(self.grad_compression))
+            if self.zero or self.sync_every is not None:
+                out.append(
+                    "grad_compression compresses plain data parallelism's gradient "
+                    "all-reduce: use zero=0 and no sync_every"
+                )
         if self.sync_every is not None and self.zero:
             out.append(
                 f"local SGD (sync_every={self.sync_every}) keeps a whole replica on every "

@@ -147,6 +147,13 @@ def explain_plan(plan: Plan) -> str:
         }[plan.zero]
         lines.append(f"ZeRO-{plan.zero} shards the {what} over the {plan.dp} dp ranks.")
     lines += _local_sgd_lines(plan)
+    if plan.grad_compression is not None and plan.dp > 1:
+        lines.append(
+            f"Gradient compression, as asked ({plan.grad_compression}): the {plan.dp} "
+            "data-parallel replicas all-reduce their gradients "
+            + COMPRESSION_WHAT[plan.grad_compression.split(":")[0]]
+            + ". This changes the math: results differ from one device beyond rounding."
+        )
     lines += _stage_lines(plan)
     lines.append(_reduction_order(plan))
     if plan.predicted is not None:
@@ -284,6 +291,12 @@ def _recomputed_what(s: StageFigures) -> str:
 # compute dtype.
 _ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
 _COMPUTE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+
+
+COMPRESSION_WHAT = {
+    "bf16": "in bfloat16 (half the bytes of fp32, 8 bits of mantissa)",
+    "powersgd": "as PowerSGD's low-rank factors, with error feedback",
+}
 
 
 def _local_sgd_lines(plan: Plan) -> list[str]:

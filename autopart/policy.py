@@ -7,6 +7,7 @@ predicts it; both import it from here, so the two cannot drift apart.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from enum import Enum, StrEnum
 
@@ -123,3 +124,33 @@ def check_choice(kind: type[Enum], value: object, what: str) -> str | None:
     if value in names:
         return None
     return f"{what} must be one of {names}, not {value!r}"
+
+
+POWERSGD = re.compile(r"powersgd:rank=([1-9]\d*)$")
+
+
+def compression_refusal(spec: str | None) -> str | None:
+    """Why `spec` is not a gradient compression autopart runs (`grad_compression`)."""
+    if spec is None or spec == "bf16" or POWERSGD.match(spec):
+        return None
+    return f"grad_compression must be 'bf16' or 'powersgd:rank=R' (R ≥ 1), not {spec!r}"
+
+
+def powersgd_rank(spec: str) -> int:
+    """R of "powersgd:rank=R"."""
+    found = POWERSGD.match(spec)
+    if found is None:
+        raise ValueError(compression_refusal(spec))
+    return int(found.group(1))
+
+
+def powersgd_matrix(shape: torch.Size) -> tuple[int, int]:
+    """The matrix PowerSGD sees of a gradient: its first dim by the rest."""
+    n = shape[0] if len(shape) else 1
+    return n, shape.numel() // max(n, 1)
+
+
+def powersgd_compresses(shape: torch.Size, rank: int) -> bool:
+    """Whether PowerSGD at `rank` sends a gradient of `shape` as factors (a matrix whose
+    smaller side is at least the rank); vectors and thinner matrices go whole."""
+    return len(shape) >= 2 and rank <= min(powersgd_matrix(shape))

@@ -51,6 +51,7 @@ from autopart.cost_models.comm import (
     REDUCE_SCATTER,
     CommModel,
 )
+from autopart.cost_models.compression import gradient_fraction
 from autopart.cost_models.compute import ComputeModel, PhaseCost
 from autopart.cost_models.memory import (
     FP32_WEIGHTS,
@@ -98,6 +99,7 @@ class Choices(AxisAttributes):
     # (FQN, tp placement) of every parameter; None: the Megatron layout (summary.py).
     tp_placements: tuple[tuple[str, Placement], ...] | None = None
     sequence_parallel: bool = False
+    grad_compression: str | None = None  # as the runtime compresses the dp all-reduce
 
     def __post_init__(self) -> None:
         if self.pp > 1 and self.schedule is None:
@@ -119,6 +121,7 @@ class Choices(AxisAttributes):
             plan.stage_cuts,
             placements if plan.tp > 1 and placements else None,
             plan.sequence_parallel,
+            plan.grad_compression,
         )
 
     def tp_layout(self, gm: fx.GraphModule) -> TpLayout | None:
@@ -226,15 +229,11 @@ def predict(
     of_rank: list[list[int]] = [[] for _ in range(pp)]
     for i, c in enumerate(chunk_of):
         of_rank[c % pp].append(i)
+    shapes = [p.shape for p in summary.gm.parameters()]
+    grad_bytes = STATE_BYTES[choices.precision][1]
+    traffic = gradient_fraction(choices.grad_compression, shapes, grad_bytes)
     ranks = [
-        _rank_cost(
-            r,
-            of_rank[r],
-            segments,
-            times,
-            choices,
-            models,
-        )
+        _rank_cost(r, of_rank[r], segments, times, choices, models, traffic)
         for r in range(choices.pp)
     ]
     step = pipeline_step(
@@ -319,7 +318,9 @@ def _rank_cost(
     times: list[PhaseCost],
     choices: Choices,
     models: CostModels,
+    traffic: float = 1.0,
 ) -> RankCost:
+    """`traffic`: the fraction of the gradients' bytes the dp all-reduce moves."""
     own = [segments[i] for i in mine]
     last = segments[-1] if len(segments) - 1 in mine else None
     compute = sum((times[i] for i in mine), PhaseCost())
@@ -367,7 +368,7 @@ def _rank_cost(
     return RankCost(
         compute=compute,
         comm=comm,
-        sync=_dp_sync(params, compute, choices, models),
+        sync=_dp_sync(params, compute, choices, models, traffic),
         optimizer=_optimizer_time(own, choices, models),
         memory=memory,
         figures=figures,
@@ -454,14 +455,17 @@ def _hiding(compute: float, models: CostModels) -> float:
     return compute if models.comm.overlaps_compute else 0.0
 
 
-def _dp_sync(params: float, compute: PhaseCost, choices: Choices, models: CostModels) -> float:
-    """Once per step: ZeRO-0/1/2 gradient reduction, hidden behind the last microbatch's
-    backward but for its last bucket; ZeRO-1/2's parameter all-gather after the step."""
+def _dp_sync(
+    params: float, compute: PhaseCost, choices: Choices, models: CostModels, traffic: float
+) -> float:
+    """Once per step: ZeRO-0/1/2 gradient reduction (`traffic` of its bytes, where it
+    is compressed), hidden behind the last microbatch's backward but for its last
+    bucket; ZeRO-1/2's parameter all-gather after the step."""
     if choices.dp == 1 or choices.zero == 3:
         return 0.0
     param_bytes, grad_bytes = STATE_BYTES[choices.precision][:2]
     op = ALL_REDUCE if choices.zero == 0 else REDUCE_SCATTER
-    sync, last = _bucketed(op, params * grad_bytes, choices, models)
+    sync, last = _bucketed(op, params * grad_bytes * traffic, choices, models)
     exposed = exposed_sync(sync, _hiding(compute.backward + compute.recompute, models), last)
     if choices.zero == 0:
         return exposed

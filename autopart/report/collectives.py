@@ -168,7 +168,12 @@ def _dp_sync(plan: Plan, params: float, comm: CommModel | None) -> list[Collecti
         ]
     op = ALL_REDUCE if plan.zero == 0 else REDUCE_SCATTER
     calls, seconds = _bucketed_time(comm, op, grads, plan)
-    out = [Collective("gradient sync", op, "dp", plan.dp, calls, grads, seconds, "bucketed")]
+    note = "bucketed" + (
+        f"; before {plan.grad_compression} compression (the step's prediction prices it)"
+        if plan.grad_compression
+        else ""
+    )
+    out = [Collective("gradient sync", op, "dp", plan.dp, calls, grads, seconds, note)]
     if plan.zero in (1, 2):
         gather = _time(comm, ALL_GATHER, weights, plan, Axis.DP)
         out.append(

@@ -61,7 +61,7 @@ class LocalState:
 
 
 class ReplicatedState:
-    """ZeRO stage 0: plain data parallelism."""
+    """ZeRO stage 0: plain data parallelism (its gradients compressed, if asked)."""
 
     def __init__(
         self,
@@ -69,8 +69,10 @@ class ReplicatedState:
         group: dist.ProcessGroup,
         optimizer: OptimizerFactory,
         accumulation: int,
+        compression: str | None = None,
     ) -> None:
-        self.sync = GradientSync(params_in_backward_order(stages), group, accumulation)
+        params = params_in_backward_order(stages)
+        self.sync = GradientSync(params, group, accumulation, compression=compression)
         self.optimizer = optimizer([p for gm in stages for p in gm.parameters()])
 
     def begin(self) -> None:
@@ -144,14 +146,16 @@ def build_data_parallel_state(
     accumulation: int,
     sync_every: int | None = None,
     sync_warmup: int = 0,
+    grad_compression: str | None = None,
 ) -> DataParallelState:
     """The state for ZeRO stage `zero` of this rank's `stages` over the data-parallel
     `group`. `accumulation` is how many backward passes (microbatches) contribute to
-    each step's gradients; `sync_every`, where set, makes it local SGD."""
+    each step's gradients; `sync_every`, where set, makes it local SGD;
+    `grad_compression` compresses stage 0's gradient all-reduce."""
     if dist.get_world_size(group) == 1:
         return LocalState(stages, optimizer)
     if sync_every is not None:
         return LocalSgdState(stages, group, optimizer, accumulation, sync_every, sync_warmup)
     if zero == 0:
-        return ReplicatedState(stages, group, optimizer, accumulation)
+        return ReplicatedState(stages, group, optimizer, accumulation, grad_compression)
     return zero_state(zero, stages, group, optimizer, accumulation)

@@ -9,7 +9,8 @@ all-reduce asynchronously while backward goes on. With gradient accumulation
 last time.
 
 Gradients are pre-divided by the group size, so the sum is the mean over the global
-batch, the same gradient a single device computes from the whole batch.
+batch, the same gradient a single device computes from the whole batch. Opt-in
+compression (`runtime.grad_compression`: bf16, PowerSGD) reduces a bucket otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import fx, nn
 
 from autopart.ops.params import parameter_readers
 from autopart.policy import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES
+from autopart.runtime.grad_compression import Compression, make_compression
 
 
 @dataclass
@@ -31,7 +33,8 @@ class _Bucket:
     offsets: list[int]
     arrivals: dict[int, int] = field(default_factory=dict)  # id(param) -> grads accumulated
     complete: int = 0  # params whose every accumulation has arrived
-    work: dist.Work | None = None
+    reducer: Compression | None = None
+    launched: bool = False
 
 
 class GradientSync:
@@ -44,15 +47,18 @@ class GradientSync:
         accumulation: int = 1,
         bucket_bytes: int = GRAD_BUCKET_BYTES,
         finish_with_backward: bool = False,
+        compression: str | None = None,
     ) -> None:
         """`finish_with_backward`: call `finish` when the backward that produced the
-        gradients ends (for callers that do not drive the step themselves)."""
+        gradients ends (for callers that do not drive the step themselves);
+        `compression`: how buckets are reduced (`grad_compression`), exactly if None."""
         self.group = group
         self.accumulation = accumulation
         self.finish_with_backward = finish_with_backward
         self._finish_queued = False
-        self.size = dist.get_world_size(group)
         self.buckets = _make_buckets(params_in_backward_order, bucket_bytes)
+        for bucket in self.buckets:
+            bucket.reducer = make_compression(compression, group)
         self._bucket_of: dict[int, _Bucket] = {}
         self._hooks = []
         for bucket in self.buckets:
@@ -73,7 +79,7 @@ class GradientSync:
             bucket.buffer.zero_()
             bucket.arrivals.clear()
             bucket.complete = 0
-            bucket.work = None
+            bucket.launched = False
             for p, offset in zip(bucket.params, bucket.offsets):
                 p.grad = bucket.buffer[offset : offset + p.numel()].view_as(p)
 
@@ -81,11 +87,11 @@ class GradientSync:
         """After the last backward: reduce what backward did not reach and wait for all.
         Parameters that got no gradient keep `grad = None`, as on one device."""
         for bucket in self.buckets:
-            if bucket.work is None:
+            if not bucket.launched:
                 self._launch(bucket)
         for bucket in self.buckets:
-            assert bucket.work is not None, "every bucket was launched above"
-            bucket.work.wait()
+            assert bucket.reducer is not None, "every bucket has one"
+            bucket.reducer.wait()
             for p in bucket.params:
                 if id(p) not in bucket.arrivals:
                     p.grad = None
@@ -98,12 +104,13 @@ class GradientSync:
         arrived = bucket.arrivals[id(p)] = bucket.arrivals.get(id(p), 0) + 1
         if arrived == self.accumulation:
             bucket.complete += 1
-            if bucket.complete == len(bucket.params) and bucket.work is None:
+            if bucket.complete == len(bucket.params) and not bucket.launched:
                 self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.buffer.div_(self.size)
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        assert bucket.reducer is not None, "every bucket has one"
+        bucket.reducer.launch(bucket.buffer, bucket.params, bucket.offsets)
+        bucket.launched = True
 
 
 def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:

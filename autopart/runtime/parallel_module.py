@@ -91,6 +91,7 @@ class ParallelModule(nn.Module):
                 plan.microbatches,
                 plan.sync_every,
                 plan.sync_warmup,
+                plan.grad_compression,
             )
             if optimizer
             else None

@@ -23,7 +23,13 @@ from autopart.mesh import Mesh
 from autopart.passes.batch_mixing import batch_mixing
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
-from autopart.policy import PRECISION_ALIASES, Precision, check_choice, zero_refusal
+from autopart.policy import (
+    PRECISION_ALIASES,
+    Precision,
+    check_choice,
+    compression_refusal,
+    zero_refusal,
+)
 from autopart.solver.pipeline import choose_pipeline
 from autopart.solver.search import Candidate, NoPlanFits, TpLayouts, search
 
@@ -45,6 +51,7 @@ class Pins:
     sequence_parallel: bool | None = None  # None: the solver's choice where tp > 1
     sync_every: int | None = None  # local SGD: the user's choice only (it changes the math)
     sync_warmup: int = 0
+    grad_compression: str | None = None  # the user's choice only (it changes the math)
     # The optimizer the plan will run, where known: ZeRO is left out unless it is exact
     # for it (policy.zero_refusal).
     optimizer_class: type[torch.optim.Optimizer] | None = None
@@ -76,6 +83,16 @@ class Pins:
             if problem:
                 aliases = ", ".join(f"{a!r} for {p!r}" for a, p in PRECISION_ALIASES.items())
                 raise PlanError(f"{problem} (or {aliases})")
+        compression = pins.get("grad_compression")
+        if compression is not None:  # it compresses plain data parallelism's all-reduce
+            refusal = compression_refusal(compression)
+            if refusal or pins.get("zero") or pins.get("sync_every") is not None:
+                raise PlanError(
+                    refusal
+                    or "grad_compression compresses plain data parallelism's gradient "
+                    "all-reduce: use zero=0 and no sync_every"
+                )
+            pins["zero"] = 0
         if pins.get("sync_every") is not None:  # local SGD keeps whole replicas: no ZeRO
             if pins.get("zero"):
                 raise PlanError(
@@ -211,6 +228,7 @@ def _plan_of(
         sequence_parallel=choices.sequence_parallel,
         sync_every=pins.sync_every,
         sync_warmup=pins.sync_warmup,
+        grad_compression=pins.grad_compression,
         recompute=choices.recompute,
         recompute_attention=choices.recompute_attention,
         placements=_placements(captured, layouts.placements(choices.tp), choices.zero),

@@ -1,7 +1,12 @@
-"""Local SGD (`sync_every=H`, opt-in): replicas step on their own gradients and average
-their parameters every H steps, after `sync_warmup` steps of plain data parallelism.
-H = 1 with SGD is plain data parallelism; H = 2 is what two replicas trained apart and
-averaged give, which is not one device's result."""
+"""Data-parallel options that change the math, opt-in, on Gloo (dp=2, SGD):
+
+- local SGD (`sync_every=H`): replicas step on their own gradients and average their
+  parameters every H steps, after `sync_warmup` steps of plain data parallelism. H = 1
+  is plain data parallelism; H = 2 is what two replicas trained apart and averaged
+  give, which is not one device's result;
+- gradient compression (`grad_compression=`): bf16 all-reduce stays within bf16's
+  rounding of one device; PowerSGD at a rank equal to every matrix's smaller side is
+  the exact mean through its factors, and at a lower rank it is not."""
 
 from __future__ import annotations
 
@@ -101,6 +106,9 @@ def trained() -> dict[str, dict]:
         "every_1": {"sync_every": 1},
         "every_2_after_1": {"sync_every": 2, "sync_warmup": 1},
         "plain": {},
+        "bf16": {"grad_compression": "bf16"},
+        "powersgd_full": {"grad_compression": "powersgd:rank=8"},  # the matrices' 8 rows/columns
+        "powersgd_low": {"grad_compression": "powersgd:rank=2"},
     }
     return run_world(_train_all, DP, cases)[0]
 
@@ -127,3 +135,37 @@ def test_local_sgd_refuses_zero():
         autopart.plan(_model(), mesh, (x,), dp=2, zero=1, sync_every=2)
     plan = autopart.plan(_model(), mesh, (x,), dp=2, sync_every=2)
     assert plan.zero == 0 and plan.sync_every == 2
+
+
+def test_bf16_gradients_stay_within_bf16_rounding_of_one_device(trained):
+    assert_matches(trained["bf16"], _one_device(), rtol=2e-2)
+    with pytest.raises(AssertionError):
+        assert_matches(trained["bf16"], _one_device(), rtol=1e-6)
+    assert "Gradient compression, as asked (bf16)" in trained["bf16"]["explain"]
+
+
+def test_powersgd_at_full_rank_is_the_exact_mean_through_its_factors(trained):
+    assert_matches(trained["powersgd_full"], _one_device())
+
+
+def test_powersgd_at_low_rank_changes_the_math_and_says_so(trained):
+    result, one = trained["powersgd_low"], _one_device()
+    assert result["losses"][0] == pytest.approx(one["losses"][0], rel=1e-6)  # before any step
+    with pytest.raises(AssertionError):
+        assert_matches(result, one, rtol=1e-3)
+    assert "PowerSGD's low-rank factors" in result["explain"]
+    assert "This changes the math" in result["explain"]
+
+
+@pytest.mark.parametrize(
+    "pins, message",
+    [
+        ({"grad_compression": "bf16", "zero": 2}, "use zero=0 and no sync_every"),
+        ({"grad_compression": "powersgd:rank=0"}, "must be 'bf16' or 'powersgd:rank=R'"),
+        ({"grad_compression": "int8"}, "must be 'bf16' or 'powersgd:rank=R'"),
+    ],
+)
+def test_gradient_compression_refuses_what_it_cannot_run(pins, message):
+    x, _ = _batch()
+    with pytest.raises(PlanError, match=message):
+        autopart.plan(_model(), autopart.Mesh.cluster("cpu", 1, 2), (x,), dp=2, **pins)
