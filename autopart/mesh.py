@@ -46,6 +46,13 @@ class DeviceSpec:
     intra_node_latency: float
     inter_node_latency: float
     kernel_launch_s: float  # the floor for one kernel or operator dispatch
+    # One device's link to host memory, per direction (ZeRO offload's transfers): PCIe
+    # 4.0 x16 moves about 25 GB/s, 5.0 x16 about 50 GB/s (PCI-SIG's 16 and 32 GT/s per
+    # lane, less encoding and protocol overhead). And its share of the host's memory
+    # bandwidth, which an optimizer step on the host is bound by (a dual-socket host's
+    # eight DDR4/DDR5 channels per socket, about 400 GB/s, shared by 8 devices).
+    host_bandwidth: float = 25e9
+    host_memory_bandwidth: float = 50e9
     matmul_efficiency: float = 0.75  # achievable fraction of peak on large matmuls
     # The smallest matmul dim at which half of that efficiency is reached (cost_models.compute).
     matmul_half_dim: float = 64.0
@@ -135,6 +142,7 @@ PRESETS: dict[str, DeviceSpec] = {
         matmul_efficiency=0.837,
         sm_count=132,
         attention_efficiency=0.74,
+        host_bandwidth=50 * GB,
         **_H100_LINKS,
     ),
     "h200": DeviceSpec(
@@ -145,6 +153,7 @@ PRESETS: dict[str, DeviceSpec] = {
         matmul_efficiency=0.837,
         sm_count=132,
         attention_efficiency=0.74,
+        host_bandwidth=50 * GB,
         **_H100_LINKS,
     ),
     "cpu": DeviceSpec(
@@ -158,6 +167,8 @@ PRESETS: dict[str, DeviceSpec] = {
         inter_node_latency=100e-6,
         kernel_launch_s=10e-6,
         matmul_efficiency=0.6,
+        host_bandwidth=10 * GB,  # "host" is the same memory
+        host_memory_bandwidth=10 * GB,
     ),
 }
 

@@ -131,6 +131,9 @@ class Plan(AxisAttributes):
     # every `sync_every` steps. None: plain data parallelism (gradients all-reduced).
     sync_every: int | None = None
     sync_warmup: int = 0
+    # ZeRO offload: the optimizer state lives in host memory and the optimizer steps
+    # there (ZeRO-1/2). The solver offloads only where no plan fits without it.
+    offload: bool = False
     # Opt-in compression of the data-parallel gradient all-reduce (it changes the math):
     # "bf16" or "powersgd:rank=R" (`runtime.grad_compression`); None: exact.
     grad_compression: str | None = None
@@ -173,6 +176,11 @@ class Plan(AxisAttributes):
                     "grad_compression compresses plain data parallelism's gradient "
                     "all-reduce: use zero=0 and no sync_every"
                 )
+        if self.offload and (self.zero not in (1, 2) or self.dp == 1):
+            out.append(
+                "offload moves ZeRO-1/2's optimizer state shards to the host: it needs "
+                f"zero=1 or zero=2 and dp > 1 (got zero={self.zero}, dp={self.dp})"
+            )
         if self.sync_every is not None and self.zero:
             out.append(
                 f"local SGD (sync_every={self.sync_every}) keeps a whole replica on every "

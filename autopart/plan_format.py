@@ -146,6 +146,13 @@ def explain_plan(plan: Plan) -> str:
             3: "optimizer state, gradients and parameters",
         }[plan.zero]
         lines.append(f"ZeRO-{plan.zero} shards the {what} over the {plan.dp} dp ranks.")
+    if plan.offload:
+        lines.append(
+            "ZeRO offload: each rank's optimizer state shard lives in host memory and the "
+            "optimizer steps there (gradients down, updated parameters back up the host "
+            "link). autopart offloads only where pinned or where no plan keeping the "
+            "state on the device fits its memory."
+        )
     lines += _local_sgd_lines(plan)
     if plan.grad_compression is not None and plan.dp > 1:
         lines.append(

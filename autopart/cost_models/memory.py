@@ -68,18 +68,19 @@ DEFAULT_ALLOCATOR_FRACTION = 0.10
 
 
 def model_state_bytes(
-    params: float, dp: int, zero: int, per_param: tuple[int, int, int]
+    params: float, dp: int, zero: int, per_param: tuple[int, int, int], offload: bool = False
 ) -> dict[str, float]:
     """Parameters, gradients and Adam state of `params` parameters on one of `dp`
     data-parallel ranks at ZeRO stage `zero` (0-3), with `per_param` bytes of each
-    (`STATE_BYTES[precision]` for autopart's runtime)."""
+    (`STATE_BYTES[precision]` for autopart's runtime); the state in host memory, not
+    the device's, where `offload`."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, not {zero}")
     param_bytes, per_grad, per_state = per_param
     return {
         "parameters": params * param_bytes / (dp if zero >= 3 else 1),
         "gradients": params * per_grad / (dp if zero >= 2 else 1),
-        "optimizer": params * per_state / (dp if zero >= 1 else 1),
+        "optimizer": 0.0 if offload else params * per_state / (dp if zero >= 1 else 1),
     }
 
 
@@ -141,12 +142,13 @@ class MemoryModel:
         gathered_params: float = 0.0,
         pipeline_bytes: float = 0.0,
         output_bytes: float = 0.0,
+        offload: bool = False,
     ) -> dict[str, int]:
         """Bytes by part for a rank holding `params` parameters (its tensor-parallel
         share), `activations` bytes of activations, ZeRO-3 blocks of up to
         `gathered_params` parameters, pipeline transfers of `pipeline_bytes` and, where
         it computes the loss, a model output of `output_bytes` per microbatch."""
-        parts = model_state_bytes(params, dp, zero, STATE_BYTES[self.precision])
+        parts = model_state_bytes(params, dp, zero, STATE_BYTES[self.precision], offload)
         parts["activations"] = activations
         parts["output_gradients"] = OUTPUT_GRADIENTS * output_bytes
         parts["buffers"] = self.buffer_bytes(params, dp, zero, gathered_params, pipeline_bytes)

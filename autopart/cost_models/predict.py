@@ -100,6 +100,7 @@ class Choices(AxisAttributes):
     tp_placements: tuple[tuple[str, Placement], ...] | None = None
     sequence_parallel: bool = False
     grad_compression: str | None = None  # as the runtime compresses the dp all-reduce
+    offload: bool = False  # ZeRO-1/2's optimizer state on the host, stepped there
 
     def __post_init__(self) -> None:
         if self.pp > 1 and self.schedule is None:
@@ -122,6 +123,7 @@ class Choices(AxisAttributes):
             placements if plan.tp > 1 and placements else None,
             plan.sequence_parallel,
             plan.grad_compression,
+            plan.offload,
         )
 
     def tp_layout(self, gm: fx.GraphModule) -> TpLayout | None:
@@ -346,6 +348,7 @@ def _rank_cost(
         gathered_params=gathered,
         pipeline_bytes=boundary if choices.pp > 1 else 0.0,
         output_bytes=last.output_bytes if last else 0.0,  # 1/tp of it if split
+        offload=choices.offload,
     )
     recomputed = [s for s in own if choices.recomputes(s)]
     attention_recomputed = sum(choices.recomputes_attention(s) for s in own)
@@ -491,6 +494,8 @@ def _optimizer_time(own: list[SegmentWork], choices: Choices, models: CostModels
     segments between blocks (`passes/zero.py`)."""
     params = sum(s.param_numel(choices.tp) for s in own)
     state_bytes = params * sum(STATE_BYTES[choices.precision])
+    if choices.offload:
+        return _host_step_time(params / choices.dp, choices, models)
     if choices.zero == 0 or choices.dp == 1:
         tensors = sum(s.param_tensors for s in own)
         return models.compute.optimizer_step_time(state_bytes, tensors)
@@ -502,6 +507,16 @@ def _optimizer_time(own: list[SegmentWork], choices: Choices, models: CostModels
         runs = bucket_runs(grad_bytes, memory.bucket_bytes, memory.first_bucket_bytes)
         shards = sum(n for _, n in runs)
     return models.compute.optimizer_step_time(state_bytes / choices.dp, shards)
+
+
+def _host_step_time(params: float, choices: Choices, models: CostModels) -> float:
+    """ZeRO offload's step of this rank's `params` shard parameters: gradients down to
+    the host and updated parameters back up over the host link, and the optimizer's
+    pass over weights, gradients and state in host memory (not overlapped)."""
+    device = models.comm.mesh.device
+    param_bytes, grad_bytes, _ = STATE_BYTES[choices.precision]
+    transfers = params * (grad_bytes + param_bytes) / device.host_bandwidth
+    return transfers + params * sum(STATE_BYTES[choices.precision]) / device.host_memory_bandwidth
 
 
 def _parameter_buckets(own: list[SegmentWork], tp: int) -> list[float]:

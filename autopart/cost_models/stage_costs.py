@@ -197,7 +197,9 @@ def stage_problem(
     plain = segment_times(segments, models.compute, [False] * len(segments))
     again = segment_times(segments, models.compute, [s.is_block for s in segments])
     per_param = sum(
-        model_state_bytes(1, choices.dp, choices.zero, STATE_BYTES[choices.precision]).values()
+        model_state_bytes(
+            1, choices.dp, choices.zero, STATE_BYTES[choices.precision], choices.offload
+        ).values()
     )
     param_bytes, grad_bytes, _ = STATE_BYTES[choices.precision]
     byte = max(1.0, memory / MEMORY_STEPS)

@@ -147,15 +147,17 @@ def build_data_parallel_state(
     sync_every: int | None = None,
     sync_warmup: int = 0,
     grad_compression: str | None = None,
+    offload: bool = False,
 ) -> DataParallelState:
     """The state for ZeRO stage `zero` of this rank's `stages` over the data-parallel
     `group`. `accumulation` is how many backward passes (microbatches) contribute to
     each step's gradients; `sync_every`, where set, makes it local SGD;
-    `grad_compression` compresses stage 0's gradient all-reduce."""
+    `grad_compression` compresses stage 0's gradient all-reduce; `offload` keeps ZeRO-1/2's
+    optimizer state on the host."""
     if dist.get_world_size(group) == 1:
         return LocalState(stages, optimizer)
     if sync_every is not None:
         return LocalSgdState(stages, group, optimizer, accumulation, sync_every, sync_warmup)
     if zero == 0:
         return ReplicatedState(stages, group, optimizer, accumulation, grad_compression)
-    return zero_state(zero, stages, group, optimizer, accumulation)
+    return zero_state(zero, stages, group, optimizer, accumulation, offload)

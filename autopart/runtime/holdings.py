@@ -27,6 +27,7 @@ from autopart.runtime.pieces import (
     flat_pieces,
     whole_pieces,
 )
+from autopart.runtime.zero import ZeroState
 from autopart.runtime.zero_replicas import ReplicaShards
 
 if TYPE_CHECKING:
@@ -63,13 +64,20 @@ class Holdings:
             if zero3 is not None:
                 for shard, names, layout in zip(zero3.shards, zero3.names, zero3.layouts):
                     self.own.append((shard, _flat(names, layout, dp_rank, tp)))
-        for part in getattr(pm.state, "parts", ()):
+        state = pm.state
+        for part in state.parts if isinstance(state, ZeroState) else ():
             if isinstance(part, ReplicaShards):
                 for bucket in part.buckets:
                     of_bucket = [name_of[id(p)] for p in bucket.params]
                     copy = _flat(of_bucket, bucket.layout, dp_rank, tp)
                     self.copies.append((bucket.shard, copy))
         self._by_id = {id(t): held for t, held in (*self.own, *self.copies)}
+        if isinstance(state, ZeroState):  # offloaded: the host copies the optimizer steps
+            for shard in state.shards:
+                host = state.host_copy(shard)
+                if host is not None and id(shard) in self._by_id:
+                    self.copies.append((host, self._by_id[id(shard)]))
+                    self._by_id[id(host)] = self._by_id[id(shard)]
 
     def of(self, tensor: torch.Tensor) -> Held:
         return self._by_id[id(tensor)]

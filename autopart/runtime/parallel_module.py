@@ -92,6 +92,7 @@ class ParallelModule(nn.Module):
                 plan.sync_every,
                 plan.sync_warmup,
                 plan.grad_compression,
+                plan.offload,
             )
             if optimizer
             else None

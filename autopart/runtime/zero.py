@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
+import torch
 import torch.distributed as dist
 from torch import fx, nn
 
@@ -53,11 +54,19 @@ class ShardedPart(Protocol):
 
 
 class ZeroState:
-    """ZeRO stage 1, 2 or 3: one optimizer over the shards of every part."""
+    """ZeRO stage 1, 2 or 3: one optimizer over the shards of every part. With
+    `offload` (stages 1 and 2), the optimizer steps host copies of the shards: their
+    gradients go down to the host, the step runs there, the updated values come back
+    before the parts gather them; the optimizer's state never touches the device."""
 
-    def __init__(self, parts: list[ShardedPart], optimizer: OptimizerFactory) -> None:
+    def __init__(
+        self, parts: list[ShardedPart], optimizer: OptimizerFactory, offload: bool = False
+    ) -> None:
         self.parts = parts
-        self.optimizer = optimizer([s for part in parts for s in part.shards])
+        self.shards = [s for part in parts for s in part.shards]
+        self.host = [_host_copy(s) for s in self.shards] if offload else None
+        self._host_of = {id(s): h for s, h in zip(self.shards, self.host or [])}
+        self.optimizer = optimizer(self.host if self.host is not None else self.shards)
 
     def begin(self) -> None:
         for part in self.parts:
@@ -68,9 +77,26 @@ class ZeroState:
             part.finish()
 
     def step(self) -> None:
-        self.optimizer.step()
+        if self.host is None:
+            self.optimizer.step()
+        else:
+            self._step_on_host(self.host)
         for part in self.parts:
             part.after_step()
+
+    def host_copy(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """The host tensor the optimizer steps for `shard`, where offloaded."""
+        return self._host_of.get(id(shard))
+
+    def _step_on_host(self, host: list[nn.Parameter]) -> None:
+        for shard, copy in zip(self.shards, host):
+            grad = shard.grad
+            copy.grad = None if grad is None else grad.to(copy.device, copy=True, non_blocking=True)
+        if any(s.is_cuda for s in self.shards):
+            torch.cuda.synchronize()  # the gradients are on the host before it steps
+        self.optimizer.step()
+        for shard, copy in zip(self.shards, host):
+            shard.data.copy_(copy.data, non_blocking=True)
 
     def close(self) -> None:
         for part in self.parts:
@@ -83,8 +109,10 @@ def zero_state(
     group: dist.ProcessGroup,
     optimizer: OptimizerFactory,
     accumulation: int,
+    offload: bool = False,
 ) -> ZeroState:
-    """ZeRO stage `zero` (1-3) for this rank's `stages` over the data-parallel `group`."""
+    """ZeRO stage `zero` (1-3) for this rank's `stages` over the data-parallel `group`,
+    its optimizer state on the host where `offload` (stages 1 and 2)."""
     whole = _trained_in_backward_order(stages)
     parts: list[ShardedPart] = []
     if zero == 3:
@@ -95,7 +123,14 @@ def zero_state(
             parts.append(ReplicaShards(whole, group, accumulation, stage))
         else:
             parts.append(OwnedParameters(whole, group, accumulation, stage))
-    return ZeroState(parts, optimizer)
+    return ZeroState(parts, optimizer, offload)
+
+
+def _host_copy(shard: nn.Parameter) -> nn.Parameter:
+    """A host copy of `shard` for the optimizer to step (pinned memory where the shard
+    is on a GPU, so that copies to and fro run asynchronously)."""
+    copy = shard.detach().to("cpu", copy=True)
+    return nn.Parameter(copy.pin_memory() if shard.is_cuda else copy)
 
 
 def _trained_in_backward_order(stages: list[fx.GraphModule]) -> list[nn.Parameter]:

@@ -52,6 +52,7 @@ class Pins:
     sync_every: int | None = None  # local SGD: the user's choice only (it changes the math)
     sync_warmup: int = 0
     grad_compression: str | None = None  # the user's choice only (it changes the math)
+    offload: bool | None = None  # None: only where no plan fits without it
     # The optimizer the plan will run, where known: ZeRO is left out unless it is exact
     # for it (policy.zero_refusal).
     optimizer_class: type[torch.optim.Optimizer] | None = None
@@ -229,6 +230,7 @@ def _plan_of(
         sync_every=pins.sync_every,
         sync_warmup=pins.sync_warmup,
         grad_compression=pins.grad_compression,
+        offload=choices.offload,
         recompute=choices.recompute,
         recompute_attention=choices.recompute_attention,
         placements=_placements(captured, layouts.placements(choices.tp), choices.zero),

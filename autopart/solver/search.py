@@ -144,12 +144,28 @@ def search(
     """The chosen candidate first, then the other plans that fit, fastest first."""
     first = layouts.summary(1).evaluate({**dims, BATCH: 1})
     blocks = tuple(s.key for s in first if s.is_block)
-    choices = list(_choices(layouts, mesh, pins, global_batch, blocks))
     recomputable = pins.recompute is None and pins.recompute_attention is None
-    candidates = _price(layouts, mesh, dims, choices, recomputable=recomputable)
+
+    def priced(offload: bool) -> list[Candidate]:
+        choices = list(_choices(layouts, mesh, pins, global_batch, blocks, offload))
+        return _price(layouts, mesh, dims, choices, recomputable=recomputable)
+
+    candidates = priced(offload=bool(pins.offload))
     if not candidates:
         raise NoPlanFits("the pins leave no plan that divides the batch and the mesh")
-    chosen = _solve(candidates, mesh.device.memory_bytes)
+    try:
+        chosen = _solve(candidates, mesh.device.memory_bytes)
+    except NoPlanFits as on_device:
+        # Nothing fits with the optimizer state on the device: offload it (ZeRO-1/2),
+        # unless the pins say where it lives.
+        offloaded = priced(offload=True) if pins.offload is None else []
+        if not offloaded:
+            raise
+        try:
+            chosen = _solve(offloaded, mesh.device.memory_bytes)
+        except NoPlanFits as e:
+            raise NoPlanFits(f"{on_device}. With the optimizer state offloaded: {e}") from None
+        candidates = offloaded
     if chosen.choices.pp > 1 and not chosen.choices.stage_cuts:
         chosen = _with_inner_cuts(layouts, mesh, chosen, dims)
     fitting = [c for c in candidates if c.predicted.peak_memory_bytes <= mesh.device.memory_bytes]
@@ -408,7 +424,10 @@ def _choices(
     pins: Pins,
     batch: int,
     blocks: tuple[str, ...],
+    offload: bool = False,
 ) -> Iterator[Choices]:
+    """Every combination the pins allow; with `offload`, only ZeRO-1/2 with the
+    optimizer state on the host."""
     for degrees in Degrees.factorizations(mesh.world_size, pins.degrees):
         if not _admissible(degrees, mesh, pins, batch, len(blocks)):
             continue
@@ -418,6 +437,8 @@ def _choices(
             continue  # no layout shards anything at this tp (a pinned tp may replicate all)
         for schedule, virtual, m in _pipelines(pp, batch // dp, pins, len(blocks)):
             for zero in _zero_stages(dp, pins):
+                if offload and zero not in (1, 2):
+                    continue
                 for recompute in _recompute_sets(blocks, pins):
                     yield Choices(
                         batch,
@@ -430,6 +451,7 @@ def _choices(
                         recompute,
                         _pinned_paths(pins.recompute_attention, blocks),
                         sequence_parallel=sp,
+                        offload=offload,
                     )
 
 

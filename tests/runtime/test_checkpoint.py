@@ -69,6 +69,8 @@ def test_a_checkpoint_resumes_under_another_plan_on_two_ranks(tmp_path):
         ({"dp": 2, "zero": 0}, {"tp": 2}),
         ({"dp": 2, "zero": 1}, {"dp": 2, "zero": 3}),
         ({"tp": 2}, {"dp": 2, "zero": 2}),
+        # The optimizer state in host memory, stepped there (ZeRO offload), both ways.
+        ({"dp": 2, "zero": 2, "offload": True}, {"dp": 2, "zero": 1, "offload": True}),
     ]
     per_rank = run_world(_resume, 2, cases, str(tmp_path), batch)
     _check(per_rank, train_single_device("llama", "adamw", BEFORE + AFTER, batch))

@@ -221,3 +221,24 @@ def test_with_no_plan_on_the_whole_batch_the_refusal_says_why():
     conv_bn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))  # 2 blocks: no pp=4
     with pytest.raises(autopart.PlanError, match=r"the batch stays whole \(dp=1, one microbatch\)"):
         autopart.plan(conv_bn, FOUR_CPUS, (IMAGES,), tp=1)
+
+
+def test_offload_is_chosen_only_where_nothing_fits_on_the_device():
+    """ZeRO offload (the optimizer state in host memory, stepped there) is the solver's
+    last resort: chosen where no plan keeping the state on the device fits, and not
+    otherwise. On 2 ranks, ZeRO-2 with offload holds 4 + 4/2 bytes a parameter on the
+    device, less than ZeRO-3's 16/2."""
+    mesh = Mesh.cluster("cpu", nodes=1, per_node=2)
+    captured = capture(tiny_gpt2(), (token_batch(2)[0],))
+    analyze(captured.gm, captured.context())
+    on_device = Choices(2, Degrees(dp=2), zero=3)
+    offloaded = Choices(2, Degrees(dp=2), zero=2, offload=True)
+    tight = _memory_between(captured, mesh, on_device, offloaded)
+    pins = {"dp": 2, "tp": 1, "pp": 1, "microbatches": 1, "recompute": "none"}
+    plan = make_plan(captured, tight, Pins.of(**pins))
+    assert plan.offload and plan.zero in (1, 2)
+    assert plan.predicted.peak_memory_bytes <= tight.device.memory_bytes
+    assert "ZeRO offload" in plan.explain()
+    assert not make_plan(captured, mesh, Pins.of(**pins)).offload  # room on the device
+    with pytest.raises(ValueError, match="no plan fits"):
+        make_plan(captured, tight, Pins.of(offload=False, **pins))
