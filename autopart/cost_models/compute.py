@@ -183,9 +183,10 @@ class ComputeModel:
             forward = self.cores.attention_seconds(work.flops, queries, keys, head)
             return forward * (BACKWARD_CONTRACTION if backward else 1)
         m, n, k = work.shape
+        slowdown = self.cores.alignment_factor(n, k)
         if backward:
-            return self.cores.gemm_seconds(m, k, n) + self.cores.gemm_seconds(k, n, m)
-        return self.cores.gemm_seconds(m, n, k)
+            return slowdown * (self.cores.gemm_seconds(m, k, n) + self.cores.gemm_seconds(k, n, m))
+        return slowdown * self.cores.gemm_seconds(m, n, k)
 
     def forward_time(self, work: NodeWork, functions: bool = True) -> float:
         """The roofline time of one operator's forward, with its launch floor, plus the

@@ -57,6 +57,14 @@ TILES: tuple[tuple[int, int, float], ...] = (
 SPLITS = (1, 2, 4, 8, 16)  # split-K factors
 PARTIAL_BYTES = 4  # split-K's partial sums are fp32
 K_OVERHEAD = 64  # k₀: a tile's prologue and epilogue, in units of k
+# cuBLAS's tensor-core kernels read rows aligned to 16 bytes: a product whose operands'
+# rows are not (a linear layer's input or output features not a multiple of 8 at 2
+# bytes an element) falls back to slower kernels. Measured on an H100 (PyTorch 2.11,
+# cuBLAS for CUDA 13, benchmarks/preset_vs_gpu.py): a 4096 → 4097 or 4097 → 4096
+# linear layer's forward and backward take 5.3× the time of 4096 → 4096 at 4096
+# tokens; 4097 tokens cost nothing more.
+ALIGNMENT = 8
+UNALIGNED_SLOWDOWN = 5.3
 Q_TILE = 128  # query rows per attention block
 HEAD_HALF = 32.0  # E½
 KEYS_OVERHEAD = 512.0  # S₀
@@ -97,6 +105,15 @@ class GpuCores:
         if split == 1:
             return main
         return main + 2 * split * m * n * PARTIAL_BYTES / self.memory_bandwidth
+
+    def alignment_factor(self, n: float, k: float) -> float:
+        """How much longer a product of n output and k input features takes than its
+        aligned shape (`UNALIGNED_SLOWDOWN` where either is not a multiple of
+        `ALIGNMENT`), in forward and backward alike: every product of a linear layer
+        reads rows of n or k elements. k is taken whole: the compute model's k counts a
+        bias as half a feature (its m·n additions among the 2·m·n·k FLOPs)."""
+        aligned = n % ALIGNMENT == 0 and math.floor(k) % ALIGNMENT == 0
+        return 1.0 if aligned else UNALIGNED_SLOWDOWN
 
     def attention_seconds(self, flops: float, queries: float, keys: float, head: float) -> float:
         """Fused attention of `flops` (2·B·H·L·S·(E + Ev), counted in full) over L =

@@ -110,3 +110,19 @@ def test_attention_runs_faster_per_flop_at_longer_keys_and_wider_heads():
     assert a100 == pytest.approx(0.61, abs=0.01)
     # Few query blocks leave SMs idle: one head of 2048 rows fills 16 of 132.
     assert rate(H100, 2048, 128, heads=1) < 0.2 * rate(H100, 2048, 128)
+
+
+def test_unaligned_features_slow_every_product_of_the_layer_but_tokens_do_not():
+    """A linear layer whose input or output features are not a multiple of 8 (16 bytes
+    of bf16) leaves cuBLAS's tensor-core kernels: 5.3× the time, forward and backward,
+    as measured on an H100 (benchmarks/data/h100_shapes.json)."""
+    from autopart.cost_models.gemm import UNALIGNED_SLOWDOWN
+
+    def seconds(m, n, k):
+        work = NodeWork("linear", 2.0 * m * n * k, shape=(m, n, k))
+        return H100.contraction_math(work) + H100.contraction_math(work, backward=True)
+
+    aligned = seconds(4096, 4096, 4096)
+    for unaligned in ((4096, 4097, 4096), (4096, 4096, 4097)):
+        assert seconds(*unaligned) == pytest.approx(UNALIGNED_SLOWDOWN * aligned, rel=0.05)
+    assert seconds(4097, 4096, 4096) < 1.1 * aligned
