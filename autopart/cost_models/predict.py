@@ -231,9 +231,15 @@ def predict(
     of_rank: list[list[int]] = [[] for _ in range(pp)]
     for i, c in enumerate(chunk_of):
         of_rank[c % pp].append(i)
-    shapes = [p.shape for p in summary.gm.parameters()]
-    grad_bytes = STATE_BYTES[choices.precision][1]
-    traffic = gradient_fraction(choices.grad_compression, shapes, grad_bytes)
+    traffic = (
+        gradient_fraction(
+            choices.grad_compression,
+            [p.shape for p in summary.gm.parameters()],
+            STATE_BYTES[choices.precision][1],
+        )
+        if choices.grad_compression
+        else 1.0  # the search prices thousands of plans: no pass over the parameters
+    )
     ranks = [
         _rank_cost(r, of_rank[r], segments, times, choices, models, traffic)
         for r in range(choices.pp)

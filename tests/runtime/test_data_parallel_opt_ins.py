@@ -113,11 +113,13 @@ def trained() -> dict[str, dict]:
     return run_world(_train_all, DP, cases)[0]
 
 
+@pytest.mark.slow  # one world of 2 trains every case
 def test_averaging_every_step_with_sgd_is_plain_data_parallelism(trained):
     assert_matches(trained["every_1"], _one_device())
     assert_matches(trained["plain"], _one_device())
 
 
+@pytest.mark.slow  # one world of 2 trains every case
 def test_averaging_every_two_steps_is_two_replicas_trained_apart(trained):
     result = trained["every_2_after_1"]
     assert_matches(result, _replicas_apart(every=2, warmup=1))
@@ -137,6 +139,7 @@ def test_local_sgd_refuses_zero():
     assert plan.zero == 0 and plan.sync_every == 2
 
 
+@pytest.mark.slow  # one world of 2 trains every case
 def test_bf16_gradients_stay_within_bf16_rounding_of_one_device(trained):
     assert_matches(trained["bf16"], _one_device(), rtol=2e-2)
     with pytest.raises(AssertionError):
@@ -144,10 +147,12 @@ def test_bf16_gradients_stay_within_bf16_rounding_of_one_device(trained):
     assert "Gradient compression, as asked (bf16)" in trained["bf16"]["explain"]
 
 
+@pytest.mark.slow  # one world of 2 trains every case
 def test_powersgd_at_full_rank_is_the_exact_mean_through_its_factors(trained):
     assert_matches(trained["powersgd_full"], _one_device())
 
 
+@pytest.mark.slow  # one world of 2 trains every case
 def test_powersgd_at_low_rank_changes_the_math_and_says_so(trained):
     result, one = trained["powersgd_low"], _one_device()
     assert result["losses"][0] == pytest.approx(one["losses"][0], rel=1e-6)  # before any step
