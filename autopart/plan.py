@@ -24,7 +24,7 @@ from autopart.degrees import Axis, AxisAttributes, Degrees, MeshError
 from autopart.mesh import Mesh
 from autopart.placements import placement_from_str, placement_to_str
 from autopart.plan_format import PLACEMENT_AXES, diff_plans, explain_plan, format_plan
-from autopart.policy import Precision, Schedule, check_choice, compression_refusal
+from autopart.policy import Precision, Schedule, check_choice, replica_opt_in_refusal
 
 PLAN_VERSION = 1
 
@@ -167,24 +167,13 @@ class Plan(AxisAttributes):
             out.append(check_choice(Schedule, self.schedule, "schedule"))
         if (self.recompute or self.recompute_attention) and self.zero == 3:
             out.append("recomputation together with ZeRO-3 is not supported: choose one")
-        if (self.sync_every is not None and self.sync_every < 1) or self.sync_warmup < 0:
-            out.append("sync_every must be at least 1 and sync_warmup at least 0")
-        if self.grad_compression is not None:
-            out.append(compression_refusal(self.grad_compression))
-            if self.zero or self.sync_every is not None:
-                out.append(
-                    "grad_compression compresses plain data parallelism's gradient "
-                    "all-reduce: use zero=0 and no sync_every"
-                )
+        if self.sync_warmup < 0:
+            out.append(f"sync_warmup must be at least 0, not {self.sync_warmup}")
+        out.append(replica_opt_in_refusal(self.zero, self.sync_every, self.grad_compression))
         if self.offload and (self.zero not in (1, 2) or self.dp == 1):
             out.append(
                 "offload moves ZeRO-1/2's optimizer state shards to the host: it needs "
                 f"zero=1 or zero=2 and dp > 1 (got zero={self.zero}, dp={self.dp})"
-            )
-        if self.sync_every is not None and self.zero:
-            out.append(
-                f"local SGD (sync_every={self.sync_every}) keeps a whole replica on every "
-                f"data-parallel rank, which ZeRO-{self.zero} shards: use zero=0"
             )
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence parallelism needs tp > 1")

@@ -136,6 +136,29 @@ def compression_refusal(spec: str | None) -> str | None:
     return f"grad_compression must be 'bf16' or 'powersgd:rank=R' (R ≥ 1), not {spec!r}"
 
 
+def replica_opt_in_refusal(
+    zero: int, sync_every: int | None, grad_compression: str | None
+) -> str | None:
+    """Why local SGD (`sync_every`) or gradient compression cannot run as asked, or None.
+    Both act on plain data parallelism's whole replicas, which ZeRO shards, and a
+    compressed gradient all-reduce has nothing to compress under local SGD."""
+    if sync_every is not None and sync_every < 1:
+        return f"sync_every must be at least 1, not {sync_every}"
+    if grad_compression is not None:
+        refusal = compression_refusal(grad_compression)
+        if refusal or zero or sync_every is not None:
+            return refusal or (
+                "grad_compression compresses plain data parallelism's gradient all-reduce: "
+                "use zero=0 and no sync_every"
+            )
+    if sync_every is not None and zero:
+        return (
+            f"local SGD (sync_every={sync_every}) keeps a whole replica on every "
+            f"data-parallel rank, which ZeRO-{zero} shards: use zero=0"
+        )
+    return None
+
+
 def powersgd_rank(spec: str) -> int:
     """R of "powersgd:rank=R"."""
     found = POWERSGD.match(spec)

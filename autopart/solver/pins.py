@@ -27,7 +27,7 @@ from autopart.policy import (
     PRECISION_ALIASES,
     Precision,
     check_choice,
-    compression_refusal,
+    replica_opt_in_refusal,
     zero_refusal,
 )
 from autopart.solver.pipeline import choose_pipeline
@@ -84,22 +84,11 @@ class Pins:
             if problem:
                 aliases = ", ".join(f"{a!r} for {p!r}" for a, p in PRECISION_ALIASES.items())
                 raise PlanError(f"{problem} (or {aliases})")
-        compression = pins.get("grad_compression")
-        if compression is not None:  # it compresses plain data parallelism's all-reduce
-            refusal = compression_refusal(compression)
-            if refusal or pins.get("zero") or pins.get("sync_every") is not None:
-                raise PlanError(
-                    refusal
-                    or "grad_compression compresses plain data parallelism's gradient "
-                    "all-reduce: use zero=0 and no sync_every"
-                )
-            pins["zero"] = 0
-        if pins.get("sync_every") is not None:  # local SGD keeps whole replicas: no ZeRO
-            if pins.get("zero"):
-                raise PlanError(
-                    f"local SGD (sync_every={pins['sync_every']}) keeps a whole replica on "
-                    f"every data-parallel rank, which ZeRO-{pins['zero']} shards: use zero=0"
-                )
+        sync_every, compression = pins.get("sync_every"), pins.get("grad_compression")
+        if sync_every is not None or compression is not None:  # whole replicas: no ZeRO
+            refusal = replica_opt_in_refusal(pins.get("zero") or 0, sync_every, compression)
+            if refusal:
+                raise PlanError(refusal)
             pins["zero"] = 0
         pinned = {k: pins.pop(k) for k in axes if k in pins and pins[k] is not None}
         try:
