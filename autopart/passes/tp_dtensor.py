@@ -54,10 +54,50 @@ NOMINAL_SIZE_PER_RANK = 1024
 
 def dtensor_decision(ops: Operands) -> Decision | None:
     """DTensor's strategy for `ops.node` with its operands placed as `ops.places`, or
-    None where it has none the rewrite can run, or none that shards anything."""
-    op = ops.node.target
-    if not _askable(op):
+    None where it has none the rewrite can run, or none that shards anything. Answers
+    are kept by operator, placements, shapes and arguments: the solver walks the graph
+    once per layout it tries, and a block's copies ask the same question."""
+    if not _askable(ops.node.target):
         return None
+    key = _question(ops)
+    if key not in _ANSWERS:
+        if len(_ANSWERS) >= MAX_ANSWERS:
+            _ANSWERS.clear()
+        _ANSWERS[key] = _answer(ops)
+    answer = _ANSWERS[key]
+    if answer is None:
+        return None
+    output, inputs = answer
+    decision = Decision(output=output, inputs=dict(inputs))
+    for i in ops.tensors:
+        if not ops.grads[i]:
+            continue
+        if inputs.get(i) == R:  # gathered for a split computation: its grad is partial
+            decision.gather_grad.add(i)
+        elif i not in inputs and ops.places[i] == R:
+            decision.copy_to_group.add(i)  # read whole by every rank's share
+    return decision
+
+
+Answer = tuple[NodePlacement, dict[int, Placement]] | None
+_ANSWERS: dict[tuple, Answer] = {}
+MAX_ANSWERS = 4096
+
+
+def _question(ops: Operands) -> tuple:
+    """What an answer depends on: the operator, tp, the output's shape, and each leaf's
+    placement and shape (a tensor) or value."""
+    leaves = tuple(
+        (str(ops.places[i]), str(ops.shapes[i])) if i in ops.tensors else repr(leaf)
+        for i, leaf in enumerate(ops.flat)
+    )
+    spec = str(flatten_args(ops.node)[1])
+    return (ops.node.target, ops.tp, str(SHAPE.get(ops.node)), spec, leaves)
+
+
+def _answer(ops: Operands) -> Answer:
+    """(output placement, operands to convert) from DTensor, checked on shards."""
+    op = ops.node.target
     assert isinstance(op, torch._ops.OpOverload)
     leaves: list[object] = []
     for i, leaf in enumerate(ops.flat):
@@ -86,15 +126,7 @@ def dtensor_decision(ops: Operands) -> Decision | None:
     if not _checked(ops, inputs, output):
         log.debug("DTensor's strategy for %s gives other results on shards: not taken", op)
         return None
-    decision = Decision(output=output, inputs=inputs)
-    for i in ops.tensors:
-        if not ops.grads[i]:
-            continue
-        if inputs.get(i) == R:  # gathered for a split computation: its grad is partial
-            decision.gather_grad.add(i)
-        elif i not in inputs and ops.places[i] == R:
-            decision.copy_to_group.add(i)  # read whole by every rank's share
-    return decision
+    return output, inputs
 
 
 def _askable(op: object) -> bool:
