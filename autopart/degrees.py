@@ -27,13 +27,15 @@ class Axis(StrEnum):
     """The mesh axes. "axis" always means one of these; "dim" means a tensor dimension."""
 
     DP = "dp"
+    CP = "cp"
     TP = "tp"
     PP = "pp"
 
 
 # The axes of a DeviceMesh, outermost first: pp outermost, tp innermost, so that tensor
-# parallel groups are consecutive ranks and land inside one node.
-MESH_AXES: tuple[Axis, ...] = (Axis.PP, Axis.DP, Axis.TP)
+# parallel groups are consecutive ranks and land inside one node; cp (the sequence)
+# next to them, whose ring exchanges keys and values every block.
+MESH_AXES: tuple[Axis, ...] = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
 
 
 class MeshError(ValueError):

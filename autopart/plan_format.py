@@ -139,6 +139,14 @@ def explain_plan(plan: Plan) -> str:
     if layout:
         lines.append(f"Parameter layout: {layout}.")
     lines += _tensor_parallel_lines(plan)
+    if plan.cp > 1:
+        lines.append(
+            f"Context parallelism splits every sequence over the {plan.cp} cp ranks: each "
+            f"holds 2 of its {2 * plan.cp} chunks, the i-th and the i-th from the end, so "
+            "that causal attention's work is even. Attention runs as a ring that passes "
+            "keys and values from rank to rank; each weight's gradient is summed over the "
+            "cp ranks in backward, and the logits are gathered whole for the loss."
+        )
     if plan.zero:
         what = {
             1: "optimizer state",
@@ -334,12 +342,17 @@ def _reduction_order(plan: Plan) -> str:
         sums.append(
             f"row-parallel products over the {plan.tp} tp ranks ({_COMPUTE[plan.precision]})"
         )
+    if plan.cp > 1:
+        sums.append(
+            f"weight gradients over the {plan.cp} cp ranks, and attention's softmax over "
+            f"their {2 * plan.cp} chunks of keys (fp32)"
+        )
     if not sums:
         return "Every sum runs in the order it runs on one device."
     worst = max(
         [_ROUNDOFF["fp32"]] + ([_ROUNDOFF[_COMPUTE[plan.precision]]] if plan.tp > 1 else [])
     )
-    terms = max(plan.dp * plan.microbatches, plan.tp)
+    terms = max(plan.dp * plan.microbatches, plan.tp, 2 * plan.cp)
     return (
         f"Sums in another order than on one device: {'; '.join(sums)}. Results differ by "
         f"rounding: about {worst * terms**0.5:.0e} relative per sum, accumulating slowly "

@@ -177,3 +177,11 @@ def powersgd_compresses(shape: torch.Size, rank: int) -> bool:
     """Whether PowerSGD at `rank` sends a gradient of `shape` as factors (a matrix whose
     smaller side is at least the rank); vectors and thinner matrices go whole."""
     return len(shape) >= 2 and rank <= min(powersgd_matrix(shape))
+
+
+def sequence_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
+    """What every sequence's length must be a multiple of: context parallelism cuts it
+    into 2·cp chunks (`ops.context_parallel`'s mirrored layout), and sequence
+    parallelism splits each rank's tokens over tp."""
+    chunks = 2 * cp if cp > 1 else 1
+    return chunks * (tp if sequence_parallel else 1)

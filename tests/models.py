@@ -196,7 +196,7 @@ def llama_training_case():
     return tiny_llama(), (ids,), target, lm_loss, optimizer
 
 
-def llama3_8b_on_meta() -> nn.Module:
+def llama3_8b_on_meta(positions: int = 8192) -> nn.Module:
     """Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336,
     vocabulary 128256) on the meta device: nothing is allocated."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -208,7 +208,7 @@ def llama3_8b_on_meta() -> nn.Module:
         num_attention_heads=32,
         num_key_value_heads=8,
         vocab_size=128256,
-        max_position_embeddings=8192,
+        max_position_embeddings=positions,
         use_cache=False,
     )
     with torch.device("meta"):

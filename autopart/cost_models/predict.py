@@ -53,6 +53,11 @@ from autopart.cost_models.comm import (
 )
 from autopart.cost_models.compression import gradient_fraction
 from autopart.cost_models.compute import ComputeModel, PhaseCost
+from autopart.cost_models.context import (
+    gradient_all_reduces,
+    output_gather,
+    ring_comm,
+)
 from autopart.cost_models.memory import (
     FP32_WEIGHTS,
     STATE_BYTES,
@@ -220,7 +225,7 @@ def predict(
     models = models or CostModels.of(mesh, choices.precision)
     at = {**(dims or {}), BATCH: choices.microbatch_size}
     full = summary.evaluate(at)
-    segments = list(summary.sharded(at, choices.tp))
+    segments = rank_segments(summary, at, choices)
     times = _segment_times(segments, choices, models.compute)
     chunk_of = (
         chunks_at_cuts(segments, choices.stage_cuts)
@@ -273,12 +278,30 @@ def step_time_lower_bound(
 ) -> float:
     """A floor under `predict(...).step_time_s` from the compute alone: every pipeline
     rank busy with an even share of it, with no bubble, communication or optimizer step
-    (`pipeline_step` charges the slowest rank's compute, which is at least the mean).
-    The search does not price a plan whose floor is slower than a plan it has."""
+    (`pipeline_step` charges the slowest rank's compute, which is at least the mean);
+    under context parallelism, the gradient all-reduces over cp that every microbatch
+    leaves exposed. The search does not price a plan whose floor is slower than a plan
+    it has."""
     at = {**dims, BATCH: choices.microbatch_size}
-    segments = list(summary.sharded(at, choices.tp))
+    segments = rank_segments(summary, at, choices)
     compute = sum(t.total for t in _segment_times(segments, choices, models.compute))
-    return compute * choices.microbatches / choices.pp
+    floor = compute * choices.microbatches / choices.pp
+    if choices.cp > 1:
+        params = sum(s.param_numel(choices.tp) for s in segments) / choices.pp
+        grad_bytes = STATE_BYTES[choices.precision][1]
+        cp_grads = gradient_all_reduces(params, choices.cp, choices.tp, grad_bytes, models.comm)
+        floor += choices.microbatches * cp_grads
+    return floor
+
+
+def rank_segments(
+    summary: GraphSummary, at: Mapping[str, int], choices: Choices
+) -> list[SegmentWork]:
+    """Every segment's work on one rank, per microbatch: its tp share, of its 1/cp of
+    the tokens under context parallelism (`context.py`: priced as 1/cp of the batch)."""
+    cp = choices.cp
+    local = {**at, BATCH: at[BATCH] / cp} if cp > 1 else at
+    return list(summary.sharded(local, choices.tp))
 
 
 def _segment_times(
@@ -341,6 +364,7 @@ def _rank_cost(
         tp
         + p2p_comm(boundary, choices, models.comm, rank)
         + _zero3_comm(own, compute, choices, models)
+        + _cp_comm(own, last, params, choices, models)
     )
     in_flight = in_flight_microbatches(
         choices.schedule, choices.microbatches, choices.pp, rank, choices.virtual_stages
@@ -353,7 +377,8 @@ def _rank_cost(
         activations=activations,
         gathered_params=gathered,
         pipeline_bytes=boundary if choices.pp > 1 else 0.0,
-        output_bytes=last.output_bytes if last else 0.0,  # 1/tp of it if split
+        # 1/tp of it if split; gathered whole over cp
+        output_bytes=last.output_bytes * choices.cp if last else 0.0,
         offload=choices.offload,
     )
     recomputed = [s for s in own if choices.recomputes(s)]
@@ -382,6 +407,27 @@ def _rank_cost(
         memory=memory,
         figures=figures,
     )
+
+
+def _cp_comm(
+    own: list[SegmentWork],
+    last: SegmentWork | None,
+    params: float,
+    choices: Choices,
+    models: CostModels,
+) -> float:
+    """Per microbatch under context parallelism: the rings of attention, the gradient
+    all-reduces over cp, the logits' gather (`context.py`)."""
+    cp, tp = choices.cp, choices.tp
+    if cp == 1:
+        return 0.0
+    comm = models.comm
+    recomputed = [choices.recomputes(s) for s in own]
+    rings = ring_comm(own, cp, tp, choices.precision, recomputed, comm, models.compute)
+    grad_bytes = STATE_BYTES[choices.precision][1]
+    gradients = gradient_all_reduces(params, cp, tp, grad_bytes, comm)
+    logits = output_gather(last.output_bytes, cp, tp, comm) if last else 0.0
+    return rings + gradients + logits
 
 
 def _tp_comm(own: list[SegmentWork], choices: Choices, comm: CommModel) -> float:

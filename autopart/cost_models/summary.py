@@ -216,14 +216,14 @@ class GraphSummary:
         self._cache: dict[tuple, tuple[SegmentWork, ...]] = {}
         self._sharded: dict[tuple, tuple[SegmentWork, ...]] = {}
 
-    def sharded(self, dims: Mapping[str, int], tp: int) -> tuple[SegmentWork, ...]:
+    def sharded(self, dims: Mapping[str, float], tp: int) -> tuple[SegmentWork, ...]:
         """`evaluate(dims)` on one rank of a `tp`-way tensor-parallel group (cached)."""
         key = (tuple(sorted(dims.items())), tp)
         if key not in self._sharded:
             self._sharded[key] = tuple(s.sharded(tp) for s in self.evaluate(dims))
         return self._sharded[key]
 
-    def evaluate(self, dims: Mapping[str, int]) -> tuple[SegmentWork, ...]:
+    def evaluate(self, dims: Mapping[str, float]) -> tuple[SegmentWork, ...]:
         """Every segment's work at `dims` ({"batch": microbatch, "seq": ...}). A graph
         captured with a static batch is evaluated as captured and scaled linearly to
         `dims["batch"]`. A named dim not in `dims` is taken at its example size."""
@@ -249,7 +249,7 @@ class GraphSummary:
             for c, site in zip(seg.tp_collectives, seg.tp_collective_sites)
         ]
 
-    def _evaluate(self, dims: Mapping[str, int]) -> tuple[SegmentWork, ...]:
+    def _evaluate(self, dims: Mapping[str, float]) -> tuple[SegmentWork, ...]:
         scale = 1.0
         if self.captured_batch is not None and BATCH in dims:
             scale = dims[BATCH] / self.captured_batch
@@ -398,7 +398,7 @@ def _is_sharded_param(
 
 
 def _traffic(
-    seg: Segment, dims: Mapping[str, int], scale: float
+    seg: Segment, dims: Mapping[str, float], scale: float
 ) -> tuple[tuple[str, float, bool, float, int], ...] | None:
     """The segment's tp collectives at `dims` (activations scaled to the batch), alike
     ones counted together: (collective, bytes, in backward, bytes under mixed precision
@@ -435,7 +435,7 @@ def _output_split(nodes: Sequence[fx.Node], sharded: Sequence[bool]) -> bool:
     return node is not None and sharded[list(nodes).index(node)]
 
 
-def _output_bytes(nodes: tuple[fx.Node, ...], dims: Mapping[str, int]) -> float:
+def _output_bytes(nodes: tuple[fx.Node, ...], dims: Mapping[str, float]) -> float:
     """The bytes of the last tensor the segment produces, as captured."""
     node = _output_node(nodes)
     return evaluate(tensor_info(node).nbytes, dims) if node is not None else 0.0

@@ -159,7 +159,7 @@ class NodeWork:
         )
 
 
-def evaluate(expr: sympy.Expr | int | float, dims: Mapping[str, int]) -> float:
+def evaluate(expr: sympy.Expr | int | float, dims: Mapping[str, float]) -> float:
     """The value of an expression of named dims at the sizes `dims` ({name: size})."""
     if isinstance(expr, (int, float)):
         return float(expr)
@@ -178,7 +178,7 @@ def evaluate(expr: sympy.Expr | int | float, dims: Mapping[str, int]) -> float:
 def node_work(
     node: fx.Node,
     gm: fx.GraphModule,
-    dims: Mapping[str, int],
+    dims: Mapping[str, float],
     param_bytes: Mapping[str, int],
     tp_sharded: bool = False,
 ) -> NodeWork:
@@ -226,7 +226,7 @@ def op_kind(name: str) -> str:
 
 
 def _contraction_shape(
-    node: fx.Node, name: str, kind: str, flops: float, dims: Mapping[str, int]
+    node: fx.Node, name: str, kind: str, flops: float, dims: Mapping[str, float]
 ) -> tuple[float, float, float] | None:
     """(m, n, k) from the output shape and the FLOPs (2·m·n·k for a matmul).
 
@@ -251,7 +251,7 @@ def _function_evaluations(
     name: str,
     kind: str,
     shape: tuple[float, float, float] | None,
-    dims: Mapping[str, int],
+    dims: Mapping[str, float],
 ) -> tuple[str | None, float]:
     """(function, evaluations in forward): exp once per attention score (B·H·L·S, the
     output's B·H·L·E elements times S/E), or `FUNCTIONS[name]` once per output element."""

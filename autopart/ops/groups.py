@@ -78,5 +78,6 @@ class MeshGroups:
 
     @property
     def reports_loss(self) -> bool:
-        """One rank per data-parallel replica holds the loss: tp rank 0 of the last stage."""
-        return self.is_last_stage and self.rank(Axis.TP) == 0
+        """One rank per data-parallel replica holds the loss: tp and cp rank 0 of the
+        last stage."""
+        return self.is_last_stage and self.rank(Axis.TP) == 0 and self.rank(Axis.CP) == 0

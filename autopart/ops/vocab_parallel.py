@@ -14,9 +14,16 @@ from torch.distributed import GroupName
 
 
 def vocab_parallel_embedding(
-    weight: torch.Tensor, ids: torch.Tensor, group: GroupName
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    group: GroupName,
+    padding_idx: int = -1,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
 ) -> torch.Tensor:
-    """This rank's share of `embedding(full_weight, ids)`, rows [rank·V/tp, (rank+1)·V/tp)."""
+    """This rank's share of `embedding(full_weight, ids)`, rows [rank·V/tp, (rank+1)·V/tp).
+    `embedding`'s other arguments are taken at their defaults only (the rule checks)."""
+    assert (padding_idx, scale_grad_by_freq, sparse) == (-1, False, False)
     pg = dist.distributed_c10d._resolve_process_group(group)
     rows = weight.shape[0]
     first = dist.get_rank(pg) * rows
@@ -24,6 +31,3 @@ def vocab_parallel_embedding(
     outside = (local < 0) | (local >= rows)
     out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
-
-
-LOCAL_OPS = {"vocab_parallel_embedding": vocab_parallel_embedding}

@@ -8,6 +8,7 @@ disabled by name (`PassContext.disabled`).
     drop capture assertions   local shards and autocast change sizes, dtypes
     causal attention          explicit causal masks back to `is_causal=True`
     tensor parallelism        shard parameters, insert tp collectives (tp > 1)
+    context parallelism       shard the sequence, ring attention (cp > 1)
     ── pipeline split ──       cut the graph into stages, keep this rank's (pp > 1)
     materialize               real memory for this rank's pieces of a meta model
     retarget devices          device arguments and tensors on this rank's device
@@ -26,6 +27,7 @@ from torch import fx
 from autopart.ops.meta import TP_LAYOUT, VOCAB_PARALLEL_LOSS
 from autopart.ops.program import RankProgram
 from autopart.passes.causal_attention import causal_attention_pass
+from autopart.passes.context_parallel import context_parallel_pass
 from autopart.passes.materialize import materialize_pass
 from autopart.passes.pipeline_split import split_stages
 from autopart.passes.recompute import recompute_pass
@@ -54,6 +56,7 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite(drop_capture_assertions_pass),
     Rewrite(causal_attention_pass),
     Rewrite(tensor_parallel_pass, lambda plan: plan.tp > 1),
+    Rewrite(context_parallel_pass, lambda plan: plan.cp > 1),
     Rewrite(materialize_pass, per_stage=True),
     Rewrite(retarget_devices_pass, per_stage=True),
     Rewrite(

@@ -34,7 +34,7 @@ class Decision:
     output: NodePlacement
     inputs: dict[int, Placement] = field(default_factory=dict)
     copy_to_group: set[int] = field(default_factory=set)  # R operands with partial grads
-    updates: dict[int, Any] = field(default_factory=dict)  # new values of size leaves
+    updates: dict[int, Any] = field(default_factory=dict)  # size leaves' values, or LocalSize
     # A row-parallel product: its partial sums are reduced right after it, to `reduce_to`
     # (R by all-reduce; S(1) by reduce-scatter under sequence parallelism), and a bias
     # is added once, after the reduction.
@@ -43,9 +43,18 @@ class Decision:
     gather_grad: set[int] = field(default_factory=set)  # S -> R with reduce-scatter backward
     fused_split: int = 0  # a split of a sharded dim into this many equal parts
     fallback: str = ""  # why the op is replicated instead
-    # The local operator that runs instead (`ops.vocab_parallel.LOCAL_OPS`), called
-    # with the node's tensor operands and the tp group.
+    # The local operator that runs instead (`ops.local_ops.LOCAL_OPS`), called with the
+    # node's arguments and the group of the axis.
     local_op: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSize:
+    """An update of a size argument that is a symbolic size of the whole tensor (a
+    `sym_size` node): the rewrite divides it by the degree, as a rule divides an
+    integer size."""
+
+    size: fx.Node
 
 
 @dataclass
@@ -57,7 +66,11 @@ class Operands:
     places: list[NodePlacement | None]  # None where the leaf is not a tensor node
     shapes: list[TensorInfo | None]
     grads: list[bool]  # whether the leaf requires grad
-    tp: int
+    tp: int  # the degree of the axis the walk shards over
+    # A walk over the cp axis: the inputs' sequences are sharded (in the mirrored
+    # layout of `ops.context_parallel`), the runtime guarantees the sequence divides
+    # into 2·cp chunks, and attention over sequence shards runs as ring attention.
+    context_parallel: bool = False
 
     @property
     def tensors(self) -> list[int]:

@@ -7,6 +7,7 @@ rewrite pass apply them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -59,8 +60,11 @@ def propagate(
     tp: int,
     sequence_parallel: bool = False,
     sharded_logits: int | None = None,
+    input_places: Mapping[str, Placement] | None = None,
+    context_parallel: bool = False,
 ) -> Propagation:
-    """Walk `gm` with parameters placed as `param_places` (FQN -> tp placement). Under
+    """Walk `gm` with parameters placed as `param_places` (FQN -> tp placement) and
+    inputs as `input_places` (placeholder name -> placement; replicated where absent). Under
     `sequence_parallel`, row-parallel outputs of shape [batch, seq, ...] are
     reduce-scattered along the sequence instead of all-reduced. `sharded_logits`: the
     graph output leaf a vocabulary-parallel cross-entropy reads (`decide_node`)."""
@@ -75,10 +79,10 @@ def propagate(
                 origin[node] = (fqn,)
             continue
         if node.op == "placeholder":
-            result.places[node] = R
+            result.places[node] = (input_places or {}).get(node.name, R)
             result.grads[node] = False
             continue
-        ops = operands_of(node, result.places, result.grads, tp)
+        ops = operands_of(node, result.places, result.grads, tp, context_parallel)
         decision = decide_node(ops, gm, sequence_parallel, sharded_logits)
         result.decisions[node] = decision
         result.places[node] = decision.output
@@ -142,7 +146,7 @@ def _scatter_partials(ops: Operands, gm: fx.GraphModule) -> Decision | None:
         return None
     places = [Shard(1) if p == P else p for p in ops.places]
     try:
-        decision = decide(Operands(ops.node, ops.flat, places, ops.shapes, ops.grads, ops.tp), gm)
+        decision = decide(dataclasses.replace(ops, places=places), gm)
     except (AssertionError, ValueError, TypeError, IndexError):
         return None
     decision.inputs = {**{i: Shard(1) for i in partial}, **decision.inputs}
@@ -167,6 +171,7 @@ def operands_of(
     places: Mapping[fx.Node, NodePlacement],
     grads: Mapping[fx.Node, bool],
     tp: int,
+    context_parallel: bool = False,
 ) -> Operands:
     """`node`'s operands with the placements `places` gives their producers (R where it
     gives none) and whether they require grad."""
@@ -182,7 +187,7 @@ def operands_of(
         operand_places.append(places.get(leaf, R) if is_tensor else None)
         shapes.append(info if isinstance(info, TensorInfo) else None)
         operand_grads.append(bool(is_tensor and grads.get(leaf, False)))
-    return Operands(node, flat, operand_places, shapes, operand_grads, tp)
+    return Operands(node, flat, operand_places, shapes, operand_grads, tp, context_parallel)
 
 
 def _track_origins(

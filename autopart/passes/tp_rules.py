@@ -18,6 +18,7 @@ Rules are pure: the same code plans (dry run) and rewrites.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from typing import SupportsInt, cast
@@ -27,11 +28,15 @@ import torch
 from torch import fx
 from torch.distributed.tensor import Placement, Shard
 
+from autopart.batch import SEQ
 from autopart.ops.aten import ATTENTION_OPS, VIEW_OPS, op_name
+from autopart.ops.collectives import COLLECTIVES
 from autopart.ops.meta import SHAPE, TensorInfo, tensor_info
+from autopart.ops.vocab_parallel import vocab_parallel_embedding
 from autopart.passes.tp_decision import (
     NO_RULE,
     Decision,
+    LocalSize,
     NodePlacement,
     Operands,
     P,
@@ -81,11 +86,17 @@ def decide(ops: Operands, gm: fx.GraphModule) -> Decision:
         return _reduce_partials_first(ops, gm)
     rule = _rule_for(name, ops.node)
     if rule is None:
-        return dtensor_decision(ops) or fallback(ops, f"{NO_RULE} {name}")
+        # DTensor's strategies shard contiguously; the cp walk's layout is mirrored.
+        answer = None if ops.context_parallel else dtensor_decision(ops)
+        return answer or fallback(ops, f"{NO_RULE} {name}")
     return rule(ops)
 
 
 def _rule_for(name: str, node: fx.Node) -> Callable[[Operands], Decision] | None:
+    if node.target in COLLECTIVES:
+        return _within_tokens
+    if node.target is vocab_parallel_embedding:
+        return _embedding
     if name in _CONTRACTIONS:
         return _contraction
     if name in ATTENTION_OPS:
@@ -125,7 +136,7 @@ def _reduce_partials_first(ops: Operands, gm: fx.GraphModule) -> Decision:
     """Partial sums are reduced (all-reduce) before any op consumes them."""
     reduced = {i: R for i in ops.tensors if ops.places[i] == P}
     places = [R if p == P else p for p in ops.places]
-    decision = decide(Operands(ops.node, ops.flat, places, ops.shapes, ops.grads, ops.tp), gm)
+    decision = decide(dataclasses.replace(ops, places=places), gm)
     decision.inputs = {**reduced, **decision.inputs}
     return decision
 
@@ -150,6 +161,28 @@ def _norm_dim(dim: int, rank: int) -> int:
 
 def _divisible(size: sympy.Expr, tp: int) -> bool:
     return isinstance(size, (int, sympy.Integer)) and int(size) % tp == 0
+
+
+def _splits(ops: Operands, size: sympy.Expr) -> bool:
+    """Whether a dim of `size` splits evenly over the axis: a fixed size it divides, or
+    under context parallelism the sequence (which the runtime makes divide)."""
+    if _divisible(size, ops.tp):
+        return True
+    if not ops.context_parallel:
+        return False
+    coefficient, rest = sympy.sympify(size).as_coeff_Mul()
+    return coefficient.is_Integer and rest.is_Symbol and rest.name == SEQ
+
+
+def _local_size(ops: Operands, size: fx.node.Argument) -> int | LocalSize | None:
+    """The local value of a size argument of a sharded dim: an integer divided, a
+    symbolic size of the whole marked for the rewrite to divide, None for -1 (which
+    infers it)."""
+    if isinstance(size, fx.Node):
+        return LocalSize(size)
+    if isinstance(size, int) and size != -1:
+        return size // ops.tp
+    return None
 
 
 def _out_rank(node: fx.Node) -> int:
@@ -204,6 +237,16 @@ def _elementwise(ops: Operands) -> Decision:
     return decision
 
 
+def _within_tokens(ops: Operands) -> Decision:
+    """A tensor-parallel collective, met by the context-parallel walk (which runs on the
+    tensor-parallel rewrite's graph): it acts within each token, or under sequence
+    parallelism along this rank's tokens, so the sequence shard passes through."""
+    x = ops.places[0]
+    if not isinstance(x, Shard):
+        return fallback(ops, "expected a sharded input")
+    return Decision(output=x)
+
+
 def _getitem(ops: Operands) -> Placement:
     index = ops.flat[1]
     place = ops.places[0]
@@ -248,10 +291,11 @@ def _expand(ops: Operands, d: int) -> Decision:
     leaf = sizes_start + out_dim
     size = ops.flat[leaf]
     decision = Decision(output=Shard(out_dim))
-    if isinstance(size, int) and size != -1:
-        if size % ops.tp:
-            return fallback(ops, "expand size not divisible by tp")
-        decision.updates[leaf] = size // ops.tp
+    if isinstance(size, int) and size != -1 and size % ops.tp:
+        return fallback(ops, "expand size not divisible by tp")
+    local = _local_size(ops, size)
+    if local is not None:
+        decision.updates[leaf] = local
     return decision
 
 
@@ -274,15 +318,13 @@ def _reshape(ops: Operands) -> Decision:
     if run is None:
         return fallback(ops, "reshape mixes the sharded dim with others")
     (in_first, _), (out_first, _) = run
-    if in_first != d or not _divisible(out_shape[out_first], ops.tp):
+    if in_first != d or not _splits(ops, out_shape[out_first]):
         return fallback(ops, "reshape splits the sharded dim unevenly")
     decision = Decision(output=Shard(out_first))
     leaf = _size_leaves(ops)[out_first]
-    size = ops.flat[leaf]
-    if isinstance(size, int) and size != -1:
-        decision.updates[leaf] = size // ops.tp
-    elif isinstance(size, fx.Node):
-        return fallback(ops, "reshape to a symbolic size on the sharded dim")
+    local = _local_size(ops, ops.flat[leaf])
+    if local is not None:
+        decision.updates[leaf] = local
     return decision
 
 
@@ -318,12 +360,12 @@ def _unflatten(ops: Operands) -> Decision:
     new_dims = len(ops.flat) - 2  # leaves: x, dim, *sizes
     if d != dim:
         return Decision(output=Shard(d if d < dim else d + new_dims - 1))
-    size = ops.flat[2]
-    if not _divisible(tensor_info(ops.node).shape[dim], ops.tp) or isinstance(size, fx.Node):
+    if not _splits(ops, tensor_info(ops.node).shape[dim]):
         return fallback(ops, "unflatten splits the sharded dim unevenly")
     decision = Decision(output=Shard(dim))
-    if isinstance(size, int) and size != -1:
-        decision.updates[2] = size // ops.tp
+    local = _local_size(ops, ops.flat[2])
+    if local is not None:
+        decision.updates[2] = local
     return decision
 
 
@@ -404,11 +446,23 @@ def _slice(ops: Operands) -> Decision:
     rank = _rank(ops, 0)
     d = _norm_dim(x.dim, rank)
     dim = _norm_dim(_int(node.args[1]) if len(node.args) > 1 else 0, rank)
+    if dim == d and _whole_slice(node):
+        return Decision(output=Shard(d))
     if dim == d:
         return fallback(ops, "slicing the sharded dim")
     if op_name(node) == "select":
         return Decision(output=Shard(d - (dim < d)))
     return Decision(output=Shard(d))
+
+
+def _whole_slice(node: fx.Node) -> bool:
+    """`x[:, 0:]` and its kin: a slice from the start to the end (or past it), step 1,
+    which Hugging Face models take of their hidden states (`logits_to_keep=0`)."""
+    if op_name(node) != "slice":
+        return False
+    start, end, step = (list(node.args[2:5]) + [None, None, 1][len(node.args[2:5]) :])[:3]
+    to_the_end = end is None or (isinstance(end, int) and end >= 2**62)
+    return bool(start in (None, 0) and step == 1 and to_the_end)
 
 
 def _cat(ops: Operands) -> Decision:
@@ -490,6 +544,8 @@ def _attention(ops: Operands) -> Decision:
     sharded on them, or replicated (then sliced); a mask broadcast over heads stays
     whole."""
     qkv = [_normalized(ops.places[i], _rank(ops, i)) for i in ops.tensors[:3]]
+    if ops.context_parallel and Shard(2) in qkv:
+        return _ring_attention(ops, qkv)
     whole = [i for i, p in zip(ops.tensors[:3], qkv) if p == R]
     if Shard(1) not in qkv or any(p not in (R, Shard(1)) for p in qkv):
         return fallback(ops, "attention not sharded on heads")
@@ -503,6 +559,22 @@ def _attention(ops: Operands) -> Decision:
         if ops.places[i] == R and len(shape) == 4 and shape[1] != 1:
             decision.inputs[i] = Shard(1)
     return decision
+
+
+def _ring_attention(ops: Operands, qkv: list[NodePlacement | None]) -> Decision:
+    """Under context parallelism, attention of q, k and v sharded over the sequence (dim
+    2) runs as ring attention (`ops.context_parallel.ring_attention`): without a mask
+    or dropout, which it does not take."""
+    node = ops.node
+    plain = (
+        op_name(node) == "scaled_dot_product_attention"
+        and len(node.args) == 3
+        and node.kwargs.get("attn_mask") is None
+        and node.kwargs.get("dropout_p", 0.0) == 0.0
+    )
+    if not plain or any(p != Shard(2) for p in qkv) or len(ops.tensors) != 3:
+        return fallback(ops, "ring attention takes q, k and v sharded on the sequence, no mask")
+    return Decision(output=Shard(2), local_op="ring_attention")
 
 
 def _normalized(p: NodePlacement | None, rank: int) -> NodePlacement | None:

@@ -31,7 +31,7 @@ def check_inputs(
     rank, dtype and fixed sizes, and the named dims ("batch", "seq", ...) one size
     each, within the sizes the capture allows (`ranges`, by dim name: a sequence no
     longer than a learned position table) and a multiple of what splits them
-    (`multiples`: the sequence under sequence parallelism). The batch is checked for
+    (`multiples`: the sequence under context and sequence parallelism). The batch is checked for
     divisibility where it is split. With `static_sizes` False, a dim captured static
     may have another size: what a new capture at the step's shapes can mend."""
     leaves = pytree.tree_leaves(inputs)
@@ -97,7 +97,8 @@ def _mismatch(
         multiple = multiples.get(str(want), 1) if want.is_Symbol else 1
         if got % multiple:
             return (
-                f"dim {dim} ({want}) is {got}, not a multiple of {multiple}, the tensor-"
-                f"parallel ranks that sequence parallelism splits it over"
+                f"dim {dim} ({want}) is {got}, not a multiple of {multiple}, the parts "
+                "that the plan splits it into (2 chunks per context-parallel rank, each "
+                "split over the tensor-parallel ranks under sequence parallelism)"
             )
     return None

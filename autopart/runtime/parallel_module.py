@@ -17,6 +17,7 @@ from autopart.ops.loss_match import CrossEntropy
 from autopart.ops.meta import COLLECTIVE, CollectiveInfo, TensorInfo
 from autopart.ops.program import RankProgram
 from autopart.plan import Plan
+from autopart.policy import sequence_multiple
 from autopart.runtime.data_parallel import OptimizerFactory, build_data_parallel_state
 from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.faults import peer_lost, register_process
@@ -156,8 +157,9 @@ class ParallelModule(nn.Module):
         if self.programs is None or self.state is None:
             raise ValueError("train_step needs parallelize(..., loss_fn=..., optimizer=...)")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        split_seq = {SEQ: self.plan.tp} if self.plan.sequence_parallel else {}
-        executor = self.programs.serving(args, split_seq)
+        plan = self.plan
+        multiple = sequence_multiple(plan.cp, plan.tp, plan.sequence_parallel)
+        executor = self.programs.serving(args, {SEQ: multiple})
         self.steps += 1
         try:
             return self._step(executor, args, target)

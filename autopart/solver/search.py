@@ -1,11 +1,14 @@
 """Searching the plans the pins leave open, with OR-Tools CP-SAT.
 
 Candidates, every combination the pins allow:
-  every factorization of the mesh over the axes of `Degrees` (dp × tp × pp), less what
-    `_admissible` rules out for an unpinned axis: dp must divide the batch, tp stays
-    within a node (tensor parallelism on the fast links) and, unless pinned, at degrees
-    where the model has a tensor-parallel layout; pp no more than the repeated blocks.
-    An axis with no rule is enumerated at every degree;
+  every factorization of the mesh over the axes of `Degrees` (dp × cp × tp × pp), less
+    what `_admissible` rules out for an unpinned axis: dp must divide the batch, tp
+    stays within a node (tensor parallelism on the fast links) and, unless pinned, at
+    degrees where the model has a tensor-parallel layout; pp no more than the repeated
+    blocks; cp where the model attends over a sequence that splits into 2·cp chunks,
+    without a pipeline, and where a microbatch holds fewer sequences per replica than
+    cp (otherwise dp·cp replicas of whole sequences do the same work for less). An
+    axis with no rule is enumerated at every degree;
   ZeRO stage 0-3 (0 when dp = 1);
   sequence parallelism where tp > 1, as pinned, else where the layout model finds it
     pays (`TpLayouts.sequence_parallel`: the layout solved with and without it);
@@ -63,8 +66,10 @@ from autopart.cost_models import (
 from autopart.cost_models.stage_costs import stage_problem_of
 from autopart.cost_models.summary import TpLayout
 from autopart.cost_models.tp_costs import TpCosts
+from autopart.cost_models.work import ATTENTION
 from autopart.degrees import Axis, Degrees
 from autopart.mesh import Mesh
+from autopart.passes.context_parallel import sequence_length
 from autopart.plan import Predicted
 from autopart.plan_format import format_bytes
 from autopart.policy import Precision, Schedule, zero_refusal
@@ -222,6 +227,13 @@ class TpLayouts:
             self._solutions[tp, sp] = solve_layout(problem, pattern=pattern, sharded=sharded)
         return self._solutions[tp, sp]
 
+    def ring_sequence(self) -> int | None:
+        """The sequence length context parallelism splits: the dynamic sequence's size
+        where the model attends over it (ring attention), else None."""
+        segments = self.summary(1).evaluate(self.dims)
+        attends = any(w.kind == ATTENTION for s in segments for w in s.nodes)
+        return sequence_length(self.gm, self.dims) if attends else None
+
     def roles(self, tp: int, sp: bool = False) -> dict[str, str]:
         """What each sharded parameter does in the layout (`parameter_roles`)."""
         if tp == 1:
@@ -265,6 +277,8 @@ def _price(
         progress.update(done)
         assert models is not None
         summary = layouts.summary(c.tp, c.sequence_parallel)
+        if c.cp > 1 and _states_overflow(summary, c, dims, models, memory):
+            continue
         floor = step_time_lower_bound(summary, c, dims, models) if best < math.inf else 0.0
         if floor > (1 + SLACK) * best:
             continue
@@ -300,6 +314,22 @@ def _price(
         time.perf_counter() - start,
     )
     return out
+
+
+def _states_overflow(
+    summary: GraphSummary,
+    c: Choices,
+    dims: Mapping[str, int],
+    models: CostModels,
+    memory: int,
+) -> bool:
+    """Whether a rank's parameters, gradients and optimizer state alone exceed the
+    device's memory: what neither recomputation nor stage cuts reduce. Context
+    parallelism keeps every parameter whole on its ranks, so its plans are priced only
+    where this fits (the others stay, to say what would fit)."""
+    params = sum(s.param_numel(c.tp) for s in summary.evaluate({**dims, BATCH: 1})) / c.pp
+    states = models.memory.breakdown(params, c.dp, c.zero, offload=c.offload)
+    return sum(states.values()) > memory
 
 
 def _with_inner_cuts(
@@ -428,14 +458,22 @@ def _choices(
 ) -> Iterator[Choices]:
     """Every combination the pins allow; with `offload`, only ZeRO-1/2 with the
     optimizer state on the host."""
+    sequence = layouts.ring_sequence()
     for degrees in Degrees.factorizations(mesh.world_size, pins.degrees):
-        if not _admissible(degrees, mesh, pins, batch, len(blocks)):
+        if not _admissible(degrees, mesh, pins, batch, len(blocks), sequence):
             continue
         tp, pp, dp = degrees[Axis.TP], degrees[Axis.PP], degrees[Axis.DP]
         sp = layouts.sequence_parallel(tp, pins.sequence_parallel)
         if tp > 1 and not layouts.placements(tp) and pins.degree(Axis.TP) is None:
             continue  # no layout shards anything at this tp (a pinned tp may replicate all)
+        cp = degrees[Axis.CP]
         for schedule, virtual, m in _pipelines(pp, batch // dp, pins, len(blocks)):
+            if cp > 1 and pins.degree(Axis.CP) is None and (batch // (dp * m)) % cp == 0:
+                # Each of the cp ranks could take whole sequences of the microbatch
+                # instead: the plan with dp·cp replicas does the same tokens per rank
+                # in the same memory, without the ring, the gradient all-reduces per
+                # microbatch and the logits' gather. cp pays only below a sequence.
+                continue
             for zero in _zero_stages(dp, pins):
                 if offload and zero not in (1, 2):
                     continue
@@ -455,17 +493,22 @@ def _choices(
                     )
 
 
-def _admissible(degrees: Degrees, mesh: Mesh, pins: Pins, batch: int, blocks: int) -> bool:
+def _admissible(
+    degrees: Degrees, mesh: Mesh, pins: Pins, batch: int, blocks: int, sequence: int | None
+) -> bool:
     """What each axis's degree must respect; a pinned degree passes where the rule is a
     preference (`solver.pipeline` and the passes explain what cannot run). An axis with
-    no rule here is admissible at every degree."""
+    no rule here is admissible at every degree. `sequence`: the sequence length context
+    parallelism would split (`TpLayouts.ring_sequence`), None where it would not."""
 
     def free(axis: Axis) -> bool:
         return pins.degree(axis) is None
 
-    tp, pp = degrees[Axis.TP], degrees[Axis.PP]
+    tp, pp, cp = degrees[Axis.TP], degrees[Axis.PP], degrees[Axis.CP]
     return not (
-        batch % degrees[Axis.DP]  # each replica takes an equal share of the batch
+        # the sequence's 2·cp chunks, whole tokens each; not yet beside a pipeline
+        (free(Axis.CP) and cp > 1 and (not sequence or sequence % (2 * cp) or pp > 1))
+        or batch % degrees[Axis.DP]  # each replica takes an equal share of the batch
         or (free(Axis.TP) and tp > mesh.per_node)  # tensor parallelism on a node's links
         or (pins.sequence_parallel and tp == 1)
         or (free(Axis.PP) and pp > max(1, blocks))  # a stage holds a block at least

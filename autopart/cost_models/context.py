@@ -1,0 +1,88 @@
+"""What context parallelism costs, as the rewrite runs it (`passes/context_parallel.py`).
+
+Work. Each cp rank computes its 2 chunks of every sequence: 1/cp of the work of every
+operator that acts on tokens alone. Ring attention attends the rank's seq/cp queries
+over all seq keys, half of them skipped under causality as in one device's kernel:
+1/cp of the whole attention's work too. So a rank's work is priced as the graph's on
+1/cp of the microbatch (`predict.rank_segments`), which holds for a sequence captured
+static as for a dynamic one.
+
+Communication, per microbatch, over the cp axis (stride tp):
+  ring attention: the keys and values pass to the next rank cp−1 times in forward
+    (and again in a recomputation), cp−1 times in backward with the key and value
+    gradients travelling cp times beside them (in fp32). Each pass is issued before
+    the rank computes its pairs for that step, so on NCCL it hides behind them while
+    they last; on Gloo nothing hides;
+  the parameters' gradients: every replicated weight applied to the local tokens is
+    all-reduced over cp in backward, as it is produced (`copy_to_group`): exposed;
+  the graph's outputs are gathered whole for the loss: one all-gather of the logits in
+    forward, and the whole logits held on every rank (memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autopart.cost_models.comm import ALL_GATHER, ALL_REDUCE, CommModel
+from autopart.cost_models.compute import ComputeModel
+from autopart.cost_models.precision import bytes_scale
+from autopart.cost_models.summary import SegmentWork
+from autopart.cost_models.work import ATTENTION, NodeWork
+
+GRADIENT_ACCUMULATION_BYTES = 4  # ring attention's key and value gradients travel in fp32
+
+
+def ring_comm(
+    segments: Sequence[SegmentWork],
+    cp: int,
+    tp: int,
+    precision: str,
+    recomputed: Sequence[bool],
+    comm: CommModel,
+    compute: ComputeModel,
+) -> float:
+    """Seconds per microbatch the rings of `segments`' attentions leave exposed."""
+    if cp == 1:
+        return 0.0
+    total = 0.0
+    for segment, again in zip(segments, recomputed):
+        for work in segment.nodes:
+            if work.kind != ATTENTION:
+                continue
+            kv = _key_value_bytes(work) * bytes_scale(work, precision)
+            itemsize = 4 * bytes_scale(work, precision)
+            grads = kv * GRADIENT_ACCUMULATION_BYTES / itemsize
+            send = comm.send_time(kv, 0, tp, cp * tp)
+            back = comm.send_time(kv + grads, 0, tp, cp * tp)
+            cost = compute.time(work)
+            hide = comm.overlaps_compute
+            forward = (cp - 1) * max(0.0, send - (cost.forward / cp if hide else 0.0))
+            backward = cp * max(0.0, back - (cost.backward / cp if hide else 0.0))
+            total += forward * (1 + again) + backward
+    return total
+
+
+def _key_value_bytes(work: NodeWork) -> float:
+    """The bytes of an attention's keys and values: each shaped as its output (batch,
+    heads, head dim) but for the key length in place of the query length. Its reads
+    would also count a mask, which ring attention does not pass."""
+    queries, keys, _ = work.shape or (1.0, 1.0, 0.0)
+    return 2 * work.written_bytes * keys / queries
+
+
+def gradient_all_reduces(
+    params: float, cp: int, tp: int, grad_bytes: float, comm: CommModel
+) -> float:
+    """Seconds per microbatch of the all-reduces over cp of this rank's `params`
+    parameters' gradients, in backward."""
+    if cp == 1 or not params:
+        return 0.0
+    return comm.time(ALL_REDUCE, params * grad_bytes, cp, tp)
+
+
+def output_gather(output_bytes: float, cp: int, tp: int, comm: CommModel) -> float:
+    """Seconds per microbatch of gathering the last segment's output (this rank's
+    `output_bytes` of it) over cp."""
+    if cp == 1 or not output_bytes:
+        return 0.0
+    return comm.time(ALL_GATHER, output_bytes * cp, cp, tp)

@@ -1,0 +1,104 @@
+"""Context parallelism: shard every sequence over the cp ranks; attention runs as a ring.
+
+The inputs whose dim 1 is the sequence (token ids, labels, position ids) are sharded
+over cp in the mirrored layout (`ops.context_parallel`): each rank computes its two
+chunks of every sequence. The walk that places tensor parallelism (`tp_propagate`)
+places the sequence shards through the graph from those inputs, with the parameters
+whole:
+
+- operators that act on each token alone (projections, norms, activations) run on the
+  local chunks; sizes of the sequence become local;
+- values computed from the whole sequence's shape (positions, rotary tables) are whole
+  on every rank and sliced to its chunks where they meet a sharded value;
+- causal (or unmasked) attention over sequence shards runs as ring attention;
+- a replicated weight applied to the local tokens has its gradient summed over the cp
+  ranks in backward (`copy_to_group`), so every rank ends the backward with the whole
+  gradient, as one device has it; the data-parallel sync then spans dp alone;
+- anything else that mixes tokens (a masked attention, a reduction over the sequence,
+  a slice of it) gathers the sequence first and runs whole: correct, and slower, and
+  logged;
+- the graph's outputs are gathered whole, so the loss is one device's.
+
+Sizes read off the inputs (`sym_size`) stay whole: the inputs themselves stay whole for
+those readers, and every other reader takes this rank's chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import sympy
+from torch import fx
+from torch.distributed.tensor import Shard
+
+from autopart.batch import SEQ
+from autopart.degrees import Axis
+from autopart.ops.aten import op_name
+from autopart.ops.context_parallel import cp_shard
+from autopart.ops.meta import COLLECTIVE, SHAPE, CollectiveInfo, TensorInfo, inherit, tensor_info
+from autopart.passes.placement_rewrite import CP_CONVERSIONS, PlacementRewriter
+from autopart.passes.runner import PassContext
+from autopart.passes.tp_propagate import propagate
+
+log = logging.getLogger("autopart.cp")
+
+
+def context_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    plan, groups = ctx.rank.plan, ctx.rank.groups
+    group = groups.group_name(Axis.CP)
+    inputs = sequence_inputs(gm)
+    seeds = {node.name: Shard(1) for node in inputs}
+    result = propagate(gm, ctx.params, {}, plan.cp, input_places=seeds, context_parallel=True)
+    for node, reason in result.fallbacks:
+        log.info("cp: %s (%s) runs on the whole sequence: %s", node.name, op_name(node, gm), reason)
+    PlacementRewriter(gm, result, group, plan.cp, CP_CONVERSIONS).apply_all()
+    for node in inputs:
+        _shard_input(gm, node, group)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def sequence_inputs(gm: fx.GraphModule) -> list[fx.Node]:
+    """The graph's inputs whose dim 1 is the sequence: the capture names it (a dynamic
+    sequence), or, captured static (a model on the meta device), token ids: integer
+    tensors of 2 dims or more."""
+    found = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        info = SHAPE.get(node, None)
+        if not isinstance(info, TensorInfo) or len(info.shape) < 2:
+            continue
+        seq = sympy.sympify(info.shape[1])
+        named = seq.is_Symbol and seq.name == SEQ
+        if named or (seq.is_Integer and not info.dtype.is_floating_point):
+            found.append(node)
+    return found
+
+
+def sequence_length(gm: fx.GraphModule, dims: Mapping[str, int]) -> int | None:
+    """The length of the sequences the graph's inputs hold, at the named sizes `dims`;
+    None where it has no such input, or they disagree."""
+    lengths = set()
+    for node in sequence_inputs(gm):
+        size = sympy.sympify(tensor_info(node).shape[1])
+        size = size.subs({s: dims[s.name] for s in size.free_symbols if s.name in dims})
+        if not size.is_Integer:
+            return None
+        lengths.add(int(size))
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+def _shard_input(gm: fx.GraphModule, node: fx.Node, group: str) -> None:
+    """Every reader of `node` but its size reads takes this rank's chunks."""
+    readers = [u for u in node.users if op_name(u, gm) not in ("sym_size", "sym_numel")]
+    if not readers:
+        return
+    with gm.graph.inserting_after(node):
+        local = gm.graph.call_function(cp_shard, (node, 1, group))
+    local.name = f"cp_shard_{node.name}"
+    inherit(local, readers[0], SHAPE.get(node))
+    nbytes = tensor_info(node).nbytes
+    COLLECTIVE.set(local, CollectiveInfo("slice", Axis.CP.value, group, nbytes))
+    for user in readers:
+        user.replace_input_with(node, local)

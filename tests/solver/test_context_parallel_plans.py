@@ -1,0 +1,50 @@
+"""Planning context parallelism, on the meta device: Llama-3-8B's shape at 128k tokens
+per sequence on 8 nodes of 8 H100s (bf16 mixed precision, the cross-entropy on logits
+sharded over the vocabulary, as `benchmarks/plan_speed.py` plans it).
+
+One sequence per step leaves data parallelism nothing to split and a pipeline nothing
+to fill: without cp no plan fits, with cp=8 × tp=8 one does. At 8 sequences per step
+data parallelism could take them, and the cost model prefers cp anyway."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopart.api import captured_for_planning
+from autopart.mesh import Mesh
+from autopart.ops.loss_match import match_cross_entropy
+from autopart.plan import PlanError
+from autopart.solver import Pins, make_plan
+from tests.models import llama3_8b_on_meta, lm_loss
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 131072
+MESH = Mesh.cluster("h100-80g", nodes=8, per_node=8)
+
+
+def _plan(batch: int, **pins):
+    model = llama3_8b_on_meta(positions=TOKENS)
+    ids = torch.zeros(batch, TOKENS, dtype=torch.long, device="meta")
+    captured = captured_for_planning(model, (ids,))
+    loss = match_cross_entropy(lm_loss, captured.gm)
+    assert loss is not None
+    pins = Pins.of(precision="bf16-mixed", sharded_logits=loss.logits, **pins)
+    return make_plan(captured, MESH, pins)
+
+
+def test_one_long_sequence_is_split_over_context_parallel_ranks():
+    plan = _plan(1)
+    assert plan.cp > 1 and plan.dp == 1 and plan.pp == 1
+    assert plan.predicted.peak_memory_bytes <= MESH.device.memory_bytes
+    assert "Context parallelism splits every sequence over the 8 cp ranks" in plan.explain()
+    with pytest.raises(PlanError, match="no plan"):
+        _plan(1, cp=1)
+
+
+def test_context_parallelism_is_chosen_where_the_model_predicts_it_faster():
+    plan = _plan(8)
+    without = _plan(8, cp=1)
+    assert plan.cp > 1
+    assert plan.predicted.step_time_s < without.predicted.step_time_s
