@@ -31,7 +31,7 @@ def _verify(pins: dict, batch, broken: bool = False):
 def _remove_the_first_linear_all_reduce() -> None:
     import autopart.ops.collectives as collectives
     from autopart.ops.aten import op_name
-    from autopart.passes.tensor_parallel import _Rewriter
+    from autopart.passes.placement_rewrite import PlacementRewriter as _Rewriter
 
     reduce_after, all_reduce = _Rewriter.reduce_after, collectives.all_reduce
     broken = []

@@ -26,6 +26,7 @@ those readers, and every other reader takes this rank's chunks.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 
 import sympy
@@ -34,7 +35,7 @@ from torch.distributed.tensor import Shard
 
 from autopart.batch import SEQ
 from autopart.degrees import Axis
-from autopart.ops.aten import op_name
+from autopart.ops.aten import ATTENTION_OPS, op_name
 from autopart.ops.context_parallel import cp_shard
 from autopart.ops.meta import COLLECTIVE, SHAPE, CollectiveInfo, TensorInfo, inherit, tensor_info
 from autopart.passes.placement_rewrite import CP_CONVERSIONS, PlacementRewriter
@@ -51,7 +52,14 @@ def context_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     seeds = {node.name: Shard(1) for node in inputs}
     result = propagate(gm, ctx.params, {}, plan.cp, input_places=seeds, context_parallel=True)
     for node, reason in result.fallbacks:
-        log.info("cp: %s (%s) runs on the whole sequence: %s", node.name, op_name(node, gm), reason)
+        name = op_name(node, gm)
+        log.info("cp: %s (%s) runs on the whole sequence: %s", node.name, name, reason)
+        if name in ATTENTION_OPS:
+            warnings.warn(
+                f"autopart: context parallelism gathers the sequence for {node.name} "
+                f"({reason}); it runs whole on every cp rank",
+                stacklevel=2,
+            )
     PlacementRewriter(gm, result, group, plan.cp, CP_CONVERSIONS).apply_all()
     for node in inputs:
         _shard_input(gm, node, group)

@@ -113,6 +113,7 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     layouts = TpLayouts(
         captured.gm, captured.parameter_names, mesh, dims, pins.precision, pins.sharded_logits
     )
+    _check_context_pin(pins, layouts)
     try:
         found = search(layouts, mesh, pins, batch, dims)
     except NoPlanFits as e:
@@ -183,6 +184,27 @@ def _check_pins(pins: Pins, mesh: Mesh, batch: int) -> None:
             f"the pinned {' × '.join(f'{a}={n}' for a, n in pins.degrees.items())} = "
             f"{pinned.world_size} devices do not divide the {mesh.world_size} of "
             f"{mesh.describe()}: pin degrees whose product divides {mesh.world_size}"
+        )
+
+
+def _check_context_pin(pins: Pins, layouts: TpLayouts) -> None:
+    """Refuse a pinned cp > 1 that cannot split the model's sequences: a model that
+    attends over none would run whole on every cp rank."""
+    cp = pins.degree(Axis.CP) or 1
+    if cp == 1:
+        return
+    sequence = layouts.ring_sequence()
+    if sequence is None:
+        raise PlanError(
+            f"cp={cp} splits sequences over context-parallel ranks, but the model has no "
+            "token input (an integer input of shape [batch, seq, ...]) that attention "
+            "reads: pin cp=1"
+        )
+    if sequence % (2 * cp):
+        raise PlanError(
+            f"cp={cp} cuts each sequence into 2·cp = {2 * cp} chunks, but the sequence "
+            f"has {sequence} tokens: pin a cp whose 2·cp divides {sequence}, or change "
+            "the sequence length"
         )
 
 

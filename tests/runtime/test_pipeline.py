@@ -56,6 +56,7 @@ def test_two_stage_schedules_match_single_device():
     _check(WORLD_2, 2)
 
 
+@pytest.mark.slow  # 4 ranks, 30 s: the quick suite keeps the 2-stage schedules
 def test_interleaved_and_composed_pipelines_match_single_device():
     _check(WORLD_4, 4)
 

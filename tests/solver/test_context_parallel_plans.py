@@ -16,9 +16,7 @@ from autopart.mesh import Mesh
 from autopart.ops.loss_match import match_cross_entropy
 from autopart.plan import PlanError
 from autopart.solver import Pins, make_plan
-from tests.models import llama3_8b_on_meta, lm_loss
-
-pytestmark = pytest.mark.slow
+from tests.models import MLP, llama3_8b_on_meta, lm_loss, tiny_llama, token_batch
 
 TOKENS = 131072
 MESH = Mesh.cluster("h100-80g", nodes=8, per_node=8)
@@ -34,6 +32,7 @@ def _plan(batch: int, **pins):
     return make_plan(captured, MESH, pins)
 
 
+@pytest.mark.slow
 def test_one_long_sequence_is_split_over_context_parallel_ranks():
     plan = _plan(1)
     assert plan.cp > 1 and plan.dp == 1 and plan.pp == 1
@@ -43,8 +42,20 @@ def test_one_long_sequence_is_split_over_context_parallel_ranks():
         _plan(1, cp=1)
 
 
+@pytest.mark.slow
 def test_context_parallelism_is_chosen_where_the_model_predicts_it_faster():
     plan = _plan(8)
     without = _plan(8, cp=1)
     assert plan.cp > 1
     assert plan.predicted.step_time_s < without.predicted.step_time_s
+
+
+def test_pinned_context_parallelism_needs_a_sequence_it_can_split():
+    """Quick: a model with no token input, and a sequence that does not cut into 2·cp
+    chunks, are refused before any search."""
+    two_cpus = Mesh.cluster("cpu", nodes=1, per_node=2)
+    with pytest.raises(PlanError, match="no token input"):
+        make_plan(captured_for_planning(MLP(), (torch.randn(4, 32),)), two_cpus, Pins.of(cp=2))
+    ids, _ = token_batch(4, 6)
+    with pytest.raises(PlanError, match="2·cp = 4 chunks, but the sequence has 6 tokens"):
+        make_plan(captured_for_planning(tiny_llama(), (ids,)), two_cpus, Pins.of(cp=2))
