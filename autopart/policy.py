@@ -185,3 +185,11 @@ def sequence_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
     parallelism splits each rank's tokens over tp."""
     chunks = 2 * cp if cp > 1 else 1
     return chunks * (tp if sequence_parallel else 1)
+
+
+def cp_gradients_in_sync(zero: int, sync_every: int | None, grad_compression: str | None) -> bool:
+    """Whether the gradients each context-parallel rank holds a part of (its tokens')
+    are summed over cp by the data-parallel sync, once per step, bucketed and
+    overlapped with backward (plain data parallelism: ZeRO-0, exact, every step), rather
+    than all-reduced over cp in backward as each is produced."""
+    return zero == 0 and sync_every is None and grad_compression is None

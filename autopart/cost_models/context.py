@@ -13,8 +13,10 @@ Communication, per microbatch, over the cp axis (stride tp):
     gradients travelling cp times beside them (in fp32). Each pass is issued before
     the rank computes its pairs for that step, so on NCCL it hides behind them while
     they last; on Gloo nothing hides;
-  the parameters' gradients: every replicated weight applied to the local tokens is
-    all-reduced over cp in backward, as it is produced (`copy_to_group`): exposed;
+  the parameters' gradients: under plain data parallelism the sync sums each rank's
+    part over dp × cp once per step (`predict._dp_sync`, as for dp); otherwise every
+    replicated weight applied to the local tokens is all-reduced over cp in backward,
+    as it is produced (`copy_to_group`): exposed, every microbatch;
   the graph's outputs are gathered whole for the loss: one all-gather of the logits in
     forward, and the whole logits held on every rank (memory).
 """

@@ -78,6 +78,7 @@ from autopart.policy import (
     ZERO3_REGATHER_AFTER,
     Precision,
     Schedule,
+    cp_gradients_in_sync,
 )
 
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
@@ -286,7 +287,7 @@ def step_time_lower_bound(
     segments = rank_segments(summary, at, choices)
     compute = sum(t.total for t in _segment_times(segments, choices, models.compute))
     floor = compute * choices.microbatches / choices.pp
-    if choices.cp > 1:
+    if choices.cp > 1 and not _cp_in_sync(choices):
         params = sum(s.param_numel(choices.tp) for s in segments) / choices.pp
         grad_bytes = STATE_BYTES[choices.precision][1]
         cp_grads = gradient_all_reduces(params, choices.cp, choices.tp, grad_bytes, models.comm)
@@ -425,7 +426,8 @@ def _cp_comm(
     recomputed = [choices.recomputes(s) for s in own]
     rings = ring_comm(own, cp, tp, choices.precision, recomputed, comm, models.compute)
     grad_bytes = STATE_BYTES[choices.precision][1]
-    gradients = gradient_all_reduces(params, cp, tp, grad_bytes, comm)
+    in_sync = _cp_in_sync(choices)
+    gradients = 0.0 if in_sync else gradient_all_reduces(params, cp, tp, grad_bytes, comm)
     logits = output_gather(last.output_bytes, cp, tp, comm) if last else 0.0
     return rings + gradients + logits
 
@@ -515,26 +517,41 @@ def _dp_sync(
 ) -> float:
     """Once per step: ZeRO-0/1/2 gradient reduction (`traffic` of its bytes, where it
     is compressed), hidden behind the last microbatch's backward but for its last
-    bucket; ZeRO-1/2's parameter all-gather after the step."""
-    if choices.dp == 1 or choices.zero == 3:
+    bucket; ZeRO-1/2's parameter all-gather after the step. Under context parallelism
+    with plain data parallelism the reduction spans dp × cp (it sums cp's parts)."""
+    size, stride = _sync_group(choices)
+    if size == 1 or choices.zero == 3:
         return 0.0
     param_bytes, grad_bytes = STATE_BYTES[choices.precision][:2]
     op = ALL_REDUCE if choices.zero == 0 else REDUCE_SCATTER
-    sync, last = _bucketed(op, params * grad_bytes * traffic, choices, models)
+    sync, last = _bucketed(op, params * grad_bytes * traffic, size, stride, models)
     exposed = exposed_sync(sync, _hiding(compute.backward + compute.recompute, models), last)
     if choices.zero == 0:
         return exposed
-    stride = choices.degrees.stride(Axis.DP)
-    return exposed + models.comm.time(ALL_GATHER, params * param_bytes, choices.dp, stride)
+    return exposed + models.comm.time(ALL_GATHER, params * param_bytes, size, stride)
 
 
-def _bucketed(op: str, nbytes: float, choices: Choices, models: CostModels) -> tuple[float, float]:
-    """(every bucket, the last bucket): seconds of `op` over dp on `nbytes` of gradients
-    cut into the memory model's buckets."""
+def _sync_group(choices: Choices) -> tuple[int, int]:
+    """(ranks, stride) of the gradient sync's group: dp, or dp × cp where the sync also
+    sums context parallelism's parts (`policy.cp_gradients_in_sync`)."""
+    if choices.cp > 1 and _cp_in_sync(choices):
+        return choices.dp * choices.cp, choices.degrees.stride(Axis.CP)
+    return choices.dp, choices.degrees.stride(Axis.DP)
+
+
+def _cp_in_sync(choices: Choices) -> bool:
+    # Choices carries no local SGD: it is priced as plain data parallelism.
+    return cp_gradients_in_sync(choices.zero, None, choices.grad_compression)
+
+
+def _bucketed(
+    op: str, nbytes: float, size: int, stride: int, models: CostModels
+) -> tuple[float, float]:
+    """(every bucket, the last bucket): seconds of `op` over the sync's `size` ranks,
+    `stride` apart, on `nbytes` of gradients cut into the memory model's buckets."""
     memory = models.memory
     runs = bucket_runs(nbytes, memory.bucket_bytes, memory.first_bucket_bytes)
-    stride = choices.degrees.stride(Axis.DP)
-    seconds = [(models.comm.time(op, size, choices.dp, stride), n) for size, n in runs]
+    seconds = [(models.comm.time(op, b, size, stride), n) for b, n in runs]
     return sum(t * n for t, n in seconds), seconds[-1][0] if seconds else 0.0
 
 

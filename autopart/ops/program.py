@@ -23,6 +23,9 @@ class RankProgram:
     # The loss, where the last stage returns its logits sharded over the vocabulary
     # (tp's last dim): the runtime computes it with a vocabulary-parallel cross-entropy.
     vocab_parallel_loss: CrossEntropy | None = None
+    # Parameters whose gradient each cp rank holds a part of, for the data-parallel
+    # sync to sum over cp (`policy.cp_gradients_in_sync`).
+    cp_summed: frozenset[str] = frozenset()
 
 
 class ProgramMismatch(ValueError):
@@ -36,7 +39,11 @@ def sharing_tensors(program: RankProgram, held: RankProgram) -> RankProgram:
     gradient hooks and the checkpoints, all built over `held`, then serve both, and a
     step of either trains the same values. The tensors `program` was rewritten with
     (slices of the model's stale whole parameters) are dropped."""
-    if program.stage_ids != held.stage_ids or program.tp_layout != held.tp_layout:
+    if (
+        program.stage_ids != held.stage_ids
+        or program.tp_layout != held.tp_layout
+        or program.cp_summed != held.cp_summed
+    ):
         raise ProgramMismatch(
             f"the program made again runs stages {program.stage_ids} with tensor-parallel "
             f"layout {program.tp_layout}, the first {held.stage_ids} with {held.tp_layout}"

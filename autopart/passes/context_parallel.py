@@ -11,9 +11,12 @@ whole:
 - values computed from the whole sequence's shape (positions, rotary tables) are whole
   on every rank and sliced to its chunks where they meet a sharded value;
 - causal (or unmasked) attention over sequence shards runs as ring attention;
-- a replicated weight applied to the local tokens has its gradient summed over the cp
-  ranks in backward (`copy_to_group`), so every rank ends the backward with the whole
-  gradient, as one device has it; the data-parallel sync then spans dp alone;
+- a replicated weight applied to the local tokens gets a part of its gradient on each
+  cp rank (its tokens'). Under plain data parallelism the sync sums the parts over dp ×
+  cp once per step, bucketed and overlapped with backward (`CP_SUMMED`,
+  `policy.cp_gradients_in_sync`); otherwise (ZeRO, local SGD, compression) each is
+  all-reduced over cp in backward as it is produced (`copy_to_group`). Either way every
+  rank steps on the whole gradient, as one device has it;
 - anything else that mixes tokens (a masked attention, a reduction over the sequence,
   a slice of it) gathers the sequence first and runs whole: correct, and slower, and
   logged;
@@ -37,10 +40,20 @@ from autopart.batch import SEQ
 from autopart.degrees import Axis
 from autopart.ops.aten import ATTENTION_OPS, op_name
 from autopart.ops.context_parallel import cp_shard
-from autopart.ops.meta import COLLECTIVE, SHAPE, CollectiveInfo, TensorInfo, inherit, tensor_info
+from autopart.ops.meta import (
+    COLLECTIVE,
+    CP_SUMMED,
+    SHAPE,
+    CollectiveInfo,
+    TensorInfo,
+    inherit,
+    tensor_info,
+)
 from autopart.passes.placement_rewrite import CP_CONVERSIONS, PlacementRewriter
 from autopart.passes.runner import PassContext
-from autopart.passes.tp_propagate import propagate
+from autopart.passes.tp_decision import argument_leaves
+from autopart.passes.tp_propagate import Propagation, propagate
+from autopart.policy import cp_gradients_in_sync
 
 log = logging.getLogger("autopart.cp")
 
@@ -60,12 +73,43 @@ def context_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
                 f"({reason}); it runs whole on every cp rank",
                 stacklevel=2,
             )
+    if cp_gradients_in_sync(plan.zero, plan.sync_every, plan.grad_compression):
+        CP_SUMMED.set(gm, _leave_sums_to_sync(gm, result, ctx.params))
     PlacementRewriter(gm, result, group, plan.cp, CP_CONVERSIONS).apply_all()
     for node in inputs:
         _shard_input(gm, node, group)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _leave_sums_to_sync(
+    gm: fx.GraphModule, result: Propagation, params: Mapping[str, str]
+) -> frozenset[str]:
+    """The parameters every reader of which applies them to this rank's tokens (so each
+    rank's gradient is a part, its tokens'): their all-reduces over cp in backward are
+    dropped, and the data-parallel sync sums them instead, once per step. A parameter
+    also read whole (a position table looked up by whole positions) keeps them: its
+    gradient is whole on every rank, and summing it would count it cp times."""
+
+    def reads(node: fx.Node, user: fx.Node) -> set[int]:
+        return {i for i, leaf in enumerate(argument_leaves(user)) if leaf is node}
+
+    partial: dict[str, bool] = {}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        fqn = params.get(str(node.target))
+        if fqn is None:
+            continue
+        for user in node.users:
+            decision = result.decisions.get(user)
+            part = decision is not None and reads(node, user) <= decision.copy_to_group
+            partial[fqn] = partial.get(fqn, True) and part
+    summed = frozenset(fqn for fqn, part in partial.items() if part)
+    for node in gm.graph.find_nodes(op="get_attr"):
+        if params.get(str(node.target)) in summed:
+            for user in node.users:
+                result.decisions[user].copy_to_group -= reads(node, user)
+    return summed
 
 
 def sequence_inputs(gm: fx.GraphModule) -> list[fx.Node]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from autopart.ops.meta import TP_LAYOUT, VOCAB_PARALLEL_LOSS
+from autopart.ops.meta import CP_SUMMED, TP_LAYOUT, VOCAB_PARALLEL_LOSS
 from autopart.ops.program import RankProgram
 from autopart.passes.causal_attention import causal_attention_pass
 from autopart.passes.context_parallel import context_parallel_pass
@@ -83,4 +83,5 @@ def rank_program(gm: fx.GraphModule, ctx: PassContext) -> RankProgram:
         stages, stage_ids = [gm], [0]
     stages = [run_passes(stage, ctx, passes(per_stage=True)) for stage in stages]
     loss = VOCAB_PARALLEL_LOSS.get(gm) if VOCAB_PARALLEL_LOSS.has(gm) else None
-    return RankProgram(stages, stage_ids, TP_LAYOUT.get(gm, {}), loss)
+    summed = CP_SUMMED.get(gm, frozenset())
+    return RankProgram(stages, stage_ids, TP_LAYOUT.get(gm, {}), loss, summed)

@@ -16,6 +16,7 @@ stages 1-3 shard optimizer state, gradients and parameters (runtime/zero.py). Lo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -60,8 +61,20 @@ class LocalState:
         pass
 
 
+@dataclass(frozen=True)
+class ContextSums:
+    """Parameters whose gradient each context-parallel rank holds a part of (`fqns`,
+    `RankProgram.cp_summed`), summed over `group` (dp × cp) and divided by the dp
+    replicas: the whole gradient's mean over the replicas."""
+
+    group: dist.ProcessGroup
+    fqns: frozenset[str]
+
+
 class ReplicatedState:
-    """ZeRO stage 0: plain data parallelism (its gradients compressed, if asked)."""
+    """ZeRO stage 0: plain data parallelism (its gradients compressed, if asked). Under
+    context parallelism the gradients of `context.fqns` are summed over dp × cp, the
+    others averaged over dp (whole on every cp rank already)."""
 
     def __init__(
         self,
@@ -70,22 +83,37 @@ class ReplicatedState:
         optimizer: OptimizerFactory,
         accumulation: int,
         compression: str | None = None,
+        context: ContextSums | None = None,
     ) -> None:
         params = params_in_backward_order(stages)
-        self.sync = GradientSync(params, group, accumulation, compression=compression)
+        summed = _named(stages, context.fqns) if context else set()
+        rest = [p for p in params if id(p) not in summed]
+        dp = dist.get_world_size(group)
+        self.syncs = [GradientSync(rest, group, accumulation, compression=compression)]
+        if context is not None:
+            parts = [p for p in params if id(p) in summed]
+            self.syncs.append(GradientSync(parts, context.group, accumulation, divisor=dp))
         self.optimizer = optimizer([p for gm in stages for p in gm.parameters()])
 
     def begin(self) -> None:
-        self.sync.begin()
+        for sync in self.syncs:
+            sync.begin()
 
     def finish(self) -> None:
-        self.sync.finish()
+        for sync in self.syncs:
+            sync.finish()
 
     def step(self) -> None:
         self.optimizer.step()
 
     def close(self) -> None:
-        self.sync.close()
+        for sync in self.syncs:
+            sync.close()
+
+
+def _named(stages: list[fx.GraphModule], fqns: frozenset[str]) -> set[int]:
+    """The ids of the stages' parameters named in `fqns`."""
+    return {id(p) for gm in stages for name, p in gm.named_parameters() if name in fqns}
 
 
 class LocalSgdState:
@@ -148,12 +176,16 @@ def build_data_parallel_state(
     sync_warmup: int = 0,
     grad_compression: str | None = None,
     offload: bool = False,
+    context: ContextSums | None = None,
 ) -> DataParallelState:
     """The state for ZeRO stage `zero` of this rank's `stages` over the data-parallel
     `group`. `accumulation` is how many backward passes (microbatches) contribute to
     each step's gradients; `sync_every`, where set, makes it local SGD;
     `grad_compression` compresses stage 0's gradient all-reduce; `offload` keeps ZeRO-1/2's
-    optimizer state on the host."""
+    optimizer state on the host; `context`, the gradients the sync also sums over cp.
+    """
+    if context is not None and context.fqns:
+        return ReplicatedState(stages, group, optimizer, accumulation, context=context)
     if dist.get_world_size(group) == 1:
         return LocalState(stages, optimizer)
     if sync_every is not None:

@@ -42,10 +42,11 @@ class Compression(Protocol):
 
 
 class Uncompressed:
-    """The mean over the group, in the gradients' dtype."""
+    """The sum over the group divided by `divisor` (the group's size: the mean), in the
+    gradients' dtype."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group, self.size = group, dist.get_world_size(group)
+    def __init__(self, group: dist.ProcessGroup, divisor: int | None = None) -> None:
+        self.group, self.size = group, divisor or dist.get_world_size(group)
         self.work: dist.Work | None = None
 
     def launch(self, buffer: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) -> None:
@@ -129,10 +130,14 @@ class PowerSgd:
         return self.factors[index]
 
 
-def make_compression(spec: str | None, group: dist.ProcessGroup) -> Compression:
-    """A new reducer for one bucket."""
+def make_compression(
+    spec: str | None, group: dist.ProcessGroup, divisor: int | None = None
+) -> Compression:
+    """A new reducer for one bucket: the sum over `group` divided by `divisor`, where
+    given (exactly; compression always takes the mean)."""
     if spec is None:
-        return Uncompressed(group)
+        return Uncompressed(group, divisor)
+    assert divisor is None, "compressed reductions take the mean"
     if spec == "bf16":
         return Bf16(group)
     return PowerSgd(group, powersgd_rank(spec))

@@ -38,7 +38,8 @@ class _Bucket:
 
 
 class GradientSync:
-    """All-reduce-averages the gradients of `params` over `group` during backward."""
+    """All-reduce-averages the gradients of `params` over `group` during backward (sums
+    them and divides by `divisor`, where given)."""
 
     def __init__(
         self,
@@ -48,17 +49,20 @@ class GradientSync:
         bucket_bytes: int = GRAD_BUCKET_BYTES,
         finish_with_backward: bool = False,
         compression: str | None = None,
+        divisor: int | None = None,
     ) -> None:
         """`finish_with_backward`: call `finish` when the backward that produced the
         gradients ends (for callers that do not drive the step themselves);
-        `compression`: how buckets are reduced (`grad_compression`), exactly if None."""
+        `compression`: how buckets are reduced (`grad_compression`), exactly if None;
+        `divisor`: what the sum is divided by, where not the group's size (the
+        data-parallel replicas, when the group also sums context-parallel parts)."""
         self.group = group
         self.accumulation = accumulation
         self.finish_with_backward = finish_with_backward
         self._finish_queued = False
         self.buckets = _make_buckets(params_in_backward_order, bucket_bytes)
         for bucket in self.buckets:
-            bucket.reducer = make_compression(compression, group)
+            bucket.reducer = make_compression(compression, group, divisor)
         self._bucket_of: dict[int, _Bucket] = {}
         self._hooks = []
         for bucket in self.buckets:

@@ -18,7 +18,11 @@ from autopart.ops.meta import COLLECTIVE, CollectiveInfo, TensorInfo
 from autopart.ops.program import RankProgram
 from autopart.plan import Plan
 from autopart.policy import sequence_multiple
-from autopart.runtime.data_parallel import OptimizerFactory, build_data_parallel_state
+from autopart.runtime.data_parallel import (
+    ContextSums,
+    OptimizerFactory,
+    build_data_parallel_state,
+)
 from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.faults import peer_lost, register_process
 from autopart.runtime.full_state import full_state_dict
@@ -66,6 +70,7 @@ class ParallelModule(nn.Module):
         register_process()  # so that a survivor can name a rank that is lost
         self.stage_ids = program.stage_ids
         self.tp_layout = program.tp_layout
+        self.cp_summed = program.cp_summed
         # Logits the program returns sharded over the vocabulary, for a parallel loss.
         self.vocab_parallel_loss = program.vocab_parallel_loss
         self.plan = plan
@@ -94,6 +99,9 @@ class ParallelModule(nn.Module):
                 plan.sync_warmup,
                 plan.grad_compression,
                 plan.offload,
+                ContextSums(groups.group(Axis.DP, Axis.CP), program.cp_summed)
+                if program.cp_summed
+                else None,
             )
             if optimizer
             else None
