@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from autopart.degrees import Axis
 from autopart.placements import placement_to_str
+from autopart.policy import cp_gradients_in_sync
 
 if TYPE_CHECKING:
     from autopart.plan import Plan, Resharding, StageFigures
@@ -145,7 +146,13 @@ def explain_plan(plan: Plan) -> str:
             f"holds 2 of its {2 * plan.cp} chunks, the i-th and the i-th from the end, so "
             "that causal attention's work is even. Attention runs as a ring that passes "
             "keys and values from rank to rank; each weight's gradient is summed over the "
-            "cp ranks in backward, and the logits are gathered whole for the loss."
+            "cp ranks"
+            + (
+                " by the data-parallel sync, once per step"
+                if cp_gradients_in_sync(plan.zero, plan.sync_every, plan.grad_compression)
+                else " in backward, as it is produced"
+            )
+            + ", and the logits are gathered whole for the loss."
         )
     if plan.zero:
         what = {
