@@ -1,5 +1,5 @@
 """Context parallelism trains a causal Llama (sequence 64) like one device: cp=2 on 2
-Gloo ranks; cp=2 × dp=2 (with ZeRO-0 and ZeRO-1), cp=2 × tp=2 and with sequence
+Gloo ranks; cp=2 × dp=2 (with ZeRO-0, 1 and 3), cp=2 × tp=2 and with sequence
 parallelism on 4; 3 AdamW steps in fp32, every rank's losses and parameters within 1e-5
 of one device's. Each layer's attention runs as a ring, and the only gather of the
 sequence is the logits'. Under plain data parallelism the weights' gradients are summed
@@ -11,8 +11,15 @@ from collections import Counter
 
 import pytest
 
+import autopart
 from autopart.testing import run_world
-from tests.harness import assert_every_rank_matches, case_key, train_case
+from tests.harness import (
+    assert_every_rank_matches,
+    case_key,
+    parallelize_lm,
+    train_case,
+    train_losses,
+)
 from tests.models import tiny_llama, token_batch, train_reference
 
 STEPS = 3
@@ -23,6 +30,7 @@ CASES = {
     4: [
         {"cp": 2, "dp": 2, "tp": 1, "zero": 0},
         {"cp": 2, "dp": 2, "tp": 1, "zero": 1},
+        {"cp": 2, "dp": 2, "tp": 1, "zero": 3},
         {"cp": 2, "dp": 1, "tp": 2},
         {"cp": 2, "dp": 1, "tp": 2, "sequence_parallel": True},
     ],
@@ -61,3 +69,25 @@ def test_context_parallel_trains_like_one_device(world):
             assert in_backward > 0 and graph["summed"] == 0
         elif pins["tp"] == 1:  # every weight of the Llama reads this rank's tokens alone
             assert in_backward == 0 and graph["summed"] == PARAMETERS
+
+
+def _resume(batch, directory) -> list[float]:
+    pm = parallelize_lm(tiny_llama(), batch, "adamw", cp=2, dp=2, tp=1, pp=1, zero=0)
+    losses = train_losses(pm, batch, STEPS - 1)
+    autopart.save_checkpoint(pm, directory)
+    pm.close()
+    pm = parallelize_lm(tiny_llama(), batch, "adamw", cp=1, dp=4, tp=1, pp=1, zero=1)
+    autopart.load_checkpoint(pm, directory)
+    losses += train_losses(pm, batch, 1)
+    pm.close()
+    return losses
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_a_context_parallel_plan_resumes_under_data_parallelism(tmp_path):
+    """Parameters replicated over cp are saved once and read back under another plan:
+    the resumed run follows one device's losses."""
+    batch = token_batch(4, SEQ)
+    reference = train_reference(tiny_llama(), "adamw", STEPS, (batch[0],), batch[1])
+    for losses in run_world(_resume, 4, batch, str(tmp_path)):
+        assert losses == pytest.approx(reference["losses"], rel=1e-5)
