@@ -177,11 +177,6 @@ class Plan(AxisAttributes):
             )
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence parallelism needs tp > 1")
-        if self.cp > 1 and self.pp > 1:
-            out.append(
-                "context parallelism (cp > 1) does not yet combine with pipeline "
-                "parallelism (pp > 1): pin one of them to 1"
-            )
         if self.pp > 1 and self.schedule is None:
             out.append("a pipeline (pp > 1) needs a schedule")
         if self.pp > 1 and len(self.stage_cuts) != self.pp * self.virtual_stages - 1:

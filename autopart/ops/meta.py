@@ -135,6 +135,9 @@ COLLECTIVE: MetaKey[CollectiveInfo] = MetaKey("collective", "a rewrite pass")
 # rewrite: its tp placement (Shard, Replicate, Partial), or None where it is no piece of
 # it (a row-parallel product whose bias moved after the reduction). For autopart.verify.
 TP_PLACE: MetaKey[Placement | None] = MetaKey("tp_place", "tensor_parallel_pass")
+# A value the context-parallel rewrite left sharded over cp: Shard(d), this rank's two
+# chunks of dim d (SHAPE holds the whole's). Pipeline stages size what they exchange by it.
+CP_PLACE: MetaKey[Placement] = MetaKey("cp_place", "context_parallel_pass")
 
 # Tensor-parallel parameters of a rewritten graph: FQN -> (sharded dim, parts of a fused
 # weight), for slicing checkpoints and reassembling whole parameters.

@@ -42,6 +42,7 @@ from autopart.ops.aten import ATTENTION_OPS, op_name
 from autopart.ops.context_parallel import cp_shard
 from autopart.ops.meta import (
     COLLECTIVE,
+    CP_PLACE,
     CP_SUMMED,
     SHAPE,
     CollectiveInfo,
@@ -75,6 +76,9 @@ def context_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
             )
     if cp_gradients_in_sync(plan.zero, plan.sync_every, plan.grad_compression):
         CP_SUMMED.set(gm, _leave_sums_to_sync(gm, result, ctx.params))
+    for node, place in result.places.items():
+        if isinstance(place, Shard) and node.op != "placeholder":
+            CP_PLACE.set(node, place)
     PlacementRewriter(gm, result, group, plan.cp, CP_CONVERSIONS).apply_all()
     for node in inputs:
         _shard_input(gm, node, group)
@@ -150,6 +154,7 @@ def _shard_input(gm: fx.GraphModule, node: fx.Node, group: str) -> None:
         local = gm.graph.call_function(cp_shard, (node, 1, group))
     local.name = f"cp_shard_{node.name}"
     inherit(local, readers[0], SHAPE.get(node))
+    CP_PLACE.set(local, Shard(1))
     nbytes = tensor_info(node).nbytes
     COLLECTIVE.set(local, CollectiveInfo("slice", Axis.CP.value, group, nbytes))
     for user in readers:

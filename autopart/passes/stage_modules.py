@@ -21,7 +21,7 @@ from torch import fx, nn
 from torch.fx.graph import CodeGen, _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
-from autopart.ops.meta import SHAPE, TensorInfo
+from autopart.ops.meta import CP_PLACE, SHAPE, TensorInfo
 from autopart.ops.stage_info import (
     PIPELINE_KEY,
     PipelineInfo,
@@ -154,9 +154,9 @@ def _stage_module(
 
 def _input_meta(value: fx.Node, template: fx.Node) -> dict:
     """A stage input's meta: what every analysis says of an input (the model input
-    `template`'s), with the value's own fake tensor and shape."""
+    `template`'s), with the value's own fake tensor, shape and placement over cp."""
     meta = {k: v for k, v in template.meta.items() if k.startswith("autopart.")}
-    for key in ("val", "tensor_meta", SHAPE.key):
+    for key in ("val", "tensor_meta", SHAPE.key, CP_PLACE.key):
         if key in value.meta:
             meta[key] = value.meta[key]
     return meta

@@ -31,12 +31,13 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopart.batch import split_batch
 from autopart.degrees import Axis
 from autopart.ops.groups import MeshGroups
-from autopart.ops.meta import NodeShape, TensorInfo, tensor_info
+from autopart.ops.meta import CP_PLACE, NodeShape, TensorInfo, tensor_info
 from autopart.ops.program import RankProgram
 from autopart.ops.stage_info import PipelineInfo, output_values, pipeline_info
 from autopart.plan import Plan
@@ -71,6 +72,7 @@ class PipelineExecutor:
         self.microbatches = plan.microbatches
         self.group = groups.group(Axis.PP)
         self.tp = groups.size(Axis.TP)
+        self.cp = groups.size(Axis.CP)
         self.loss_fn = loss_fn
         self.shared = SharedParameters(program.stages, program.stage_ids, groups, plan.microbatches)
         self._targets: list[Any] = []
@@ -159,11 +161,11 @@ class PipelineExecutor:
         else:
             placeholders = graph.find_nodes(op="placeholder")
             inputs = tuple(
-                _example(tensor_info(n), sizes, grad, self.device)
+                _example(self._local(n, tensor_info(n)), sizes, grad, self.device)
                 for n, grad in zip(placeholders, info.input_grads)
             )
         outputs = tuple(
-            _example(self._output_info(info, graph, v), sizes, grad, self.device)
+            _example(self._local(v, self._output_info(info, graph, v)), sizes, grad, self.device)
             for v, grad in zip(output_values(graph), info.output_grads)
         )
         return PipelineStage(
@@ -175,6 +177,18 @@ class PipelineExecutor:
             output_args=outputs,
             group=self.group,
         )
+
+    def _local(self, value: fx.Node, info: TensorInfo) -> TensorInfo:
+        """A value as this rank holds it: its chunks of the sequence where context
+        parallelism shards it (`CP_PLACE`)."""
+        if self.cp == 1 or not CP_PLACE.has(value):
+            return info
+        place = CP_PLACE.get(value)
+        if not isinstance(place, Shard):
+            return info
+        shape = list(info.shape)
+        shape[place.dim] = shape[place.dim] / self.cp
+        return TensorInfo(tuple(shape), info.dtype)
 
     def _output_info(self, info: PipelineInfo, graph: fx.Graph, value: fx.Node) -> TensorInfo:
         """An output of a stage as it leaves this rank: the last stage's logits left

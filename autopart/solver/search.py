@@ -6,9 +6,9 @@ Candidates, every combination the pins allow:
     stays within a node (tensor parallelism on the fast links) and, unless pinned, at
     degrees where the model has a tensor-parallel layout; pp no more than the repeated
     blocks; cp where the model attends over a sequence that splits into 2·cp chunks,
-    without a pipeline, and where a microbatch holds fewer sequences per replica than
-    cp (otherwise dp·cp replicas of whole sequences do the same work for less). An
-    axis with no rule is enumerated at every degree;
+    and where a microbatch holds fewer sequences per replica than cp (otherwise dp·cp
+    replicas of whole sequences do the same work for less). An axis with no rule is
+    enumerated at every degree;
   ZeRO stage 0-3 (0 when dp = 1);
   sequence parallelism where tp > 1, as pinned, else where the layout model finds it
     pays (`TpLayouts.sequence_parallel`: the layout solved with and without it);
@@ -506,8 +506,8 @@ def _admissible(
 
     tp, pp, cp = degrees[Axis.TP], degrees[Axis.PP], degrees[Axis.CP]
     return not (
-        # the sequence's 2·cp chunks, whole tokens each; not yet beside a pipeline
-        (free(Axis.CP) and cp > 1 and (not sequence or sequence % (2 * cp) or pp > 1))
+        # the sequence's 2·cp chunks, whole tokens each
+        (free(Axis.CP) and cp > 1 and (not sequence or sequence % (2 * cp)))
         or batch % degrees[Axis.DP]  # each replica takes an equal share of the batch
         or (free(Axis.TP) and tp > mesh.per_node)  # tensor parallelism on a node's links
         or (pins.sequence_parallel and tp == 1)

@@ -1,9 +1,10 @@
 """Context parallelism trains a causal Llama (sequence 64) like one device: cp=2 on 2
-Gloo ranks; cp=2 × dp=2 (with ZeRO-0, 1 and 3), cp=2 × tp=2 and with sequence
-parallelism on 4; 3 AdamW steps in fp32, every rank's losses and parameters within 1e-5
-of one device's. Each layer's attention runs as a ring, and the only gather of the
-sequence is the logits'. Under plain data parallelism the weights' gradients are summed
-over cp by the data-parallel sync (no all-reduce in backward); under ZeRO, in backward."""
+Gloo ranks; cp=2 × dp=2 (with ZeRO-0, 1 and 3), cp=2 × tp=2, with sequence
+parallelism, and cp=2 × pp=2 (1F1B) on 4; 3 AdamW steps in fp32, every rank's losses
+and parameters within 1e-5 of one device's. Each layer's attention runs as a ring, and
+the only gather of the sequence is the logits'. Under plain data parallelism the
+weights' gradients are summed over cp by the data-parallel sync (no all-reduce in
+backward); under ZeRO, in backward."""
 
 from __future__ import annotations
 
@@ -33,13 +34,14 @@ CASES = {
         {"cp": 2, "dp": 2, "tp": 1, "zero": 3},
         {"cp": 2, "dp": 1, "tp": 2},
         {"cp": 2, "dp": 1, "tp": 2, "sequence_parallel": True},
+        {"cp": 2, "dp": 1, "tp": 1, "pp": 2, "schedule": "1f1b", "microbatches": 2},
     ],
 }
 
 
 def _graph_of(pm) -> dict:
-    (stage,) = pm._stage_graphs()
-    targets = Counter(getattr(n.target, "__name__", str(n.target)) for n in stage.graph.nodes)
+    nodes = [n for stage in pm._stage_graphs() for n in stage.graph.nodes]
+    targets = Counter(getattr(n.target, "__name__", str(n.target)) for n in nodes)
     kinds = Counter((info.axis, info.kind) for _, info in pm.collectives())
     return {"rings": targets["ring_attention"], "kinds": kinds, "summed": len(pm.cp_summed)}
 
@@ -47,7 +49,7 @@ def _graph_of(pm) -> dict:
 def _train(batch, cases) -> dict:
     return {
         case_key("llama", pins): train_case(
-            tiny_llama(), batch, STEPS, inspect=_graph_of, pp=1, **pins
+            tiny_llama(), batch, STEPS, inspect=_graph_of, **{"pp": 1, **pins}
         )
         for pins in cases
     }
@@ -61,14 +63,17 @@ def test_context_parallel_trains_like_one_device(world):
     for pins in CASES[world]:
         key = case_key("llama", pins)
         assert_every_rank_matches(per_rank, key, reference, label=pins)
-        graph = per_rank[0][key]
-        assert graph["rings"] == 2  # both layers' attention
-        assert graph["kinds"][("cp", "all_gather")] == 1  # the logits, for the loss
-        in_backward = graph["kinds"][("cp", "all_reduce (backward)")]
+        graphs = [r[key] for r in per_rank]
+        pipelines = world // pins.get("pp", 1)  # ranks that hold every stage between them
+        # Both layers' attention as rings; the logits gathered for the loss, once.
+        assert sum(g["rings"] for g in graphs) == 2 * pipelines
+        assert sum(g["kinds"][("cp", "all_gather")] for g in graphs) == pipelines
+        in_backward = sum(g["kinds"][("cp", "all_reduce (backward)")] for g in graphs)
+        summed = sum(g["summed"] for g in graphs)
         if pins.get("zero"):
-            assert in_backward > 0 and graph["summed"] == 0
+            assert in_backward > 0 and summed == 0
         elif pins["tp"] == 1:  # every weight of the Llama reads this rank's tokens alone
-            assert in_backward == 0 and graph["summed"] == PARAMETERS
+            assert in_backward == 0 and summed == PARAMETERS * world
 
 
 def _resume(batch, directory) -> list[float]:
