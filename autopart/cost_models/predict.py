@@ -275,24 +275,42 @@ def predict(
 
 
 def step_time_lower_bound(
-    summary: GraphSummary, choices: Choices, dims: Mapping[str, int], models: CostModels
+    summary: GraphSummary,
+    choices: Choices,
+    dims: Mapping[str, int],
+    models: CostModels,
+    cache: dict | None = None,
 ) -> float:
     """A floor under `predict(...).step_time_s` from the compute alone: every pipeline
     rank busy with an even share of it, with no bubble, communication or optimizer step
     (`pipeline_step` charges the slowest rank's compute, which is at least the mean);
-    under context parallelism, the gradient all-reduces over cp that every microbatch
-    leaves exposed. The search does not price a plan whose floor is slower than a plan
-    it has."""
-    at = {**dims, BATCH: choices.microbatch_size}
-    segments = rank_segments(summary, at, choices)
-    compute = sum(t.total for t in _segment_times(segments, choices, models.compute))
-    floor = compute * choices.microbatches / choices.pp
-    if choices.cp > 1 and not _cp_in_sync(choices):
-        params = sum(s.param_numel(choices.tp) for s in segments) / choices.pp
-        grad_bytes = STATE_BYTES[choices.precision][1]
-        cp_grads = gradient_all_reduces(params, choices.cp, choices.tp, grad_bytes, models.comm)
-        floor += choices.microbatches * cp_grads
-    return floor
+    under context parallelism without the sync's sums, the gradient all-reduces over cp
+    that every microbatch leaves exposed. The search does not price a plan whose floor
+    is slower than a plan it has. `cache`: a dict kept across calls on one graph and
+    mesh, for the compute of a microbatch (the search asks for thousands of plans)."""
+    key = (
+        id(summary),
+        choices.tp,
+        choices.cp,
+        choices.microbatch_size,
+        choices.recompute,
+        choices.recompute_attention,
+        choices.precision,
+    )
+    compute = cache.get(key) if cache is not None else None
+    if compute is None:
+        at = {**dims, BATCH: choices.microbatch_size}
+        segments = rank_segments(summary, at, choices)
+        compute = sum(t.total for t in _segment_times(segments, choices, models.compute))
+        if choices.cp > 1 and not _cp_in_sync(choices):
+            # All stages' parameters: spread over pp below, which only lowers the floor.
+            params = sum(s.param_numel(choices.tp) for s in segments)
+            grad_bytes = STATE_BYTES[choices.precision][1]
+            comm = models.comm
+            compute += gradient_all_reduces(params, choices.cp, choices.tp, grad_bytes, comm)
+        if cache is not None:
+            cache[key] = compute
+    return compute * choices.microbatches / choices.pp
 
 
 def rank_segments(

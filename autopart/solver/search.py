@@ -152,8 +152,19 @@ def search(
     recomputable = pins.recompute is None and pins.recompute_attention is None
 
     def priced(offload: bool) -> list[Candidate]:
+        # Plans with context parallelism go last, against the best plan without it:
+        # there are many, and a pipeline's best plan is often found only once the
+        # inner model fits it, after which the floor prunes most of them.
         choices = list(_choices(layouts, mesh, pins, global_batch, blocks, offload))
-        return _price(layouts, mesh, dims, choices, recomputable=recomputable)
+        found = _price(layouts, mesh, dims, [c for c in choices if c.cp == 1], recomputable)
+        best = min(
+            (c.predicted.step_time_s for c in found if c.predicted.peak_memory_bytes <= memory),
+            default=math.inf,
+        )
+        with_cp = [c for c in choices if c.cp > 1]
+        return found + _price(layouts, mesh, dims, with_cp, recomputable, best)
+
+    memory = mesh.device.memory_bytes
 
     candidates = priced(offload=bool(pins.offload))
     if not candidates:
@@ -258,12 +269,13 @@ def _price(
     dims: Mapping[str, int],
     choices: list[Choices],
     recomputable: bool,
+    best: float = math.inf,
 ) -> list[Candidate]:
     """Each choice priced by `predict` (a pipeline cut where blocks balance its
     compute, nothing recomputed), but for those whose compute alone is slower than
-    (1 + SLACK) × the fastest fitting plan priced so far: they can be neither chosen nor
-    within the slack of the choice. The usual microbatch counts go first, so that the
-    plan to beat is a good one early.
+    (1 + SLACK) × the fastest fitting plan priced so far (or `best`, a step time already
+    found): they can be neither chosen nor within the slack of the choice. The usual
+    microbatch counts go first, so that the plan to beat is a good one early.
 
     Then the plans that do not fit, fastest first, go to the inner model (`_inner`),
     which cuts the pipeline and recomputes blocks to fit memory. Both only add time
@@ -271,7 +283,8 @@ def _price(
     fits by more than the slack, so are the rest, and they are left as they are."""
     start, memory = time.perf_counter(), mesh.device.memory_bytes
     models = CostModels.of(mesh, choices[0].precision) if choices else None
-    best, out = math.inf, []
+    out: list[Candidate] = []
+    floors: dict = {}
     progress = Progress("solver: pricing plans", len(choices))
     for done, c in enumerate(sorted(choices, key=lambda c: not _usual_microbatches(c))):
         progress.update(done)
@@ -279,7 +292,7 @@ def _price(
         summary = layouts.summary(c.tp, c.sequence_parallel)
         if c.cp > 1 and _states_overflow(summary, c, dims, models, memory):
             continue
-        floor = step_time_lower_bound(summary, c, dims, models) if best < math.inf else 0.0
+        floor = step_time_lower_bound(summary, c, dims, models, floors) if best < math.inf else 0.0
         if floor > (1 + SLACK) * best:
             continue
         predicted = predict(summary, mesh, c, dims, models)
