@@ -1,4 +1,7 @@
-"""Sharding rules: how each operator's output is laid out over the tp axis.
+"""Sharding rules: how each operator's output is laid out over the tp axis, and over
+the cp axis, whose walk (`passes/context_parallel.py`) shards the sequence with the
+parameters whole (`Operands.context_parallel`: ring attention, symbolic sequence sizes,
+and the tp rewrite's collectives, which pass a sequence shard through).
 
 A rule sees one node with the placements of its tensor operands (`R` replicated,
 `S(d)` sharded on dim d, `P` partial sums) and their global shapes, and decides:

@@ -42,7 +42,8 @@ def _both() -> dict:
     return {causal: _ring(causal) for causal in (True, False)}
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_matches_whole_attention(world):
     for rank_result in run_world(_both, world):
         for causal, r in rank_result.items():

@@ -3,6 +3,7 @@ a difference between two runs of one plan is a bug, not rounding."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from autopart.testing import run_world
@@ -17,6 +18,7 @@ def _train(batch) -> list[dict]:
     return [train_case(LM_FACTORIES["llama"](layers=4), batch, STEPS, **pins) for pins in PLANS]
 
 
+@pytest.mark.slow  # two 4-rank worlds, 20 s
 def test_two_runs_of_a_plan_are_bitwise_identical():
     batch = token_batch(8)
     first, second = (run_world(_train, 2, batch) for _ in range(2))

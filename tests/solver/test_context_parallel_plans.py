@@ -50,8 +50,9 @@ def test_context_parallelism_is_chosen_where_the_model_predicts_it_faster():
     assert plan.predicted.step_time_s < without.predicted.step_time_s
 
 
+@pytest.mark.slow
 def test_pinned_context_parallelism_needs_a_sequence_it_can_split():
-    """Quick: a model with no token input, and a sequence that does not cut into 2·cp
+    """A model with no token input, and a sequence that does not cut into 2·cp
     chunks, are refused before any search."""
     two_cpus = Mesh.cluster("cpu", nodes=1, per_node=2)
     with pytest.raises(PlanError, match="no token input"):
