@@ -99,7 +99,7 @@ def parallelize(
         raise PlanError(refusal)
     limit = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
     groups = MeshGroups(mesh.device_mesh(plan.degrees, limit), mesh.group_options(limit))
-    if plan.tp * plan.dp * plan.microbatches == 1:
+    if plan.tp * plan.degrees.batch_split * plan.microbatches == 1:
         loss = None  # the batch is not split: the user's loss runs as it is
     target = RankTarget(plan, groups, weights, loss)
     program = _rank_program(model, captured, example_kwargs, target)
@@ -170,7 +170,7 @@ def _program_capture(
     casts differently from the CPU's), or at the per-rank batch when the model
     specialized on the batch size."""
     inputs = captured.example_args
-    parts = plan.dp * plan.microbatches
+    parts = plan.degrees.batch_split * plan.microbatches
     specialized = not captured.admits_batch(batch_size(inputs) // parts)
     if specialized:
         inputs = split_batch(inputs, 0, parts)

@@ -27,6 +27,7 @@ class Axis(StrEnum):
     """The mesh axes. "axis" always means one of these; "dim" means a tensor dimension."""
 
     DP = "dp"
+    EP = "ep"
     CP = "cp"
     TP = "tp"
     PP = "pp"
@@ -34,8 +35,13 @@ class Axis(StrEnum):
 
 # The axes of a DeviceMesh, outermost first: pp outermost, tp innermost, so that tensor
 # parallel groups are consecutive ranks and land inside one node; cp (the sequence)
-# next to them, whose ring exchanges keys and values every block.
-MESH_AXES: tuple[Axis, ...] = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
+# next to them, whose ring exchanges keys and values every block; ep (the experts)
+# next, whose all_to_all moves every routed token twice per layer.
+MESH_AXES: tuple[Axis, ...] = (Axis.PP, Axis.DP, Axis.EP, Axis.CP, Axis.TP)
+
+# The axes the batch is split over: the data-parallel replicas, and within each the
+# expert-parallel ranks (each routes its own share of the tokens to every rank's experts).
+BATCH_AXES: tuple[Axis, ...] = (Axis.DP, Axis.EP)
 
 
 class MeshError(ValueError):
@@ -86,6 +92,12 @@ class Degrees:
     def enabled(self) -> tuple[Axis, ...]:
         """The axes that split the world (degree > 1), in mesh order."""
         return tuple(a for a, n in self.items() if n > 1)
+
+    @property
+    def batch_split(self) -> int:
+        """How many ways the batch is split: over dp, and over ep, whose ranks each route
+        their own tokens (`BATCH_AXES`)."""
+        return self["dp"] * self["ep"]
 
     def stride(self, axis: Axis | str) -> int:
         """The rank distance between neighbours on `axis`: the product of the degrees of

@@ -133,8 +133,8 @@ def explain_plan(plan: Plan) -> str:
     )
     lines = [
         f"The {plan.mesh.world_size} devices of {plan.mesh} are split as {_axes_line(plan)}.",
-        f"Each data-parallel rank takes {plan.global_batch // plan.dp} of the "
-        f"{plan.global_batch} samples per step"
+        f"Each data-parallel rank takes {plan.global_batch // plan.degrees.batch_split} of "
+        f"the {plan.global_batch} samples per step"
         + (f", in {plan.microbatches} microbatches." if plan.microbatches > 1 else "."),
     ]
     if layout:
@@ -153,6 +153,15 @@ def explain_plan(plan: Plan) -> str:
                 else " in backward, as it is produced"
             )
             + ", and the logits are gathered whole for the loss."
+        )
+    if plan.ep > 1:
+        lines.append(
+            f"Expert parallelism splits each routed layer's experts over the {plan.ep} ep "
+            "ranks, which also split the batch as data-parallel ranks do: each routes its "
+            "own tokens, and every (token, expert) row travels to its expert's rank and "
+            "back with an all_to_all, none dropped. The experts' gradients are summed over "
+            f"their {plan.dp} dp replicas, the other weights' over all {plan.dp * plan.ep} "
+            "ranks."
         )
     if plan.zero:
         what = {

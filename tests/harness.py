@@ -11,6 +11,10 @@ import torch
 from torch import nn
 
 import autopart
+from autopart.api import captured_for_planning
+from autopart.ops.loss_match import match_cross_entropy
+from autopart.plan import Plan
+from autopart.solver import Pins, make_plan
 from tests.models import assert_matches, lm_loss, make_optimizer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -30,6 +34,18 @@ def parallelize_lm(
         optimizer=make_optimizer(optimizer),
         **pins,
     )
+
+
+def plan_lm(model: nn.Module, ids: torch.Tensor, mesh: autopart.Mesh, **pins: Any) -> Plan:
+    """The plan for a language model trained in bf16 mixed precision with the
+    language-model loss on logits sharded over the vocabulary, as
+    `benchmarks/plan_speed.py` plans it (a model and `ids` on the meta device plan
+    without a world)."""
+    captured = captured_for_planning(model, (ids,))
+    loss = match_cross_entropy(lm_loss, captured.gm)
+    assert loss is not None, "the language-model loss is a standard cross-entropy"
+    pins = {"precision": "bf16-mixed", **pins}
+    return make_plan(captured, mesh, Pins.of(sharded_logits=loss.logits, **pins))
 
 
 def train_losses(pm: autopart.ParallelModule, batch: Batch, steps: int) -> list[float]:

@@ -150,6 +150,27 @@ def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+def tiny_mixtral(seed: int = 0) -> nn.Module:
+    """A sparse mixture-of-experts decoder: 4 routed experts, 2 per token, in each of 2
+    layers."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    return MixtralForCausalLM(config)
+
+
 def token_batch(batch: int = 8, seq: int = SEQ, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
@@ -213,6 +234,27 @@ def llama3_8b_on_meta(positions: int = 8192) -> nn.Module:
     )
     with torch.device("meta"):
         return LlamaForCausalLM(config)
+
+
+def mixtral_8x7b_on_meta(positions: int = 4096) -> nn.Module:
+    """Mixtral-8x7B's shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, 8 experts of
+    FFN 14336, 2 per token, vocabulary 32000) on the meta device."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=32000,
+        max_position_embeddings=positions,
+        use_cache=False,
+    )
+    with torch.device("meta"):
+        return MixtralForCausalLM(config)
 
 
 def eager_attention(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module]:

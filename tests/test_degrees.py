@@ -30,7 +30,9 @@ def test_degrees_know_their_product_strides_and_axes_in_use():
     assert d.replace(dp=2) == Degrees(dp=2, tp=2, pp=2)
     assert Degrees.from_json(d.to_json()) == d
     d.check_covers(16, "2×8 h100")
-    with pytest.raises(MeshError, match="pp×dp×cp×tp = 2×4×1×2 = 16 devices, but the mesh m has 8"):
+    with pytest.raises(
+        MeshError, match="pp×dp×ep×cp×tp = 2×4×1×1×2 = 16 devices, but the mesh m has 8"
+    ):
         d.check_covers(8, "m")
 
 
@@ -45,17 +47,18 @@ def test_bad_degrees_say_what_is_wrong():
 
 def test_factorizations_cover_the_world_and_keep_pins():
     every = list(Degrees.factorizations(8))
-    assert len(every) == len(set(every)) == 20  # ordered quadruples with product 8
+    assert len(every) == len(set(every)) == 35  # ordered 5-tuples with product 8
     assert all(d.world_size == 8 for d in every)
     pinned = list(Degrees.factorizations(8, {Axis.TP: 2}))
-    assert {d[Axis.TP] for d in pinned} == {2} and len(pinned) == 6
+    assert {d[Axis.TP] for d in pinned} == {2} and len(pinned) == 10
     assert list(Degrees.factorizations(8, {"tp": 3})) == []
 
 
 def test_an_axis_added_to_degrees_alone_is_planned(monkeypatch):
-    """A dummy expert axis, declared in `MESH_AXES` only: the search enumerates it at
-    every degree, pins and plans take it by name, and plan files carry it."""
-    monkeypatch.setattr(degrees_module, "MESH_AXES", (Axis.PP, Axis.DP, "ep", Axis.CP, Axis.TP))
+    """A dummy axis, declared in `MESH_AXES` only: the search enumerates it at every
+    degree, pins and plans take it by name, and plan files carry it."""
+    axes = (Axis.PP, Axis.DP, Axis.EP, "xp", Axis.CP, Axis.TP)
+    monkeypatch.setattr(degrees_module, "MESH_AXES", axes)
     ids, _ = token_batch(8)
     captured = capture(tiny_gpt2(), (ids,))
     analyze(captured.gm, captured.context())
@@ -63,13 +66,13 @@ def test_an_axis_added_to_degrees_alone_is_planned(monkeypatch):
     blocks = ("transformer.h.0", "transformer.h.1")
     dims = {k: v for k, v in captured.dim_sizes.items() if k != "batch"}
     layouts = TpLayouts(captured.gm, captured.parameter_names, mesh, dims)
-    seen = {c.degrees["ep"] for c in _choices(layouts, mesh, Pins.of(), 8, blocks)}
+    seen = {c.degrees["xp"] for c in _choices(layouts, mesh, Pins.of(), 8, blocks)}
     assert seen == {1, 2, 4, 8}
-    plan = make_plan(captured, mesh, Pins.of(ep=2, tp=1, pp=1))
-    assert (plan.ep, plan.dp, plan.tp, plan.pp) == (2, 4, 1, 1)
+    plan = make_plan(captured, mesh, Pins.of(xp=2, tp=1, pp=1))
+    assert (plan.xp, plan.dp, plan.tp, plan.pp) == (2, 4, 1, 1)
     assert Plan.from_json(plan.to_json()) == plan
-    assert plan.to_json()["ep"] == 2 and "ep=2" in str(plan)
-    assert plan.with_changes(ep=1, dp=8).degrees == Degrees(dp=8)
+    assert plan.to_json()["xp"] == 2 and "xp=2" in str(plan)
+    assert plan.with_changes(xp=1, dp=8).degrees == Degrees(dp=8)
 
 
 @pytest.fixture

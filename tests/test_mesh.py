@@ -32,7 +32,7 @@ def test_cluster_topology_has_a_level_per_network_tier():
 def test_factorization_must_cover_the_mesh():
     mesh = Mesh.cluster("a100-80g", nodes=2, per_node=8)
     mesh.check_covered(Degrees(dp=4, tp=2, pp=2))
-    with pytest.raises(MeshError, match="2×2×1×2 = 8 devices, but the mesh .* has 16"):
+    with pytest.raises(MeshError, match="2×2×1×1×2 = 8 devices, but the mesh .* has 16"):
         mesh.check_covered(Degrees(dp=2, tp=2, pp=2))
 
 
@@ -67,5 +67,5 @@ def _world_checks():
 def test_local_mesh_builds_named_device_mesh_and_rejects_another_world_size():
     size, backend, names, tp_size, error = run_world(_world_checks, 4)[0]
     assert (size, backend) == (4, "gloo")
-    assert names == ("pp", "dp", "cp", "tp") and tp_size == 2
+    assert names == ("pp", "dp", "ep", "cp", "tp") and tp_size == 2
     assert "8 devices" in error and "4 processes" in error

@@ -36,11 +36,12 @@ from autopart.solver import Pins, make_plan
 log = logging.getLogger("autopart.compile")
 
 # What the user's unchanged loop rules out: a pipeline and accumulation (one forward per
-# step), recomputation and sequence parallelism, and context parallelism (every process
-# feeds its own share of the batch, and its gradient sync knows no cp).
+# step), recomputation and sequence parallelism, and context and expert parallelism
+# (every process feeds its own share of the batch, and its gradient sync knows neither).
 LOOP_PINS = {
     "pp": 1,
     "cp": 1,
+    "ep": 1,
     "microbatches": 1,
     "recompute": False,
     "sequence_parallel": False,

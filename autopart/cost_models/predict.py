@@ -58,6 +58,7 @@ from autopart.cost_models.context import (
     output_gather,
     ring_comm,
 )
+from autopart.cost_models.experts import all_to_all_comm
 from autopart.cost_models.memory import (
     FP32_WEIGHTS,
     STATE_BYTES,
@@ -139,11 +140,11 @@ class Choices(AxisAttributes):
 
     @property
     def microbatch_size(self) -> int:
-        parts = self.dp * self.microbatches
+        parts = self.degrees.batch_split * self.microbatches
         if self.global_batch % parts:
             raise ValueError(
                 f"the global batch of {self.global_batch} does not split into "
-                f"dp={self.dp} × microbatches={self.microbatches} equal parts"
+                f"dp={self.dp} × ep={self.ep} × microbatches={self.microbatches} equal parts"
             )
         return self.global_batch // parts
 
@@ -261,7 +262,9 @@ def predict(
     sync = max(r.sync for r in ranks) + models.comm.time(ALL_REDUCE, LOSS_BYTES, mesh.world_size)
     step_time = step.total + optimizer + sync
     peak = max(ranks, key=lambda r: total(r.memory)).memory
-    model_flops = 3 * sum(s.flops for s in full) * choices.microbatches * choices.dp
+    model_flops = (
+        3 * sum(s.flops for s in full) * choices.microbatches * choices.degrees.batch_split
+    )
     return Predicted(
         step_time_s=step_time,
         compute_s=step.compute + optimizer,
@@ -374,16 +377,17 @@ def _rank_cost(
     own = [segments[i] for i in mine]
     last = segments[-1] if len(segments) - 1 in mine else None
     compute = sum((times[i] for i in mine), PhaseCost())
-    params = sum(s.param_numel(choices.tp) for s in own)
+    params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
     boundary = max((s.output_bytes for s in own if s.is_block), default=0.0)
     blocks = [s for s in own if s.is_block]
-    gathered = max((s.param_numel(choices.tp) for s in blocks), default=params)
+    gathered = max((s.param_numel(choices.tp, choices.ep) for s in blocks), default=params)
     tp = _tp_comm(own, choices, models.comm)
     comm = (
         tp
         + p2p_comm(boundary, choices, models.comm, rank)
         + _zero3_comm(own, compute, choices, models)
         + _cp_comm(own, last, params, choices, models)
+        + all_to_all_comm(own, choices, models.comm)
     )
     in_flight = in_flight_microbatches(
         choices.schedule, choices.microbatches, choices.pp, rank, choices.virtual_stages
@@ -421,7 +425,7 @@ def _rank_cost(
     return RankCost(
         compute=compute,
         comm=comm,
-        sync=_dp_sync(params, compute, choices, models, traffic),
+        sync=_dp_sync(own, compute, choices, models, traffic),
         optimizer=_optimizer_time(own, choices, models),
         memory=memory,
         figures=figures,
@@ -531,29 +535,50 @@ def _hiding(compute: float, models: CostModels) -> float:
 
 
 def _dp_sync(
-    params: float, compute: PhaseCost, choices: Choices, models: CostModels, traffic: float
+    own: list[SegmentWork],
+    compute: PhaseCost,
+    choices: Choices,
+    models: CostModels,
+    traffic: float,
 ) -> float:
     """Once per step: ZeRO-0/1/2 gradient reduction (`traffic` of its bytes, where it
     is compressed), hidden behind the last microbatch's backward but for its last
     bucket; ZeRO-1/2's parameter all-gather after the step. Under context parallelism
-    with plain data parallelism the reduction spans dp × cp (it sums cp's parts)."""
+    with plain data parallelism the reduction spans dp × cp (it sums cp's parts); under
+    expert parallelism the replicated weights' spans dp × ep, and the experts' dp."""
     size, stride = _sync_group(choices)
-    if size == 1 or choices.zero == 3:
+    if choices.zero == 3:
         return 0.0
+    ep = choices.ep
+    experts = sum(s.expert_numel(ep) for s in own) if ep > 1 else 0.0
+    params = sum(s.param_numel(choices.tp, ep) for s in own) - experts
     param_bytes, grad_bytes = STATE_BYTES[choices.precision][:2]
     op = ALL_REDUCE if choices.zero == 0 else REDUCE_SCATTER
-    sync, last = _bucketed(op, params * grad_bytes * traffic, size, stride, models)
-    exposed = exposed_sync(sync, _hiding(compute.backward + compute.recompute, models), last)
-    if choices.zero == 0:
+    hiding = _hiding(compute.backward + compute.recompute, models)
+    exposed = 0.0
+    for group, numel in (((size, stride), params), (_expert_group(choices), experts)):
+        if group[0] > 1 and numel:
+            sync, last = _bucketed(op, numel * grad_bytes * traffic, *group, models)
+            exposed += exposed_sync(sync, hiding, last)
+            hiding = max(0.0, hiding - sync)
+    if choices.zero == 0 or size == 1:
         return exposed
     return exposed + models.comm.time(ALL_GATHER, params * param_bytes, size, stride)
 
 
 def _sync_group(choices: Choices) -> tuple[int, int]:
     """(ranks, stride) of the gradient sync's group: dp, or dp × cp where the sync also
-    sums context parallelism's parts (`policy.cp_gradients_in_sync`)."""
+    sums context parallelism's parts (`policy.cp_gradients_in_sync`), or dp × ep (the
+    ranks that split the batch) under expert parallelism."""
     if choices.cp > 1 and _cp_in_sync(choices):
         return choices.dp * choices.cp, choices.degrees.stride(Axis.CP)
+    if choices.ep > 1:
+        return choices.dp * choices.ep, choices.degrees.stride(Axis.EP)
+    return choices.dp, choices.degrees.stride(Axis.DP)
+
+
+def _expert_group(choices: Choices) -> tuple[int, int]:
+    """(ranks, stride) of the experts' gradient sync: their dp replicas."""
     return choices.dp, choices.degrees.stride(Axis.DP)
 
 
@@ -579,7 +604,7 @@ def _optimizer_time(own: list[SegmentWork], choices: Choices, models: CostModels
     parameter tensors (`ops/flat_buckets.py`): ZeRO-1/2 bucket the gradients as
     data parallelism does, ZeRO-3 the parameters of each block and of each run of
     segments between blocks (`passes/zero.py`)."""
-    params = sum(s.param_numel(choices.tp) for s in own)
+    params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
     state_bytes = params * sum(STATE_BYTES[choices.precision])
     if choices.offload:
         return _host_step_time(params / choices.dp, choices, models)

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from autopart.cost_models.experts import segment_all_to_all
 from autopart.cost_models.memory import (
     OUTPUT_GRADIENTS,
     STATE_BYTES,
@@ -213,6 +214,8 @@ def stage_problem(
         fixed = choices.recomputes(seg)
         comm0 = tp_comm(seg, choices, models.comm, recomputed=False)
         comm1 = tp_comm(seg, choices, models.comm, recomputed=True)
+        comm0 += segment_all_to_all(seg, choices, models.comm, recomputed=False)
+        comm1 += segment_all_to_all(seg, choices, models.comm, recomputed=True)
         saved = seg.saved_bytes(choices.precision)
         core = attention_recompute_cost(seg, models.compute).total if seg.is_block else 0.0
         frees = seg.core_frees_bytes(choices.precision) if seg.is_block else 0.0
@@ -223,7 +226,7 @@ def stage_problem(
         else:
             base, keeps = t0.total + comm0, saved
         may = recomputable and seg.is_block and not fixed
-        params = seg.param_numel(choices.tp)
+        params = seg.param_numel(choices.tp, choices.ep)
         units.append(
             Unit(
                 key=seg.key,
@@ -242,7 +245,7 @@ def stage_problem(
     chunks, pp = choices.chunks, choices.pp
     blocks = [s for s in segments if s.is_block]
     boundary = max((s.output_bytes for s in blocks), default=0.0)
-    gathered = max((s.param_numel(choices.tp) for s in blocks), default=0.0)
+    gathered = max((s.param_numel(choices.tp, choices.ep) for s in blocks), default=0.0)
     zero3 = 2 * gathered * param_bytes if choices.dp > 1 and choices.zero == 3 else 0.0
     pipeline = 2 * boundary if pp > 1 else 0.0
     loss = OUTPUT_GRADIENTS * segments[-1].output_bytes

@@ -49,6 +49,7 @@ from autopart.ops.meta import (
     TensorInfo,
     tensor_info,
 )
+from autopart.passes.experts import expert_layers
 from autopart.passes.tp_decision import R
 from autopart.passes.tp_propagate import operands_of, propagate
 from autopart.policy import Precision
@@ -78,6 +79,11 @@ class Segment:
     tp_collectives: tuple[TpCollective, ...] | None = None
     tp_collective_sites: tuple[fx.Node, ...] = ()
     output_split: bool = False  # what it hands on is split over tp (sequence parallel)
+    # Of `param_numel`, the stacked expert weights of its routed layers (split over ep),
+    # and the bytes of the rows each of their all_to_alls moves, as captured
+    # (`passes.experts`: the rows into the first grouped multiply, out of the last).
+    expert_param_numel: int = 0
+    expert_rows: tuple[sympy.Expr, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +96,8 @@ class SegmentWork:
     # (collective, bytes as captured, in backward, bytes under mixed precision over
     # the captured ones, how many): its tp collectives (`_traffic`)
     tp_traffic: tuple[tuple[str, float, bool, float, int], ...] | None = None
+    # Bytes of the routed rows, summed over its expert layers' all_to_alls (as captured).
+    expert_rows_bytes: float = 0.0
     # Bytes saved for backward, and those recomputing the attention core frees, in fp32
     # and under mixed precision, summed once: the search reads them for every plan.
     _saved: tuple[float, float] = field(init=False, repr=False, compare=False)
@@ -140,10 +148,16 @@ class SegmentWork:
     def param_tensors(self) -> int:
         return self.segment.param_tensors
 
-    def param_numel(self, tp: int = 1) -> float:
-        """Parameters held by one rank of a `tp`-way tensor-parallel group."""
+    def param_numel(self, tp: int = 1, ep: int = 1) -> float:
+        """Parameters held by one rank of a `tp`-way tensor-parallel group, with the
+        experts split over `ep` ranks (expert parallelism runs with tp = 1)."""
         s = self.segment
-        return s.param_numel - s.sharded_param_numel + s.sharded_param_numel / tp
+        held = s.param_numel - s.sharded_param_numel + s.sharded_param_numel / tp
+        return held - s.expert_param_numel * (1 - 1 / ep)
+
+    def expert_numel(self, ep: int = 1) -> float:
+        """Of `param_numel`, the expert weights one of `ep` ranks holds."""
+        return self.segment.expert_param_numel / ep
 
     def sharded(self, tp: int) -> SegmentWork:
         """One tp rank's share: its operators', and its output where the layout splits
@@ -264,13 +278,14 @@ class GraphSummary:
                     for n, s, r in zip(seg.nodes, seg.sharded, seg.saves_replicated)
                 )
                 output = _output_bytes(seg.nodes, dims) * scale
-                evaluated = (works, output, _traffic(seg, dims, scale))
+                rows = sum(evaluate(r, dims) for r in seg.expert_rows) * scale
+                evaluated = (works, output, _traffic(seg, dims, scale), rows)
                 if seg.block_id is not None:
                     by_block[seg.block_id] = (evaluated, _signature(seg))
             else:
                 evaluated, signature = by_block[seg.block_id]
                 if _signature(seg) != signature:  # a copy with other collectives
-                    evaluated = (*evaluated[:2], _traffic(seg, dims, scale))
+                    evaluated = (*evaluated[:2], _traffic(seg, dims, scale), evaluated[3])
             out.append(SegmentWork(seg, *evaluated))
         return tuple(out)
 
@@ -296,6 +311,7 @@ def _segments(
         runs.append((key, block.block_id if block else None, [node]))
     owners = _first_readers(runs, numel)
     collectives = _collectives(gm, runs, layout)
+    experts, rows = _experts(gm, runs)
     flags = [_sharded_flags(gm, key, block_id, nodes, layout) for key, block_id, nodes in runs]
     return tuple(
         Segment(
@@ -311,9 +327,35 @@ def _segments(
             tuple(sorted({p for n in nodes for p in PARAMS.get(n)} - set(owners[i]))),
             *collectives[i],
             _output_split(nodes, flags[i]),
+            sum(numel[p] for p in owners[i] if p in experts),
+            rows[i],
         )
         for i, (key, block_id, nodes) in enumerate(runs)
     )
+
+
+def _experts(
+    gm: fx.GraphModule, runs: list[tuple[str, str | None, list[fx.Node]]]
+) -> tuple[frozenset[str], list[tuple[sympy.Expr, ...]]]:
+    """The FQNs of the stacked expert weights, and per run the bytes of the rows each
+    all_to_all of its expert layers moves (one into each first grouped multiply, one out
+    of each last)."""
+    canonical: dict[int, str] = {}
+    names = {
+        name: canonical.setdefault(id(p), name)
+        for name, p in gm.named_parameters(remove_duplicate=False)
+    }
+    layers = expert_layers(gm, names)
+    run_of = {n: i for i, (_, _, nodes) in enumerate(runs) for n in nodes}
+    rows: list[list[sympy.Expr]] = [[] for _ in runs]
+    for layer in layers:
+        i = run_of.get(layer.offsets)
+        if i is None:
+            continue
+        moved = [mm.args[0] for mm in layer.entries] + list(layer.exits)
+        rows[i].extend(tensor_info(n).nbytes for n in moved if isinstance(n, fx.Node))
+    fqns = frozenset(fqn for layer in layers for fqn in layer.params)
+    return fqns, [tuple(r) for r in rows]
 
 
 def _collectives(

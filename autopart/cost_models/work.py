@@ -20,7 +20,7 @@ import sympy
 import torch
 from torch import fx
 
-from autopart.ops.aten import ATTENTION_OPS, MATMUL_OPS, op_name
+from autopart.ops.aten import ATTENTION_OPS, GROUPED_MM_OPS, MATMUL_OPS, op_name
 from autopart.ops.meta import (
     ATTENTION_CORE,
     CORE_FREES_BYTES,
@@ -220,7 +220,7 @@ def op_kind(name: str) -> str:
     """MATMUL, ATTENTION or OTHER for an operator name (`passes.ops.op_name`)."""
     if name in ATTENTION_OPS:
         return ATTENTION
-    if name in MATMUL_OPS or name in CONVOLUTIONS:
+    if name in MATMUL_OPS or name in CONVOLUTIONS or name in GROUPED_MM_OPS:
         return MATMUL
     return OTHER
 

@@ -143,6 +143,9 @@ REDUCTION_OPS = frozenset(
 )
 
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "einsum"})
+# Products of rows sorted by expert with weights stacked by expert, [E, in, out]: each
+# run of rows (ending at cumulative offsets) by its own expert's matrix.
+GROUPED_MM_OPS = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
 ATTENTION_OPS = frozenset(
     {
         "scaled_dot_product_attention",

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed import GroupName
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopart.degrees import Axis, GroupOptions
+from autopart.degrees import BATCH_AXES, Axis, GroupOptions
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,21 @@ class MeshGroups:
 
     def group_name(self, *axes: Axis) -> GroupName:
         return self.group(*axes).group_name
+
+    @property
+    def batch_rank(self) -> int:
+        """This rank's share of the batch, of `batch_size` (over dp × ep)."""
+        return self.rank(Axis.DP) * self.size(Axis.EP) + self.rank(Axis.EP)
+
+    @property
+    def batch_size(self) -> int:
+        """How many ways the batch is split (dp × ep)."""
+        return self.size(Axis.DP) * self.size(Axis.EP)
+
+    def batch_group(self) -> dist.ProcessGroup:
+        """The ranks that split the batch with this one, and sync its replicated
+        gradients: dp × ep."""
+        return self.group(*BATCH_AXES) if self.size(Axis.EP) > 1 else self.group(Axis.DP)
 
     def rank(self, axis: Axis) -> int:
         return self.device_mesh.get_local_rank(str(axis))

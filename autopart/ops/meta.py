@@ -150,6 +150,8 @@ VOCAB_PARALLEL_LOSS: GraphKey[CrossEntropy] = GraphKey(
 # Parameters whose gradient each context-parallel rank holds a part of (its tokens'),
 # left for the data-parallel sync to sum over cp (`policy.cp_gradients_in_sync`).
 CP_SUMMED: GraphKey[frozenset[str]] = GraphKey("cp_summed", "context_parallel_pass")
+# The stacked expert weights expert parallelism split over ep (dim 0, the experts).
+EP_SHARDED: GraphKey[frozenset[str]] = GraphKey("ep_sharded", "expert_parallel_pass")
 # The size of each named dim ("batch", "seq") in the example the graph was captured with:
 # what a cost is evaluated at where a caller does not give a dim's size.
 EXAMPLE_DIMS: GraphKey[dict[str, int]] = GraphKey("example_dims", "capture")

@@ -26,6 +26,8 @@ class RankProgram:
     # Parameters whose gradient each cp rank holds a part of, for the data-parallel
     # sync to sum over cp (`policy.cp_gradients_in_sync`).
     cp_summed: frozenset[str] = frozenset()
+    # Stacked expert weights split over ep (dim 0): their gradient syncs over dp only.
+    ep_sharded: frozenset[str] = frozenset()
 
 
 class ProgramMismatch(ValueError):
@@ -43,6 +45,7 @@ def sharing_tensors(program: RankProgram, held: RankProgram) -> RankProgram:
         program.stage_ids != held.stage_ids
         or program.tp_layout != held.tp_layout
         or program.cp_summed != held.cp_summed
+        or program.ep_sharded != held.ep_sharded
     ):
         raise ProgramMismatch(
             f"the program made again runs stages {program.stage_ids} with tensor-parallel "

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from autopart.ops.aten import (
     ATTENTION_OPS,
     DATA_MOVEMENT_OPS,
+    GROUPED_MM_OPS,
     MATMUL_OPS,
     REDUCTION_OPS,
     VIEW_OPS,
@@ -52,6 +53,8 @@ def node_flops(node: fx.Node, gm: fx.GraphModule, ctx: PassContext) -> sympy.Exp
     out_numel = outs[0].numel
     if name in MATMUL_OPS and name != "einsum":
         return _contraction(name, ins, out_numel)
+    if name in GROUPED_MM_OPS:  # each row [k] by one expert's [k, n]
+        return 2 * out_numel * ins[0].shape[-1]
     if name in ATTENTION_OPS:
         q, k, v = ins[:3]
         length, e = q.shape[-2], q.shape[-1]

@@ -9,6 +9,7 @@ disabled by name (`PassContext.disabled`).
     causal attention          explicit causal masks back to `is_causal=True`
     tensor parallelism        shard parameters, insert tp collectives (tp > 1)
     context parallelism       shard the sequence, ring attention (cp > 1)
+    expert parallelism        split each routed layer's experts, all_to_all (ep > 1)
     ── pipeline split ──       cut the graph into stages, keep this rank's (pp > 1)
     materialize               real memory for this rank's pieces of a meta model
     retarget devices          device arguments and tensors on this rank's device
@@ -24,10 +25,11 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from autopart.ops.meta import CP_SUMMED, TP_LAYOUT, VOCAB_PARALLEL_LOSS
+from autopart.ops.meta import CP_SUMMED, EP_SHARDED, TP_LAYOUT, VOCAB_PARALLEL_LOSS
 from autopart.ops.program import RankProgram
 from autopart.passes.causal_attention import causal_attention_pass
 from autopart.passes.context_parallel import context_parallel_pass
+from autopart.passes.expert_parallel import expert_parallel_pass
 from autopart.passes.materialize import materialize_pass
 from autopart.passes.pipeline_split import split_stages
 from autopart.passes.recompute import recompute_pass
@@ -57,6 +59,7 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite(causal_attention_pass),
     Rewrite(tensor_parallel_pass, lambda plan: plan.tp > 1),
     Rewrite(context_parallel_pass, lambda plan: plan.cp > 1),
+    Rewrite(expert_parallel_pass, lambda plan: plan.ep > 1),
     Rewrite(materialize_pass, per_stage=True),
     Rewrite(retarget_devices_pass, per_stage=True),
     Rewrite(
@@ -83,5 +86,5 @@ def rank_program(gm: fx.GraphModule, ctx: PassContext) -> RankProgram:
         stages, stage_ids = [gm], [0]
     stages = [run_passes(stage, ctx, passes(per_stage=True)) for stage in stages]
     loss = VOCAB_PARALLEL_LOSS.get(gm) if VOCAB_PARALLEL_LOSS.has(gm) else None
-    summed = CP_SUMMED.get(gm, frozenset())
-    return RankProgram(stages, stage_ids, TP_LAYOUT.get(gm, {}), loss, summed)
+    summed, experts = CP_SUMMED.get(gm, frozenset()), EP_SHARDED.get(gm, frozenset())
+    return RankProgram(stages, stage_ids, TP_LAYOUT.get(gm, {}), loss, summed, experts)

@@ -71,10 +71,23 @@ class ContextSums:
     fqns: frozenset[str]
 
 
+@dataclass(frozen=True)
+class ExpertShards:
+    """Stacked expert weights split over ep (`fqns`, `RankProgram.ep_sharded`): each
+    rank's gradient already sums every ep rank's tokens, so it is summed over `group`
+    (the dp replicas of the same experts) and divided by `shares`, the batch's shares
+    (dp × ep), as the other weights' are averaged over them."""
+
+    group: dist.ProcessGroup
+    fqns: frozenset[str]
+    shares: int
+
+
 class ReplicatedState:
     """ZeRO stage 0: plain data parallelism (its gradients compressed, if asked). Under
     context parallelism the gradients of `context.fqns` are summed over dp × cp, the
-    others averaged over dp (whole on every cp rank already)."""
+    others averaged over dp (whole on every cp rank already). Under expert parallelism
+    (`group` is dp × ep) the experts' gradients are summed over their dp replicas."""
 
     def __init__(
         self,
@@ -84,15 +97,22 @@ class ReplicatedState:
         accumulation: int,
         compression: str | None = None,
         context: ContextSums | None = None,
+        experts: ExpertShards | None = None,
     ) -> None:
         params = params_in_backward_order(stages)
         summed = _named(stages, context.fqns) if context else set()
-        rest = [p for p in params if id(p) not in summed]
+        split = _named(stages, experts.fqns) if experts else set()
+        rest = [p for p in params if id(p) not in summed | split]
         dp = dist.get_world_size(group)
         self.syncs = [GradientSync(rest, group, accumulation, compression=compression)]
         if context is not None:
             parts = [p for p in params if id(p) in summed]
             self.syncs.append(GradientSync(parts, context.group, accumulation, divisor=dp))
+        if experts is not None:
+            shards = [p for p in params if id(p) in split]
+            self.syncs.append(
+                GradientSync(shards, experts.group, accumulation, divisor=experts.shares)
+            )
         self.optimizer = optimizer([p for gm in stages for p in gm.parameters()])
 
     def begin(self) -> None:
@@ -177,15 +197,18 @@ def build_data_parallel_state(
     grad_compression: str | None = None,
     offload: bool = False,
     context: ContextSums | None = None,
+    experts: ExpertShards | None = None,
 ) -> DataParallelState:
     """The state for ZeRO stage `zero` of this rank's `stages` over the data-parallel
     `group`. `accumulation` is how many backward passes (microbatches) contribute to
     each step's gradients; `sync_every`, where set, makes it local SGD;
     `grad_compression` compresses stage 0's gradient all-reduce; `offload` keeps ZeRO-1/2's
-    optimizer state on the host; `context`, the gradients the sync also sums over cp.
+    optimizer state on the host; `context`, the gradients the sync also sums over cp;
+    `experts`, the expert shards synced over their dp replicas only (`group` is then
+    dp × ep).
     """
-    if context is not None and context.fqns:
-        return ReplicatedState(stages, group, optimizer, accumulation, context=context)
+    if context is not None and context.fqns or experts is not None:
+        return ReplicatedState(stages, group, optimizer, accumulation, None, context, experts)
     if dist.get_world_size(group) == 1:
         return LocalState(stages, optimizer)
     if sync_every is not None:

@@ -1,8 +1,8 @@
 """Reassembling whole parameters from this rank's pieces (for checkpoints and checks).
 
 Each layer of sharding is undone in the reverse order it was applied: ZeRO-3 over dp,
-then tensor parallelism over tp, then the pipeline over pp (each stage holds its own
-parameters, exchanged as objects).
+then tensor parallelism over tp, then expert parallelism over ep, then the pipeline
+over pp (each stage holds its own parameters, exchanged as objects).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def full_state_dict(pm: ParallelModule) -> dict[str, torch.Tensor]:
     full: dict[str, torch.Tensor] = {}
     for stage in pm.stages:
         full.update(zero3.full_state_dict(stage))
-    return _gather_pipeline_stages(pm, _undo_tensor_parallel(pm, full))
+    full = _undo_expert_parallel(pm, _undo_tensor_parallel(pm, full))
+    return _gather_pipeline_stages(pm, full)
 
 
 def _undo_tensor_parallel(
@@ -40,6 +41,24 @@ def _undo_tensor_parallel(
         gathered = [torch.empty_like(local) for _ in range(pm.plan.tp)]
         dist.all_gather(gathered, local, group=group)
         params[fqn] = unshard(gathered, dim, parts)
+    return params
+
+
+def _undo_expert_parallel(
+    pm: ParallelModule, params: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Each ep rank holds its run of every layer's experts (dim 0): concatenated in
+    rank order."""
+    if pm.plan.ep == 1:
+        return params
+    group = pm.groups.group(Axis.EP)
+    for fqn in sorted(pm.ep_sharded):  # the same order on every rank
+        if fqn not in params:
+            continue
+        local = params[fqn].contiguous()
+        gathered = [torch.empty_like(local) for _ in range(pm.plan.ep)]
+        dist.all_gather(gathered, local, group=group)
+        params[fqn] = torch.cat(gathered, 0)
     return params
 
 

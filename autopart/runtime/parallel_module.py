@@ -20,6 +20,7 @@ from autopart.plan import Plan
 from autopart.policy import sequence_multiple
 from autopart.runtime.data_parallel import (
     ContextSums,
+    ExpertShards,
     OptimizerFactory,
     build_data_parallel_state,
 )
@@ -71,6 +72,7 @@ class ParallelModule(nn.Module):
         self.stage_ids = program.stage_ids
         self.tp_layout = program.tp_layout
         self.cp_summed = program.cp_summed
+        self.ep_sharded = program.ep_sharded
         # Logits the program returns sharded over the vocabulary, for a parallel loss.
         self.vocab_parallel_loss = program.vocab_parallel_loss
         self.plan = plan
@@ -92,7 +94,7 @@ class ParallelModule(nn.Module):
             build_data_parallel_state(
                 plan.zero,
                 program.stages,
-                groups.group(Axis.DP),
+                groups.batch_group(),
                 optimizer,
                 plan.microbatches,
                 plan.sync_every,
@@ -101,6 +103,9 @@ class ParallelModule(nn.Module):
                 plan.offload,
                 ContextSums(groups.group(Axis.DP, Axis.CP), program.cp_summed)
                 if program.cp_summed
+                else None,
+                ExpertShards(groups.group(Axis.DP), program.ep_sharded, groups.batch_size)
+                if program.ep_sharded
                 else None,
             )
             if optimizer
@@ -153,7 +158,7 @@ class ParallelModule(nn.Module):
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's slice of a global batch, on this rank's device."""
-        local = split_batch(batch, self.groups.rank(Axis.DP), self.plan.dp)
+        local = split_batch(batch, self.groups.batch_rank, self.groups.batch_size)
         device = self.groups.device
         return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), local)
 
@@ -182,7 +187,7 @@ class ParallelModule(nn.Module):
     ) -> torch.Tensor:
         assert self.state is not None, "train_step checked it"
         self.state.begin()
-        dp, rank, m = self.plan.dp, self.groups.rank(Axis.DP), self.plan.microbatches
+        dp, rank, m = self.groups.batch_size, self.groups.batch_rank, self.plan.microbatches
         shares = microbatch_shares(self.recognized_loss, target, dp, rank, m)
         local_loss = executor.run(self.local_batch(args), self.local_batch(target), shares)
         self.state.finish()
@@ -192,11 +197,13 @@ class ParallelModule(nn.Module):
         return loss
 
     def _global_loss(self, local_loss: torch.Tensor) -> torch.Tensor:
-        """The mean over data-parallel replicas of the loss held by each replica's
+        """The mean over the batch's shares (dp × ep) of the loss held by each share's
         reporting rank, delivered to every rank."""
         if dist.get_world_size() == 1:
             return local_loss
-        contribution = local_loss / self.plan.dp if self.groups.reports_loss else local_loss * 0
+        contribution = (
+            local_loss / self.groups.batch_size if self.groups.reports_loss else local_loss * 0
+        )
         dist.all_reduce(contribution, group=self.groups.group(*MESH_AXES))
         return contribution
 

@@ -114,6 +114,7 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         captured.gm, captured.parameter_names, mesh, dims, pins.precision, pins.sharded_logits
     )
     _check_context_pin(pins, layouts)
+    _check_expert_pin(pins, layouts)
     try:
         found = search(layouts, mesh, pins, batch, dims)
     except NoPlanFits as e:
@@ -148,7 +149,11 @@ def _whole_batch(pins: Pins, mixing: list[str], mesh: Mesh) -> Pins:
     computes. Pins that split it are refused, saying where the model mixes them."""
     if not mixing:
         return pins
-    split = {"dp": pins.degree(Axis.DP) or _dp_left(pins, mesh), "microbatches": pins.microbatches}
+    split = {
+        "dp": pins.degree(Axis.DP) or _dp_left(pins, mesh),
+        "ep": pins.degree(Axis.EP),
+        "microbatches": pins.microbatches,
+    }
     splitting = [f"{k}={v}" for k, v in split.items() if v is not None and v > 1]
     if splitting:
         raise PlanError(
@@ -158,7 +163,8 @@ def _whole_batch(pins: Pins, mixing: list[str], mesh: Mesh) -> Pins:
             "(tensor or pipeline parallelism), or keep the examples apart (for BatchNorm: "
             "GroupNorm or LayerNorm, or BatchNorm in eval mode, its statistics frozen)"
         )
-    return replace(pins, degrees={**pins.degrees, str(Axis.DP): 1}, microbatches=1)
+    whole = {str(Axis.DP): 1, str(Axis.EP): 1}
+    return replace(pins, degrees={**pins.degrees, **whole}, microbatches=1)
 
 
 def _dp_left(pins: Pins, mesh: Mesh) -> int | None:
@@ -205,6 +211,49 @@ def _check_context_pin(pins: Pins, layouts: TpLayouts) -> None:
             f"cp={cp} cuts each sequence into 2·cp = {2 * cp} chunks, but the sequence "
             f"has {sequence} tokens: pin a cp whose 2·cp divides {sequence}, or change "
             "the sequence length"
+        )
+
+
+def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:
+    """Refuse a pinned ep > 1 that cannot split the model's experts, or that asks for
+    what expert parallelism does not combine with yet."""
+    ep = pins.degree(Axis.EP) or 1
+    if ep == 1:
+        return
+    experts = layouts.experts
+    if experts is None:
+        raise PlanError(
+            f"ep={ep} splits routed experts over expert-parallel ranks, but the model has no "
+            "expert layer autopart recognizes (grouped multiplies over weights stacked by "
+            "expert, as Hugging Face's MoE models compute them): pin ep=1"
+        )
+    if experts % ep:
+        raise PlanError(
+            f"ep={ep} splits each layer's {experts} experts in equal runs: pin an ep that "
+            f"divides {experts}"
+        )
+    clashes = [
+        f"{name}={value}"
+        for name, value in (
+            ("tp", pins.degree(Axis.TP) or 1),
+            ("cp", pins.degree(Axis.CP) or 1),
+            ("zero", pins.zero or 0),
+        )
+        if value > 1 or (name == "zero" and value > 0)
+    ]
+    clashes += [
+        f"{name}={value}"
+        for name, value in (
+            ("offload", pins.offload),
+            ("sync_every", pins.sync_every),
+            ("grad_compression", pins.grad_compression),
+        )
+        if value
+    ]
+    if clashes:
+        raise PlanError(
+            f"ep={ep} does not combine with {', '.join(clashes)} yet: expert parallelism runs "
+            "with dp and pp, plain data parallelism's gradient sync (zero=0), tp=1 and cp=1"
         )
 
 

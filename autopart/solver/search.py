@@ -1,8 +1,10 @@
 """Searching the plans the pins leave open, with OR-Tools CP-SAT.
 
 Candidates, every combination the pins allow:
-  every factorization of the mesh over the axes of `Degrees` (dp × cp × tp × pp), less
-    what `_admissible` rules out for an unpinned axis: dp must divide the batch, tp
+  every factorization of the mesh over the axes of `Degrees` (pp × dp × ep × cp × tp),
+    less what `_admissible` rules out for an unpinned axis: dp × ep must divide the
+    batch, ep the experts of every routed layer (with tp = cp = 1 and plain data
+    parallelism: ZeRO 0, no offload, compression or local SGD), tp
     stays within a node (tensor parallelism on the fast links) and, unless pinned, at
     degrees where the model has a tensor-parallel layout; pp no more than the repeated
     blocks; cp where the model attends over a sequence that splits into 2·cp chunks,
@@ -70,6 +72,7 @@ from autopart.cost_models.work import ATTENTION
 from autopart.degrees import Axis, Degrees
 from autopart.mesh import Mesh
 from autopart.passes.context_parallel import sequence_length
+from autopart.passes.experts import expert_layers
 from autopart.plan import Predicted
 from autopart.plan_format import format_bytes
 from autopart.policy import Precision, Schedule, zero_refusal
@@ -238,6 +241,13 @@ class TpLayouts:
             self._solutions[tp, sp] = solve_layout(problem, pattern=pattern, sharded=sharded)
         return self._solutions[tp, sp]
 
+    @functools.cached_property
+    def experts(self) -> int | None:
+        """The number of experts every routed layer of the model has (the largest that
+        divides them all), or None where it has no layer expert parallelism splits."""
+        layers = expert_layers(self.gm, self.param_names)
+        return math.gcd(*(layer.experts for layer in layers)) if layers else None
+
     def ring_sequence(self) -> int | None:
         """The sequence length context parallelism splits: the dynamic sequence's size
         where the model attends over it (ring attention), else None."""
@@ -340,7 +350,7 @@ def _states_overflow(
     device's memory: what neither recomputation nor stage cuts reduce. Context
     parallelism keeps every parameter whole on its ranks, so its plans are priced only
     where this fits (the others stay, to say what would fit)."""
-    params = sum(s.param_numel(c.tp) for s in summary.evaluate({**dims, BATCH: 1})) / c.pp
+    params = sum(s.param_numel(c.tp, c.ep) for s in summary.evaluate({**dims, BATCH: 1})) / c.pp
     states = models.memory.breakdown(params, c.dp, c.zero, offload=c.offload)
     return sum(states.values()) > memory
 
@@ -471,23 +481,24 @@ def _choices(
 ) -> Iterator[Choices]:
     """Every combination the pins allow; with `offload`, only ZeRO-1/2 with the
     optimizer state on the host."""
-    sequence = layouts.ring_sequence()
+    sequence, experts = layouts.ring_sequence(), layouts.experts
     for degrees in Degrees.factorizations(mesh.world_size, pins.degrees):
-        if not _admissible(degrees, mesh, pins, batch, len(blocks), sequence):
+        if not _admissible(degrees, mesh, pins, batch, len(blocks), sequence, experts):
             continue
         tp, pp, dp = degrees[Axis.TP], degrees[Axis.PP], degrees[Axis.DP]
+        ep = degrees[Axis.EP]
         sp = layouts.sequence_parallel(tp, pins.sequence_parallel)
         if tp > 1 and not layouts.placements(tp) and pins.degree(Axis.TP) is None:
             continue  # no layout shards anything at this tp (a pinned tp may replicate all)
         cp = degrees[Axis.CP]
-        for schedule, virtual, m in _pipelines(pp, batch // dp, pins, len(blocks)):
+        for schedule, virtual, m in _pipelines(pp, batch // (dp * ep), pins, len(blocks)):
             if cp > 1 and pins.degree(Axis.CP) is None and (batch // (dp * m)) % cp == 0:
                 # Each of the cp ranks could take whole sequences of the microbatch
                 # instead: the plan with dp·cp replicas does the same tokens per rank
                 # in the same memory, without the ring, the gradient all-reduces per
                 # microbatch and the logits' gather. cp pays only below a sequence.
                 continue
-            for zero in _zero_stages(dp, pins):
+            for zero in _zero_stages(dp, pins) if ep == 1 else [0]:
                 if offload and zero not in (1, 2):
                     continue
                 for recompute in _recompute_sets(blocks, pins):
@@ -507,21 +518,31 @@ def _choices(
 
 
 def _admissible(
-    degrees: Degrees, mesh: Mesh, pins: Pins, batch: int, blocks: int, sequence: int | None
+    degrees: Degrees,
+    mesh: Mesh,
+    pins: Pins,
+    batch: int,
+    blocks: int,
+    sequence: int | None,
+    experts: int | None = None,
 ) -> bool:
     """What each axis's degree must respect; a pinned degree passes where the rule is a
     preference (`solver.pipeline` and the passes explain what cannot run). An axis with
     no rule here is admissible at every degree. `sequence`: the sequence length context
-    parallelism would split (`TpLayouts.ring_sequence`), None where it would not."""
+    parallelism would split (`TpLayouts.ring_sequence`), None where it would not;
+    `experts`: the experts per routed layer expert parallelism would split."""
 
     def free(axis: Axis) -> bool:
         return pins.degree(axis) is None
 
-    tp, pp, cp = degrees[Axis.TP], degrees[Axis.PP], degrees[Axis.CP]
+    tp, pp, cp, ep = (degrees[a] for a in (Axis.TP, Axis.PP, Axis.CP, Axis.EP))
     return not (
         # the sequence's 2·cp chunks, whole tokens each
         (free(Axis.CP) and cp > 1 and (not sequence or sequence % (2 * cp)))
-        or batch % degrees[Axis.DP]  # each replica takes an equal share of the batch
+        # equal runs of every layer's experts; with dp and pp alone, plain data parallelism
+        or (ep > 1 and (not experts or experts % ep or tp > 1 or cp > 1))
+        or (ep > 1 and (pins.sync_every or pins.grad_compression or pins.offload))
+        or batch % degrees.batch_split  # each rank of dp × ep takes an equal share
         or (free(Axis.TP) and tp > mesh.per_node)  # tensor parallelism on a node's links
         or (pins.sequence_parallel and tp == 1)
         or (free(Axis.PP) and pp > max(1, blocks))  # a stage holds a block at least

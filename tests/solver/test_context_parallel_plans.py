@@ -13,23 +13,18 @@ import torch
 
 from autopart.api import captured_for_planning
 from autopart.mesh import Mesh
-from autopart.ops.loss_match import match_cross_entropy
 from autopart.plan import PlanError
 from autopart.solver import Pins, make_plan
-from tests.models import MLP, llama3_8b_on_meta, lm_loss, tiny_llama, token_batch
+from tests.harness import plan_lm
+from tests.models import MLP, llama3_8b_on_meta, tiny_llama, token_batch
 
 TOKENS = 131072
 MESH = Mesh.cluster("h100-80g", nodes=8, per_node=8)
 
 
 def _plan(batch: int, **pins):
-    model = llama3_8b_on_meta(positions=TOKENS)
     ids = torch.zeros(batch, TOKENS, dtype=torch.long, device="meta")
-    captured = captured_for_planning(model, (ids,))
-    loss = match_cross_entropy(lm_loss, captured.gm)
-    assert loss is not None
-    pins = Pins.of(precision="bf16-mixed", sharded_logits=loss.logits, **pins)
-    return make_plan(captured, MESH, pins)
+    return plan_lm(llama3_8b_on_meta(positions=TOKENS), ids, MESH, **pins)
 
 
 @pytest.mark.slow

@@ -214,7 +214,7 @@ def test_pins_that_split_the_batch_of_such_a_model_are_refused_saying_where(pins
 
 def test_axes_pinned_so_that_dp_must_split_such_a_batch_are_refused():
     with pytest.raises(autopart.PlanError, match="dp=4 would split the batch"):
-        autopart.plan(BatchNormNet(), FOUR_CPUS, (IMAGES,), tp=1, pp=1, cp=1)
+        autopart.plan(BatchNormNet(), FOUR_CPUS, (IMAGES,), tp=1, pp=1, cp=1, ep=1)
 
 
 def test_with_no_plan_on_the_whole_batch_the_refusal_says_why():
