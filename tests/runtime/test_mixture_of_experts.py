@@ -1,19 +1,38 @@
-"""A sparse mixture-of-experts decoder (tiny Mixtral, routed experts in every layer):
-its layers are recognized as copies of one block although each routes a data-dependent
-number of tokens, so a two-layer model cuts into two pipeline stages; dp=2 and pp=2
-train like one device (fp32, 3 AdamW steps, Gloo)."""
+"""A sparse mixture-of-experts decoder (tiny Mixtral: 4 routed experts, top-2, in each
+of 2 layers). Its layers are recognized as copies of one block although each routes a
+data-dependent number of tokens, so it cuts into two pipeline stages. It trains like
+one device (3 AdamW steps in fp32 on Gloo, every rank's losses and parameters within
+1e-5) under dp=2, pp=2 and expert parallelism ep=2 on 2 ranks, and ep=2 × dp=2 and
+ep=2 × pp=2 (1F1B) on 4. Under ep each layer's rows travel to their experts' ranks and
+back with two all_to_alls, each rank holds half of every layer's experts, and nothing
+is dropped."""
 
 from __future__ import annotations
 
+import pytest
+
+import autopart
 from autopart.capture import capture
+from autopart.mesh import Mesh
 from autopart.ops.meta import BLOCK
 from autopart.passes import analyze
 from autopart.testing import run_world
 from tests.harness import assert_every_rank_matches, case_key, train_case
-from tests.models import tiny_mixtral, token_batch, train_reference
+from tests.models import tiny_llama, tiny_mixtral, token_batch, train_reference
 
 STEPS = 3
-CASES = [{"dp": 2}, {"pp": 2, "schedule": "1f1b", "microbatches": 2}]
+LAYERS = 2
+CASES = {
+    2: [
+        {"dp": 2},
+        {"pp": 2, "schedule": "1f1b", "microbatches": 2},
+        {"ep": 2, "dp": 1},
+    ],
+    4: [
+        {"ep": 2, "dp": 2},
+        {"ep": 2, "dp": 1, "pp": 2, "schedule": "1f1b", "microbatches": 2},
+    ],
+}
 
 
 def test_routed_layers_are_one_block():
@@ -24,16 +43,59 @@ def test_routed_layers_are_one_block():
     assert len(set(kinds.values())) == 1
 
 
-def _train(batch) -> dict:
+def _inspect(pm) -> dict:
+    exchanges = [info for _, info in pm.collectives() if info.axis == "ep"]
+    experts = {
+        name: tuple(p.shape)
+        for stage in pm._stage_graphs()
+        for name, p in stage.named_parameters()
+        if name in pm.ep_sharded
+    }
+    return {"exchanges": [i.kind for i in exchanges], "experts": experts}
+
+
+def _train(batch, cases) -> dict:
     return {
-        case_key("mixtral", pins): train_case(tiny_mixtral(), batch, STEPS, **pins)
-        for pins in CASES
+        case_key("mixtral", pins): train_case(
+            tiny_mixtral(), batch, STEPS, inspect=_inspect, **{"tp": 1, "cp": 1, "pp": 1, **pins}
+        )
+        for pins in cases
     }
 
 
-def test_mixture_of_experts_trains_like_one_device_under_dp_and_pp():
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_mixture_of_experts_trains_like_one_device(world):
     batch = token_batch(8)
     reference = train_reference(tiny_mixtral(), "adamw", STEPS, (batch[0],), batch[1])
-    per_rank = run_world(_train, 2, batch)
-    for pins in CASES:
-        assert_every_rank_matches(per_rank, case_key("mixtral", pins), reference, label=pins)
+    per_rank = run_world(_train, world, batch, CASES[world])
+    for pins in CASES[world]:
+        key = case_key("mixtral", pins)
+        assert_every_rank_matches(per_rank, key, reference, label=pins)
+        if "ep" not in pins:
+            continue
+        pipelines = world // pins.get("pp", 1)  # ranks that hold every layer between them
+        results = [r[key] for r in per_rank]
+        # Into each layer's experts and back out: two all_to_alls per layer and rank.
+        assert sum(len(r["exchanges"]) for r in results) == 2 * LAYERS * pipelines
+        assert {k for r in results for k in r["exchanges"]} == {"all_to_all"}
+        # Each rank holds 2 of every layer's 4 experts (gate_up and down, per layer).
+        assert sum(len(r["experts"]) for r in results) == 2 * LAYERS * pipelines
+        assert all(shape[0] == 2 for r in results for shape in r["experts"].values())
+
+
+TWO_CPUS = Mesh.cluster("cpu", nodes=1, per_node=2)
+
+
+@pytest.mark.parametrize(
+    ("model", "pins", "refusal"),
+    [
+        (tiny_llama, {"ep": 2}, "no expert layer autopart recognizes.*pin ep=1"),
+        (tiny_mixtral, {"ep": 2, "tp": 2}, "ep=2 does not combine with tp=2"),
+        (tiny_mixtral, {"ep": 2, "zero": 1}, "ep=2 does not combine with zero=1"),
+    ],
+)
+def test_expert_parallelism_it_cannot_run_is_refused_saying_why(model, pins, refusal):
+    ids, _ = token_batch(4)
+    mesh = TWO_CPUS if pins.get("tp", 1) == 1 else Mesh.cluster("cpu", nodes=1, per_node=4)
+    with pytest.raises(autopart.PlanError, match=refusal):
+        autopart.plan(model(), mesh, (ids,), **pins)
