@@ -24,7 +24,13 @@ from autopart.degrees import Axis, AxisAttributes, Degrees, MeshError
 from autopart.mesh import Mesh
 from autopart.placements import placement_from_str, placement_to_str
 from autopart.plan_format import PLACEMENT_AXES, diff_plans, explain_plan, format_plan
-from autopart.policy import Precision, Schedule, check_choice, replica_opt_in_refusal
+from autopart.policy import (
+    Precision,
+    Schedule,
+    check_choice,
+    outer_optimizer_refusal,
+    replica_opt_in_refusal,
+)
 
 PLAN_VERSION = 1
 
@@ -131,6 +137,9 @@ class Plan(AxisAttributes):
     # every `sync_every` steps. None: plain data parallelism (gradients all-reduced).
     sync_every: int | None = None
     sync_warmup: int = 0
+    # Local SGD's outer optimizer ("sgd:lr=0.7,momentum=0.9,nesterov": policy.py), which
+    # steps the parameters by the replicas' mean; None: the mean itself.
+    outer_optimizer: str | None = None
     # ZeRO offload: the optimizer state lives in host memory and the optimizer steps
     # there (ZeRO-1/2). The solver offloads only where no plan fits without it.
     offload: bool = False
@@ -170,6 +179,7 @@ class Plan(AxisAttributes):
         if self.sync_warmup < 0:
             out.append(f"sync_warmup must be at least 0, not {self.sync_warmup}")
         out.append(replica_opt_in_refusal(self.zero, self.sync_every, self.grad_compression))
+        out.append(outer_optimizer_refusal(self.outer_optimizer, self.sync_every))
         if self.offload and (self.zero not in (1, 2) or self.dp == 1):
             out.append(
                 "offload moves ZeRO-1/2's optimizer state shards to the host: it needs "

@@ -340,8 +340,16 @@ def _local_sgd_lines(plan: Plan) -> list[str]:
         f"Local SGD, as asked (sync_every={plan.sync_every}): {start}the {plan.dp} "
         "data-parallel replicas step on their own gradients and average their parameters "
         f"every {plan.sync_every} steps. This changes the math (only sync_every=1 with SGD "
-        "matches one device); the predicted step time still prices a gradient all-reduce "
-        "every step."
+        "matches one device); the predicted step time prices the steady state, one "
+        f"all-reduce of the parameters every {plan.sync_every} steps."
+        + (
+            f" The outer optimizer ({plan.outer_optimizer}) steps the parameters held "
+            "since the last averaging by their difference from the replicas' mean, and "
+            "every replica goes on from there (DiLoCo's outer step); it keeps "
+            "a copy of the parameters (two with momentum)."
+            if plan.outer_optimizer
+            else ""
+        )
     ]
 
 

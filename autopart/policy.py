@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum, StrEnum
 
 import torch
@@ -156,6 +157,61 @@ def replica_opt_in_refusal(
             f"local SGD (sync_every={sync_every}) keeps a whole replica on every "
             f"data-parallel rank, which ZeRO-{zero} shards: use zero=0"
         )
+    return None
+
+
+@dataclass(frozen=True)
+class OuterOptimizer:
+    """Local SGD's outer optimizer (DiLoCo's form of federated averaging): at every
+    averaging, the replicas' mean moves the parameters held since the last one by
+    SGD on their difference, at this learning rate and momentum (Nesterov's, where
+    asked). lr=1 without momentum is plain averaging."""
+
+    lr: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = False
+
+
+OUTER_SPEC = "'sgd:lr=L[,momentum=M][,nesterov]'"
+
+
+def outer_optimizer(spec: str) -> OuterOptimizer:
+    """The outer optimizer `spec` names: "sgd:lr=0.7,momentum=0.9,nesterov"."""
+    kind, _, options = spec.partition(":")
+    if kind != "sgd" or not options:
+        raise ValueError(f"outer_optimizer must be {OUTER_SPEC}, not {spec!r}")
+    values: dict[str, float] = {}
+    nesterov = False
+    for option in options.split(","):
+        name, eq, value = option.strip().partition("=")
+        if name == "nesterov" and not eq:
+            nesterov = True
+            continue
+        try:
+            values[name] = float(value)
+        except ValueError:
+            raise ValueError(f"outer_optimizer must be {OUTER_SPEC}, not {spec!r}") from None
+        if name not in ("lr", "momentum"):
+            raise ValueError(f"outer_optimizer must be {OUTER_SPEC}, not {spec!r}")
+    if "lr" not in values or values["lr"] <= 0 or not 0 <= values.get("momentum", 0) < 1:
+        raise ValueError(
+            f"outer_optimizer {spec!r} needs lr > 0 and 0 ≤ momentum < 1 ({OUTER_SPEC})"
+        )
+    if nesterov and not values.get("momentum"):
+        raise ValueError(f"outer_optimizer {spec!r}: Nesterov's momentum needs momentum > 0")
+    return OuterOptimizer(values["lr"], values.get("momentum", 0.0), nesterov)
+
+
+def outer_optimizer_refusal(spec: str | None, sync_every: int | None) -> str | None:
+    """Why an outer optimizer cannot run as asked, or None."""
+    if spec is None:
+        return None
+    if sync_every is None:
+        return "outer_optimizer steps local SGD's averaged parameters: it needs sync_every=H"
+    try:
+        outer_optimizer(spec)
+    except ValueError as e:
+        return str(e)
     return None
 
 

@@ -80,6 +80,7 @@ from autopart.policy import (
     Precision,
     Schedule,
     cp_gradients_in_sync,
+    outer_optimizer,
 )
 
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
@@ -108,6 +109,12 @@ class Choices(AxisAttributes):
     sequence_parallel: bool = False
     grad_compression: str | None = None  # as the runtime compresses the dp all-reduce
     offload: bool = False  # ZeRO-1/2's optimizer state on the host, stepped there
+    # Local SGD's steady state: parameters averaged every `sync_every` steps instead
+    # of gradients all-reduced every step (its warm-up is priced as data parallelism).
+    sync_every: int | None = None
+    # Copies of the parameters local SGD's outer optimizer keeps: its anchor, and its
+    # momentum where it has one.
+    outer_copies: int = 0
 
     def __post_init__(self) -> None:
         if self.pp > 1 and self.schedule is None:
@@ -131,6 +138,8 @@ class Choices(AxisAttributes):
             plan.sequence_parallel,
             plan.grad_compression,
             plan.offload,
+            plan.sync_every,
+            _outer_copies(plan.outer_optimizer),
         )
 
     def tp_layout(self, gm: fx.GraphModule) -> TpLayout | None:
@@ -169,6 +178,12 @@ class Choices(AxisAttributes):
             and segment.has_attention_core
             and not self.recomputes(segment)
         )
+
+
+def _outer_copies(spec: str | None) -> int:
+    if spec is None:
+        return 0
+    return 2 if outer_optimizer(spec).momentum else 1
 
 
 def _within(key: str, paths: tuple[str, ...]) -> bool:
@@ -404,6 +419,7 @@ def _rank_cost(
         output_bytes=last.output_bytes * choices.cp if last else 0.0,
         offload=choices.offload,
     )
+    memory["optimizer"] += round(choices.outer_copies * params * STATE_BYTES[choices.precision][0])
     recomputed = [s for s in own if choices.recomputes(s)]
     attention_recomputed = sum(choices.recomputes_attention(s) for s in own)
     unrecomputed = Activations(kept=sum(s.saved_bytes(choices.precision) for s in own))
@@ -549,6 +565,8 @@ def _dp_sync(
     size, stride = _sync_group(choices)
     if choices.zero == 3:
         return 0.0
+    if choices.sync_every is not None:
+        return _parameter_averaging(own, choices, models, size, stride)
     ep = choices.ep
     experts = sum(s.expert_numel(ep) for s in own) if ep > 1 else 0.0
     params = sum(s.param_numel(choices.tp, ep) for s in own) - experts
@@ -564,6 +582,17 @@ def _dp_sync(
     if choices.zero == 0 or size == 1:
         return exposed
     return exposed + models.comm.time(ALL_GATHER, params * param_bytes, size, stride)
+
+
+def _parameter_averaging(
+    own: list[SegmentWork], choices: Choices, models: CostModels, size: int, stride: int
+) -> float:
+    """Local SGD, per step: one all-reduce of every parameter's value (as the optimizer
+    holds it) every `sync_every` steps, after the optimizer step (nothing to hide it)."""
+    params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
+    nbytes = params * STATE_BYTES[choices.precision][0]
+    sync_every = choices.sync_every or 1
+    return models.comm.time(ALL_REDUCE, nbytes, size, stride) / sync_every
 
 
 def _sync_group(choices: Choices) -> tuple[int, int]:

@@ -133,7 +133,6 @@ def save_checkpoint(pm: ParallelModule, path: str | os.PathLike) -> None:
     leaves the previous checkpoint at `path` whole (and a `.partial` the next save
     replaces). The swap itself is two renames on rank 0: between them the previous
     checkpoint is at `<path>.previous`."""
-    _check_layout(pm)
     final = Path(path)
     partial = final.with_name(final.name + ".partial")
     previous = final.with_name(final.name + ".previous")
@@ -160,7 +159,6 @@ def load_checkpoint(pm: ParallelModule, path: str | os.PathLike) -> None:
     """Load a checkpoint written by `save_checkpoint`, under this plan or any other of
     the same model, into `pm`'s parameters and optimizer state (collective). Training
     then goes on as if it had never stopped."""
-    _check_layout(pm)
     if not Path(path).is_dir():
         raise CheckpointError(f"{path}: no checkpoint there (save_checkpoint writes a directory)")
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
@@ -278,17 +276,6 @@ def _restore_extras(pm: ParallelModule, objects: dict[str, Any]) -> None:
         pm.steps = objects[STEPS]
     if LOSS_SCALE in objects and pm.precision.scaler is not None:
         pm.precision.scaler.value = objects[LOSS_SCALE]
-
-
-def _check_layout(pm: ParallelModule) -> None:
-    """Refuse, on every rank alike, a layout whose pieces the checkpoint cannot name yet:
-    experts split over ep (each rank's would be written as the whole weight)."""
-    if pm.plan.ep > 1:
-        raise CheckpointError(
-            f"checkpoints of plans with expert parallelism (ep={pm.plan.ep}) are not "
-            "supported yet: `pm.full_state_dict()` gathers the whole weights on every rank, "
-            "to save with torch.save"
-        )
 
 
 def _barrier() -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
+from autopart.policy import OuterOptimizer
 from autopart.runtime.grad_sync import GradientSync, params_in_backward_order
 from autopart.runtime.zero import zero_state
 
@@ -142,7 +143,11 @@ class LocalSgdState:
     its own gradients, and the replicas average their parameters after every `every`-th
     local step. With `every` = 1 and SGD (with or without momentum: both are linear in
     the gradients) it is plain data parallelism, up to reduction order; otherwise the
-    math differs from one device, as the user asked."""
+    math differs from one device, as the user asked.
+
+    With an `outer` optimizer (DiLoCo's form), the parameters held since the last
+    averaging (the anchor, the same on every replica) take an SGD step on their
+    difference from the replicas' mean, and every replica goes on from the anchor."""
 
     def __init__(
         self,
@@ -152,10 +157,14 @@ class LocalSgdState:
         accumulation: int,
         every: int,
         warmup: int,
+        outer: OuterOptimizer | None = None,
     ) -> None:
         self.params = list(dict.fromkeys(p for gm in stages for p in gm.parameters()))
         self.optimizer = optimizer(self.params)
         self.group, self.every, self.warmup = group, every, warmup
+        self.outer = outer
+        self.anchor: list[torch.Tensor] = []
+        self.outer_step: torch.optim.Optimizer | None = None
         self.sync: GradientSync | None = (
             GradientSync(params_in_backward_order(stages), group, accumulation) if warmup else None
         )
@@ -165,6 +174,8 @@ class LocalSgdState:
         if self.sync is not None and self.steps == self.warmup:
             self.sync.close()  # the warm-up is over: local steps from here on
             self.sync = None
+        if self.outer is not None and self.steps == self.warmup:
+            self._hold_anchor()
         if self.sync is not None:
             self.sync.begin()
         else:
@@ -180,6 +191,29 @@ class LocalSgdState:
         local = self.steps - self.warmup
         if local > 0 and local % self.every == 0:
             average_parameters(iter(self.params), self.group)
+            if self.outer_step is not None:
+                self._step_anchor()
+
+    def _hold_anchor(self) -> None:
+        """The parameters every replica starts its local steps from, and the outer
+        optimizer over them."""
+        assert self.outer is not None
+        self.anchor = [p.detach().clone() for p in self.params]
+        outer = self.outer
+        self.outer_step = torch.optim.SGD(
+            self.anchor, lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov
+        )
+
+    @torch.no_grad()
+    def _step_anchor(self) -> None:
+        """The outer step: the anchor moves by SGD on (anchor − the replicas' mean),
+        and every replica goes on from it."""
+        assert self.outer_step is not None
+        for anchor, p in zip(self.anchor, self.params):
+            anchor.grad = anchor - p
+        self.outer_step.step()
+        for anchor, p in zip(self.anchor, self.params):
+            p.copy_(anchor)
 
     def close(self) -> None:
         if self.sync is not None:
@@ -195,13 +229,15 @@ def build_data_parallel_state(
     sync_every: int | None = None,
     sync_warmup: int = 0,
     grad_compression: str | None = None,
+    outer: OuterOptimizer | None = None,
     offload: bool = False,
     context: ContextSums | None = None,
     experts: ExpertShards | None = None,
 ) -> DataParallelState:
     """The state for ZeRO stage `zero` of this rank's `stages` over the data-parallel
     `group`. `accumulation` is how many backward passes (microbatches) contribute to
-    each step's gradients; `sync_every`, where set, makes it local SGD;
+    each step's gradients; `sync_every`, where set, makes it local SGD (with `outer`,
+    its outer optimizer);
     `grad_compression` compresses stage 0's gradient all-reduce; `offload` keeps ZeRO-1/2's
     optimizer state on the host; `context`, the gradients the sync also sums over cp;
     `experts`, the expert shards synced over their dp replicas only (`group` is then
@@ -212,7 +248,7 @@ def build_data_parallel_state(
     if dist.get_world_size(group) == 1:
         return LocalState(stages, optimizer)
     if sync_every is not None:
-        return LocalSgdState(stages, group, optimizer, accumulation, sync_every, sync_warmup)
+        return LocalSgdState(stages, group, optimizer, accumulation, sync_every, sync_warmup, outer)
     if zero == 0:
         return ReplicatedState(stages, group, optimizer, accumulation, grad_compression)
     return zero_state(zero, stages, group, optimizer, accumulation, offload)

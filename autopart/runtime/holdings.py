@@ -48,7 +48,7 @@ class Holdings:
     """Every tensor of a ParallelModule that holds parameter values, and its layout."""
 
     def __init__(self, pm: ParallelModule) -> None:
-        tp = TensorParallelSlices(pm.tp_layout, pm.plan.tp, pm.groups.rank(Axis.TP))
+        tp = _slices(pm)
         dp_rank = pm.groups.rank(Axis.DP)
         self.own: list[tuple[torch.Tensor, Held]] = []  # each value written once
         self.copies: list[tuple[torch.Tensor, Held]] = []  # ZeRO-1/2 shards of those
@@ -93,6 +93,15 @@ class Holdings:
         if loading:
             return entries
         return {name: distinct(pieces) for name, pieces in entries.items()}
+
+
+def _slices(pm: ParallelModule) -> TensorParallelSlices:
+    """How this rank's slices sit in whole parameters: tp's, or under expert
+    parallelism (which runs with tp = 1) its run of every layer's experts, dim 0."""
+    if pm.plan.ep > 1:
+        experts = {name: (0, 1) for name in pm.ep_sharded}
+        return TensorParallelSlices(experts, pm.plan.ep, pm.groups.rank(Axis.EP))
+    return TensorParallelSlices(pm.tp_layout, pm.plan.tp, pm.groups.rank(Axis.TP))
 
 
 def _flat(names: Sequence[str], layout: FlatLayout, rank: int, tp: TensorParallelSlices) -> Held:

@@ -17,7 +17,7 @@ from autopart.ops.loss_match import CrossEntropy
 from autopart.ops.meta import COLLECTIVE, CollectiveInfo, TensorInfo
 from autopart.ops.program import RankProgram
 from autopart.plan import Plan
-from autopart.policy import sequence_multiple
+from autopart.policy import outer_optimizer, sequence_multiple
 from autopart.runtime.data_parallel import (
     ContextSums,
     ExpertShards,
@@ -100,6 +100,7 @@ class ParallelModule(nn.Module):
                 plan.sync_every,
                 plan.sync_warmup,
                 plan.grad_compression,
+                outer_optimizer(plan.outer_optimizer) if plan.outer_optimizer else None,
                 plan.offload,
                 ContextSums(groups.group(Axis.DP, Axis.CP), program.cp_summed)
                 if program.cp_summed

@@ -47,7 +47,8 @@ class Piece:
 @dataclass(frozen=True, slots=True)
 class TensorParallelSlices:
     """How this rank's tensor-parallel slices sit in whole parameters: `layout` maps a
-    sharded parameter's name to (dim, parts), as `ops.shards.local_shard` cuts it."""
+    sharded parameter's name to (dim, parts), as `ops.shards.local_shard` cuts it, over
+    `size` ranks (tp's; or ep's, whose expert runs are slices of dim 0 alike)."""
 
     layout: Mapping[str, tuple[int, int]]
     size: int

@@ -27,6 +27,7 @@ from autopart.policy import (
     PRECISION_ALIASES,
     Precision,
     check_choice,
+    outer_optimizer_refusal,
     replica_opt_in_refusal,
     zero_refusal,
 )
@@ -51,6 +52,7 @@ class Pins:
     sequence_parallel: bool | None = None  # None: the solver's choice where tp > 1
     sync_every: int | None = None  # local SGD: the user's choice only (it changes the math)
     sync_warmup: int = 0
+    outer_optimizer: str | None = None  # local SGD's, the user's choice only
     grad_compression: str | None = None  # the user's choice only (it changes the math)
     offload: bool | None = None  # None: only where no plan fits without it
     # The optimizer the plan will run, where known: ZeRO is left out unless it is exact
@@ -90,6 +92,9 @@ class Pins:
             if refusal:
                 raise PlanError(refusal)
             pins["zero"] = 0
+        refusal = outer_optimizer_refusal(pins.get("outer_optimizer"), sync_every)
+        if refusal:
+            raise PlanError(refusal)
         pinned = {k: pins.pop(k) for k in axes if k in pins and pins[k] is not None}
         try:
             Degrees(pinned)  # positive integers, or a clear error
@@ -289,6 +294,7 @@ def _plan_of(
         sequence_parallel=choices.sequence_parallel,
         sync_every=pins.sync_every,
         sync_warmup=pins.sync_warmup,
+        outer_optimizer=pins.outer_optimizer,
         grad_compression=pins.grad_compression,
         offload=choices.offload,
         recompute=choices.recompute,

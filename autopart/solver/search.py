@@ -514,6 +514,7 @@ def _choices(
                         _pinned_paths(pins.recompute_attention, blocks),
                         sequence_parallel=sp,
                         offload=offload,
+                        sync_every=pins.sync_every,
                     )
 
 

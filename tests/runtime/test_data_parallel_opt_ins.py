@@ -54,15 +54,21 @@ def _train_all(cases: dict[str, dict]) -> dict[str, dict]:
     return {name: _train(pins) for name, pins in cases.items()}
 
 
-def _replicas_apart(every: int, warmup: int) -> dict:
+def _replicas_apart(every: int, warmup: int, outer: dict | None = None) -> dict:
     """Two replicas, each on its half of the batch: gradients averaged during the
-    warm-up, then their own, with parameters averaged after every `every`-th local step."""
+    warm-up, then their own, with parameters averaged after every `every`-th local step;
+    with an `outer` SGD (its arguments), the parameters held since the last averaging
+    step by their difference from the mean, and the replicas go on from them."""
     x, target = _batch()
     halves = list(zip(x.chunk(DP), target.chunk(DP)))
     replicas = [_model() for _ in range(DP)]
     optimizers = [make_optimizer("sgd")(m.parameters()) for m in replicas]
+    anchor: list[torch.Tensor] = []
     losses = []
     for step in range(1, STEPS + 1):
+        if outer is not None and step == warmup + 1:
+            anchor = [p.detach().clone() for p in replicas[0].parameters()]
+            outer_sgd = torch.optim.SGD(anchor, **outer)
         local = []
         for model, opt, (xs, ts) in zip(replicas, optimizers, halves):
             opt.zero_grad()
@@ -82,6 +88,13 @@ def _replicas_apart(every: int, warmup: int) -> dict:
                     mean = torch.stack(list(params)).mean(0)
                     for p in params:
                         p.copy_(mean)
+                if outer is not None:
+                    for a, p in zip(anchor, replicas[0].parameters()):
+                        a.grad = a - p
+                    outer_sgd.step()
+                    for model in replicas:
+                        for a, p in zip(anchor, model.parameters()):
+                            p.copy_(a)
         losses.append(sum(local) / DP)
     return {"losses": losses, "params": snapshot(replicas[0])}
 
@@ -105,6 +118,11 @@ def trained() -> dict[str, dict]:
     cases = {
         "every_1": {"sync_every": 1},
         "every_2_after_1": {"sync_every": 2, "sync_warmup": 1},
+        "outer_nesterov": {
+            "sync_every": 2,
+            "sync_warmup": 1,
+            "outer_optimizer": "sgd:lr=0.7,momentum=0.9,nesterov",
+        },
         "plain": {},
         "bf16": {"grad_compression": "bf16"},
         "powersgd_full": {"grad_compression": "powersgd:rank=8"},  # the matrices' 8 rows/columns
@@ -137,6 +155,33 @@ def test_local_sgd_refuses_zero():
         autopart.plan(_model(), mesh, (x,), dp=2, zero=1, sync_every=2)
     plan = autopart.plan(_model(), mesh, (x,), dp=2, sync_every=2)
     assert plan.zero == 0 and plan.sync_every == 2
+
+
+@pytest.mark.slow  # one world of 2 trains every case
+def test_an_outer_optimizer_steps_the_anchor_by_the_replicas_mean(trained):
+    """DiLoCo's outer step (Nesterov SGD on the anchor's difference from the mean) as
+    two replicas trained apart give it, which plain averaging does not."""
+    result = trained["outer_nesterov"]
+    outer = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert_matches(result, _replicas_apart(every=2, warmup=1, outer=outer))
+    with pytest.raises(AssertionError):
+        assert_matches(result, _replicas_apart(every=2, warmup=1))
+    assert "The outer optimizer (sgd:lr=0.7,momentum=0.9,nesterov)" in result["explain"]
+
+
+@pytest.mark.parametrize(
+    ("pins", "message"),
+    [
+        ({"outer_optimizer": "sgd:lr=0.7"}, "it needs sync_every=H"),
+        ({"sync_every": 2, "outer_optimizer": "adam:lr=1"}, "must be 'sgd:lr=L"),
+        ({"sync_every": 2, "outer_optimizer": "sgd:lr=1,nesterov"}, "needs momentum > 0"),
+    ],
+)
+def test_an_outer_optimizer_it_cannot_run_is_refused(pins, message):
+    x, _ = _batch()
+    mesh = autopart.Mesh.cluster("cpu", nodes=1, per_node=2)
+    with pytest.raises(PlanError, match=message):
+        autopart.plan(_model(), mesh, (x,), dp=2, **pins)
 
 
 @pytest.mark.slow  # one world of 2 trains every case

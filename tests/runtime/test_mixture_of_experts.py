@@ -17,7 +17,13 @@ from autopart.mesh import Mesh
 from autopart.ops.meta import BLOCK
 from autopart.passes import analyze
 from autopart.testing import run_world
-from tests.harness import assert_every_rank_matches, case_key, train_case
+from tests.harness import (
+    assert_every_rank_matches,
+    case_key,
+    parallelize_lm,
+    train_case,
+    train_losses,
+)
 from tests.models import tiny_llama, tiny_mixtral, token_batch, train_reference
 
 STEPS = 3
@@ -99,3 +105,28 @@ def test_expert_parallelism_it_cannot_run_is_refused_saying_why(model, pins, ref
     mesh = TWO_CPUS if pins.get("tp", 1) == 1 else Mesh.cluster("cpu", nodes=1, per_node=4)
     with pytest.raises(autopart.PlanError, match=refusal):
         autopart.plan(model(), mesh, (ids,), **pins)
+
+
+def _resume(batch, directory) -> list[float]:
+    """Two steps at ep=2, one at dp=2 from their checkpoint, one at ep=2 from its."""
+    losses: list[float] = []
+    plans = ((2, {"ep": 2, "dp": 1}), (1, {"ep": 1, "dp": 2}), (1, {"ep": 2, "dp": 1}))
+    for i, (steps, pins) in enumerate(plans):
+        pm = parallelize_lm(tiny_mixtral(), batch, "adamw", tp=1, cp=1, pp=1, **pins)
+        if i:
+            autopart.load_checkpoint(pm, directory)
+        losses += train_losses(pm, batch, steps)
+        autopart.save_checkpoint(pm, directory)
+        pm.close()
+    return losses
+
+
+@pytest.mark.slow
+def test_a_checkpoint_moves_between_expert_and_data_parallel_plans(tmp_path):
+    """The experts each ep rank holds are saved as their slices of the whole weights,
+    and read back as a dp plan's whole weights, and back: the resumed runs follow one
+    device's losses."""
+    batch = token_batch(8)
+    reference = train_reference(tiny_mixtral(), "adamw", 4, (batch[0],), batch[1])
+    for losses in run_world(_resume, 2, batch, str(tmp_path)):
+        assert losses == pytest.approx(reference["losses"], rel=1e-5)
