@@ -140,6 +140,9 @@ class Plan(AxisAttributes):
     # Local SGD's outer optimizer ("sgd:lr=0.7,momentum=0.9,nesterov": policy.py), which
     # steps the parameters by the replicas' mean; None: the mean itself.
     outer_optimizer: str | None = None
+    # The model's statistics over its batch (a load-balancing loss) taken over each
+    # part's examples (dp × ep ranks, microbatches), as asked (it changes the math).
+    per_part_statistics: bool = False
     # ZeRO offload: the optimizer state lives in host memory and the optimizer steps
     # there (ZeRO-1/2). The solver offloads only where no plan fits without it.
     offload: bool = False

@@ -178,6 +178,15 @@ def explain_plan(plan: Plan) -> str:
             "state on the device fits its memory."
         )
     lines += _local_sgd_lines(plan)
+    parts = plan.degrees.batch_split * plan.microbatches
+    if plan.per_part_statistics and parts > 1:
+        lines.append(
+            "As asked (per_part_statistics=True), each of the batch's "
+            f"{parts} parts takes the model's statistics over the batch (a load-balancing "
+            "loss's token fractions and router probabilities) over its own examples, as "
+            "Megatron-LM does. This changes the math: one device takes them over the "
+            "whole batch."
+        )
     if plan.grad_compression is not None and plan.dp > 1:
         lines.append(
             f"Gradient compression, as asked ({plan.grad_compression}): the {plan.dp} "

@@ -150,9 +150,9 @@ def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def tiny_mixtral(seed: int = 0) -> nn.Module:
+def tiny_mixtral(seed: int = 0, router_loss: bool = False) -> nn.Module:
     """A sparse mixture-of-experts decoder: 4 routed experts, 2 per token, in each of 2
-    layers."""
+    layers; with `router_loss`, it also returns the load-balancing loss (`aux_loss`)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
@@ -167,6 +167,7 @@ def tiny_mixtral(seed: int = 0) -> nn.Module:
         num_experts_per_tok=2,
         max_position_embeddings=64,
         use_cache=False,
+        output_router_logits=router_loss,
     )
     return MixtralForCausalLM(config)
 

@@ -2,16 +2,21 @@
 into microbatches) changes what the model computes: each part would see only its own
 examples, where one device sees them all.
 
-Two kinds are recognized, from the shapes in the named dims (the shape analysis):
+Three kinds are recognized, from the shapes in the named dims (the shape analysis):
 
 - batch normalization in training mode, whose mean and variance run over the batch;
 - an output with two dims sized by the batch, such as CLIP's image × caption scores,
-  where every example is scored against every other.
+  where every example is scored against every other;
+- statistics over the batch combined nonlinearly inside the model: a product or
+  quotient of two values each reduced over the batch (or a nonlinear function of one),
+  such as a mixture-of-experts load-balancing loss, the fraction of tokens routed to
+  each expert times their mean router probability. The parts' products averaged are
+  not the product of the whole batch's statistics.
 
 Found only where the capture keeps the batch dynamic (the default; not a model captured
 on the meta device, whose batch is static). A reduction over the batch that only feeds
-the loss (a mean of per-example losses) is not flagged: the runtime averages the parts'
-losses, which is that mean.
+the loss linearly (a mean of per-example losses, scaled) is not flagged: the runtime
+averages the parts' losses, which is that mean.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import sympy
 from torch import fx
 
 from autopart.batch import BATCH
-from autopart.ops.aten import op_name
+from autopart.ops.aten import REDUCTION_OPS, op_name
 from autopart.ops.meta import MODULE_PATH, SHAPE, TensorInfo
 
 # Batch normalization as the exporter records it: composite, or one of its lowerings.
@@ -35,16 +40,53 @@ _BATCH_NORMS = {
 }
 
 
-def batch_mixing(gm: fx.GraphModule) -> list[str]:
+def batch_mixing(gm: fx.GraphModule, statistics: bool = True) -> list[str]:
     """How and where `gm` mixes the examples of its batch, one line per kind ("batch_norm
     in training mode normalizes over the batch, at blocks.0.1, blocks.1.1"); empty
-    where the examples are computed apart. Needs the shape and module-path analyses."""
+    where the examples are computed apart. Without `statistics`, statistics combined
+    over the batch are not counted (the user accepts them per part). Needs the shape
+    and module-path analyses."""
     found: dict[str, dict[str, None]] = {}  # kind -> module paths, ordered, no repeats
+    seen: set[fx.Node] = set()  # values reduced over the batch, and what they feed
     for node in gm.graph.nodes:
-        why = _mixes(node) if node.op == "call_function" else ""
+        if node.op != "call_function":
+            continue
+        why = _mixes(node) or (_combines_statistics(node, seen) if statistics else "")
         if why:
             found.setdefault(why, {})[MODULE_PATH.get(node) or "the top level"] = None
     return [f"{why}, at {', '.join(paths)}" for why, paths in found.items()]
+
+
+# Reductions whose result, taken over the batch, is a statistic of it.
+_STATISTICS = REDUCTION_OPS | {"histc", "bincount", "count_nonzero"}
+# Operators nonlinear in their one operand.
+_NONLINEAR = frozenset(
+    {"exp", "log", "pow", "sqrt", "rsqrt", "reciprocal", "square", "softmax", "log_softmax"}
+)
+
+
+def _combines_statistics(node: fx.Node, statistics: set[fx.Node]) -> str:
+    """Whether `node` combines statistics over the batch nonlinearly; records in
+    `statistics` the values that carry one (reduced over the batch, or computed from
+    such a value without the batch)."""
+    out = _info(node)
+    if out is None or any(map(batched, out.shape)):
+        return ""
+    inputs = node.all_input_nodes
+    reduced = op_name(node) in _STATISTICS and any(
+        (info := _info(a)) is not None and any(map(batched, info.shape)) for a in inputs
+    )
+    carried = [a for a in inputs if a in statistics]
+    if reduced or carried:
+        statistics.add(node)
+    name = op_name(node)
+    if (name in ("mul", "div") and len(carried) >= 2) or (name in _NONLINEAR and carried):
+        return (
+            f"{name} combines statistics over the batch (a load-balancing loss's token "
+            "fractions and router probabilities, say) that each part would take over its "
+            "own examples"
+        )
+    return ""
 
 
 def _mixes(node: fx.Node) -> str:
@@ -52,7 +94,7 @@ def _mixes(node: fx.Node) -> str:
     if name in _BATCH_NORMS and _training(node):
         shape = _info(node.args[0])
         # Statistics per channel (dim 1), over every other dim.
-        if shape and any(map(_batched, shape.shape[:1] + shape.shape[2:])):
+        if shape and any(map(batched, shape.shape[:1] + shape.shape[2:])):
             return f"{name} in training mode normalizes over the batch"
     out = _info(node)
     # Only where the batch × batch tensor arises, not every operator that carries it on.
@@ -68,7 +110,7 @@ def _info(x: object) -> TensorInfo | None:
 
 
 def _batch_by_batch(info: TensorInfo | None) -> bool:
-    return info is not None and sum(map(_batched, info.shape)) >= 2
+    return info is not None and sum(map(batched, info.shape)) >= 2
 
 
 def _training(node: fx.Node) -> bool:
@@ -81,6 +123,7 @@ def _training(node: fx.Node) -> bool:
     return bool(node.args[i] if i < len(node.args) else node.kwargs.get("training", True))
 
 
-def _batched(size: sympy.Expr | int) -> bool:
+def batched(size: sympy.Expr | int) -> bool:
+    """Whether a size carries the batch (the batch, or a product with it)."""
     symbols = getattr(size, "free_symbols", ())
     return any(s.name == BATCH for s in symbols)

@@ -53,6 +53,9 @@ class Pins:
     sync_every: int | None = None  # local SGD: the user's choice only (it changes the math)
     sync_warmup: int = 0
     outer_optimizer: str | None = None  # local SGD's, the user's choice only
+    # The model's statistics over its batch (a load-balancing loss) taken over each
+    # part's examples: the user's choice only (it changes the math).
+    per_part_statistics: bool = False
     grad_compression: str | None = None  # the user's choice only (it changes the math)
     offload: bool | None = None  # None: only where no plan fits without it
     # The optimizer the plan will run, where known: ZeRO is left out unless it is exact
@@ -111,7 +114,7 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     """The plan for `captured` on `mesh`: the search's choice among what `pins` allow,
     with its tensor-parallel layout, pipeline cuts, predictions and runners-up."""
     batch = batch_size((captured.example_args, captured.example_kwargs))
-    mixing = batch_mixing(captured.gm)
+    mixing = batch_mixing(captured.gm, statistics=not pins.per_part_statistics)
     pins = _whole_batch(pins, mixing, mesh)
     _check_pins(pins, mesh, batch)
     dims = {k: v for k, v in captured.dim_sizes.items() if k != BATCH}
@@ -166,7 +169,9 @@ def _whole_batch(pins: Pins, mixing: list[str], mesh: Mesh) -> Pins:
             f"examples of a batch: {'; '.join(mixing)}. Each part would compute something "
             "else than one device does on the whole batch. Pin dp=1 and microbatches=1 "
             "(tensor or pipeline parallelism), or keep the examples apart (for BatchNorm: "
-            "GroupNorm or LayerNorm, or BatchNorm in eval mode, its statistics frozen)"
+            "GroupNorm or LayerNorm, or BatchNorm in eval mode, its statistics frozen; for "
+            "a load-balancing loss, per_part_statistics=True takes it over each part's "
+            "examples, as Megatron-LM does, which changes the math)"
         )
     whole = {str(Axis.DP): 1, str(Axis.EP): 1}
     return replace(pins, degrees={**pins.degrees, **whole}, microbatches=1)
@@ -295,6 +300,7 @@ def _plan_of(
         sync_every=pins.sync_every,
         sync_warmup=pins.sync_warmup,
         outer_optimizer=pins.outer_optimizer,
+        per_part_statistics=pins.per_part_statistics,
         grad_compression=pins.grad_compression,
         offload=choices.offload,
         recompute=choices.recompute,

@@ -130,3 +130,20 @@ def test_a_checkpoint_moves_between_expert_and_data_parallel_plans(tmp_path):
     reference = train_reference(tiny_mixtral(), "adamw", 4, (batch[0],), batch[1])
     for losses in run_world(_resume, 2, batch, str(tmp_path)):
         assert losses == pytest.approx(reference["losses"], rel=1e-5)
+
+
+def test_a_load_balancing_loss_keeps_the_batch_whole_unless_asked():
+    """The load-balancing loss multiplies two statistics of the whole batch (token
+    fractions, router probabilities): split over dp or ep, each part's product would
+    differ from one device's, so the batch stays whole and pins that split it are
+    refused, unless the user accepts per-part statistics (Megatron-LM's), which the
+    plan then states."""
+    ids, _ = token_batch(8)
+    model = tiny_mixtral(router_loss=True)
+    plan = autopart.plan(model, TWO_CPUS, (ids,))
+    assert (plan.dp, plan.ep, plan.microbatches) == (1, 1, 1)
+    for pins in ({"dp": 2}, {"ep": 2}):
+        with pytest.raises(autopart.PlanError, match="combines statistics over the batch"):
+            autopart.plan(model, TWO_CPUS, (ids,), **pins)
+    accepted = autopart.plan(model, TWO_CPUS, (ids,), dp=2, per_part_statistics=True)
+    assert accepted.dp == 2 and "per_part_statistics=True" in accepted.explain()
