@@ -5,6 +5,8 @@ equivalence_sweep.py` runs the same strategy over hundreds of cases."""
 
 from __future__ import annotations
 
+import pytest
+
 from autopart.testing import run_world
 from tests.random_models import Case, drawn, outcome, reference, run_cases
 
@@ -26,6 +28,7 @@ def test_random_models_under_random_pins_match_one_device_or_are_refused():
     assert any(v == {"pass"} for _, v in outcomes)  # the profile exercises some plans
 
 
+@pytest.mark.slow  # a 4-rank world; the random sweep above crosses stage cuts too
 def test_a_row_parallel_output_crossing_a_stage_cut_trains_like_one_device():
     """Found by the sweep: a block without a residual ends in a row-parallel product,
     whose reduced output and bias add (nodes the tp rewrite inserts, with no traced
@@ -42,6 +45,7 @@ def test_a_row_parallel_output_crossing_a_stage_cut_trains_like_one_device():
     assert {outcome(r[0], want) for r in run_world(run_cases, 4, [case])} == {"pass"}
 
 
+@pytest.mark.slow  # a 4-rank world
 def test_a_stack_of_unlike_layers_is_cut_into_pipeline_stages():
     """The main stack's layers are cut points whether or not they are copies: attention,
     MLP and norm layers at pp=2 train like one device."""

@@ -25,7 +25,7 @@ def _killed_after_one_step(batch, victim: int) -> None:
     pm.train_step(*batch)
 
 
-@pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)])
 def test_a_killed_rank_stops_the_others_with_a_named_error(victim):
     with pytest.raises(RuntimeError) as failed:
         run_world(_killed_after_one_step, 2, token_batch(8), victim)
