@@ -11,7 +11,7 @@ import torch
 import autopart
 from autopart.testing import run_world
 from autopart.verify import LOSS_RTOL, TENSOR_RTOL, on_rank
-from tests.models import lm_loss, tiny_llama, token_batch
+from tests.models import lm_loss, tiny_llama, tiny_mixtral, token_batch
 
 STEPS = 2
 
@@ -78,3 +78,14 @@ def test_a_pipeline_with_microbatches_and_tensor_parallelism_is_verified():
     report = run_world(_verify, 4, {"tp": 2, "pp": 2, "microbatches": 2}, token_batch(8))[0]
     assert report.ok, report
     assert report.compared > 100, report
+
+
+def test_plans_whose_axes_it_cannot_set_side_by_side_are_refused_before_any_world():
+    """An ep rank holds other tokens' rows than its (dp, tp) coordinates say: verify
+    refuses rather than report false divergences."""
+    ids, target = token_batch(8)
+    mesh = autopart.Mesh.cluster("cpu", nodes=1, per_node=2)
+    plan = autopart.plan(tiny_mixtral(), mesh, (ids,), ep=2)
+    optimizer = functools.partial(torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="does not yet reassemble what ep=2 splits"):
+        autopart.verify(tiny_mixtral(), plan, (ids,), target, lm_loss, optimizer)

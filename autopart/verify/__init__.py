@@ -57,10 +57,23 @@ def verify(
     """Run `plan` on a local Gloo world of its size beside one device; the report."""
     from autopart.testing import run_world
 
+    _check_axes(plan)
     reports = run_world(
         on_rank, plan.degrees.world_size, model, plan, inputs, target, loss_fn, optimizer, steps
     )
     return reports[0]
+
+
+def _check_axes(plan: Plan) -> None:
+    """Refuse the axes whose ranks hold other tokens' (or rows') values than the (dp, tp)
+    coordinates the comparison sets side by side: it would report false divergences."""
+    split = [f"{a}={plan.degrees[a]}" for a in (Axis.CP, Axis.EP) if plan.degrees[a] > 1]
+    if split:
+        raise ValueError(
+            "autopart verify compares operators by dp and tp coordinates, and does not yet "
+            f"reassemble what {' and '.join(split)} splits: verify the plan with those axes "
+            "at 1 (the tests check context and expert parallelism against one device)"
+        )
 
 
 def on_rank(
@@ -74,6 +87,7 @@ def on_rank(
 ) -> VerifyReport | None:
     """The per-rank half of `verify` in a running world: rank 0 returns the report."""
     args = inputs if isinstance(inputs, tuple) else (inputs,)
+    _check_axes(plan)
     if plan.precision != "fp32":
         raise ValueError(
             f"autopart verify compares fp32 plans with an fp32 run on one device; this plan "

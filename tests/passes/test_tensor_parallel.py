@@ -90,7 +90,7 @@ def _train(cases, batch):
 
 @pytest.mark.parametrize(
     "world, pins",
-    [(2, [{"tp": 2}]), (4, [{"tp": 4}, {"dp": 2, "tp": 2}])],
+    [(2, [{"tp": 2}]), pytest.param(4, [{"tp": 4}, {"dp": 2, "tp": 2}], marks=pytest.mark.slow)],
     ids=["tp2", "tp4-dp2tp2"],
 )
 def test_tensor_parallel_matches_single_device(world, pins):
@@ -275,7 +275,9 @@ def _train_vocabulary_parallel(batch, pins):
     return train_case(tiny_llama(), batch, STEPS, inspect=lookups, plan=plan)
 
 
-@pytest.mark.parametrize("world, pins", [(2, {"tp": 2}), (4, {"dp": 2, "tp": 2})])
+@pytest.mark.parametrize(
+    "world, pins", [(2, {"tp": 2}), pytest.param(4, {"dp": 2, "tp": 2}, marks=pytest.mark.slow)]
+)
 def test_vocabulary_parallel_embedding_and_head_match_single_device(world, pins):
     batch = token_batch(batch=8)
     per_rank = run_world(_train_vocabulary_parallel, world, batch, pins)

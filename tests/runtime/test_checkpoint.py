@@ -176,6 +176,7 @@ def _resume_scaled(first: dict, second: dict, path: str) -> list[float]:
     return losses + [resumed.train_step(x, y).item() for _ in range(AFTER)]
 
 
+@pytest.mark.slow  # a third checkpoint world; the two-rank resume covers the mechanism
 def test_a_zero_dimensional_parameter_resumes_with_its_optimizer_state(tmp_path):
     x, y = _scaled_batch()
     reference = train_reference(_ScaledHead(), "adamw", BEFORE + AFTER, (x,), y, _mse)

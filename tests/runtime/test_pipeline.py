@@ -151,6 +151,7 @@ def _batch_of_another_shape(batch) -> dict:
     return messages
 
 
+@pytest.mark.slow  # test_shapes checks the same refusal on every rank without a pipeline
 def test_a_batch_of_another_shape_fails_on_every_rank_at_once():
     per_rank = run_world(_batch_of_another_shape, 2, token_batch(batch=8))
     assert per_rank[0] == per_rank[1]

@@ -45,7 +45,13 @@ def _single_device(model=None, steps=STEPS) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "pins", [{"dp": 2, "zero": 1}, {"tp": 2}, {"pp": 2, "microbatches": 2}], ids=str
+    "pins",
+    [
+        pytest.param({"dp": 2, "zero": 1}, marks=pytest.mark.slow),
+        {"tp": 2},
+        {"pp": 2, "microbatches": 2},
+    ],
+    ids=str,
 )
 def test_batches_of_other_lengths_train_as_on_one_device(pins):
     per_rank = run_world(_train_varying, 2, pins)
