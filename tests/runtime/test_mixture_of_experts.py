@@ -10,6 +10,7 @@ is dropped."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopart
 from autopart.capture import capture
@@ -147,3 +148,27 @@ def test_a_load_balancing_loss_keeps_the_batch_whole_unless_asked():
             autopart.plan(model, TWO_CPUS, (ids,), **pins)
     accepted = autopart.plan(model, TWO_CPUS, (ids,), dp=2, per_part_statistics=True)
     assert accepted.dp == 2 and "per_part_statistics=True" in accepted.explain()
+
+
+ZOO_MOE = ("qwen2_moe", "olmoe")
+
+
+def _zoo(name: str):
+    from tests import zoo_models
+
+    torch.manual_seed(0)
+    return getattr(zoo_models, name)()
+
+
+def _train_zoo(batch) -> dict:
+    return {name: train_case(_zoo(name), batch, STEPS, tp=1, cp=1, pp=1, ep=2) for name in ZOO_MOE}
+
+
+@pytest.mark.slow
+def test_other_mixtures_of_experts_train_like_one_device_under_ep():
+    """Qwen2-MoE (routed experts beside a gated shared expert) and OLMoE at ep=2."""
+    batch = token_batch(8)
+    per_rank = run_world(_train_zoo, 2, batch)
+    for name in ZOO_MOE:
+        reference = train_reference(_zoo(name), "adamw", STEPS, (batch[0],), batch[1])
+        assert_every_rank_matches(per_rank, name, reference, label=name)
