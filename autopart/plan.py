@@ -74,6 +74,7 @@ class StageFigures:
     recompute_s: float = 0.0  # what recomputation adds to each step
     tp_comm_s: float = 0.0  # tensor-parallel collectives per step (resharding activations)
     attention_recomputed: int = 0  # blocks whose attention core alone is recomputed
+    ep_comm_s: float = 0.0  # expert-parallel all_to_alls per step (routed rows)
 
 
 @dataclass(frozen=True, slots=True)

@@ -255,3 +255,17 @@ def test_the_browser_shows_the_figures(pipeline_plan, tmp_path):
     bottom = max(top + height for _, top, _, height in figure_boxes().values())
     below = shot[bottom + 20 :]  # the tables and the plan as text
     assert (below < 245).any(axis=-1).mean() > 0.005
+
+
+def test_an_expert_parallel_plan_lists_its_all_to_alls_and_its_sync_over_dp_and_ep():
+    from tests.models import tiny_mixtral, token_batch
+
+    ids, _ = token_batch(8)
+    mesh = autopart.Mesh.cluster("h100-80g", nodes=1, per_node=2)
+    plan = autopart.plan(tiny_mixtral(), mesh, (ids,), ep=2)
+    found = {c.name: c for c in step_collectives(plan)}
+    exchanges = found["expert all_to_alls, pipeline rank 0"]
+    assert (exchanges.op, exchanges.axis, exchanges.group) == ("all_to_all", "ep", 2)
+    assert exchanges.seconds is not None and exchanges.seconds > 0
+    sync = found["gradient sync"]
+    assert (sync.axis, sync.group) == ("dp×ep", 2) and sync.seconds > 0

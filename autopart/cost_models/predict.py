@@ -437,6 +437,7 @@ def _rank_cost(
         recompute_frees_bytes=round(unrecomputed.bytes(in_flight) - activations),
         recompute_s=choices.microbatches * (compute.recompute + recompute_comm),
         tp_comm_s=choices.microbatches * tp,
+        ep_comm_s=choices.microbatches * all_to_all_comm(own, choices, models.comm),
     )
     return RankCost(
         compute=compute,

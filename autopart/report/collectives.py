@@ -19,6 +19,9 @@ the largest peak):
                        so the transfer's bytes are unknown
     tp collectives     the plan records their time per rank (`StageFigures.tp_comm_s`),
                        not their bytes, which depend on the graph's layout: time only
+    ep all_to_alls     likewise (`StageFigures.ep_comm_s`): time only. Under ep the
+                       gradient sync spans dp × ep (the experts' own spans dp alone;
+                       the plan does not record their share, so all is timed over dp × ep)
     the loss           one all-reduce of a 4-byte scalar over the world per step
 
 Times come from the communication model on the plan's mesh: each collective's transfer
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from autopart.cost_models.comm import (
     ALL_GATHER,
     ALL_REDUCE,
+    ALL_TO_ALL,
     REDUCE_SCATTER,
     SEND_RECV,
     CommModel,
@@ -70,6 +74,7 @@ def step_collectives(plan: Plan) -> list[Collective]:
         *_dp_sync(plan, params, comm),
         *_pp_transfers(plan, predicted, params, comm),
         *_tp_collectives(plan, predicted),
+        *_ep_collectives(plan, predicted),
     ]
     if plan.mesh.world_size > 1:
         seconds = comm.time(ALL_REDUCE, LOSS_BYTES, plan.mesh.world_size) if comm else None
@@ -114,6 +119,8 @@ def _parameters(plan: Plan, predicted: Predicted) -> float:
 def _time(comm: CommModel | None, op: str, nbytes: float, plan: Plan, axis: Axis) -> float | None:
     if comm is None:
         return None
+    if axis == Axis.DP and plan.ep > 1:  # the batch's ranks: dp × ep
+        return comm.time(op, nbytes, plan.degrees.batch_split, plan.degrees.stride(Axis.EP))
     return comm.time(op, nbytes, plan.degrees[axis], plan.degrees.stride(axis))
 
 
@@ -132,7 +139,7 @@ def _bucketed_time(
 
 
 def _dp_sync(plan: Plan, params: float, comm: CommModel | None) -> list[Collective]:
-    if plan.dp == 1:
+    if plan.degrees.batch_split == 1:
         return []
     param_bytes, grad_bytes = STATE_BYTES[plan.precision][:2]
     grads, weights = params * grad_bytes, params * param_bytes
@@ -173,13 +180,34 @@ def _dp_sync(plan: Plan, params: float, comm: CommModel | None) -> list[Collecti
         if plan.grad_compression
         else ""
     )
-    out = [Collective("gradient sync", op, "dp", plan.dp, calls, grads, seconds, note)]
+    axis, ranks = ("dp×ep", plan.degrees.batch_split) if plan.ep > 1 else ("dp", plan.dp)
+    out = [Collective("gradient sync", op, axis, ranks, calls, grads, seconds, note)]
     if plan.zero in (1, 2):
         gather = _time(comm, ALL_GATHER, weights, plan, Axis.DP)
         out.append(
             Collective("updated parameter gather", ALL_GATHER, "dp", plan.dp, 1, weights, gather)
         )
     return out
+
+
+def _ep_collectives(plan: Plan, predicted: Predicted) -> list[Collective]:
+    """Time only: the plan holds each rank's expert all_to_alls' seconds per step."""
+    if plan.ep == 1:
+        return []
+    note = "time only: the plan records their seconds; 4 per routed layer and microbatch"
+    return [
+        Collective(
+            f"expert all_to_alls, pipeline rank {r}",
+            ALL_TO_ALL,
+            "ep",
+            plan.ep,
+            None,
+            None,
+            stage.ep_comm_s,
+            note,
+        )
+        for r, stage in enumerate(predicted.stages)
+    ]
 
 
 def _scaled(seconds: float | None, factor: float) -> float | None:
