@@ -45,6 +45,7 @@ def _calibrate_world(path: str) -> dict:
     ).collectives
 
 
+@pytest.mark.slow  # a world of timed collectives, kept out of the quick suite's 10 minutes
 def test_calibration_on_a_gloo_world_fits_every_collective(tmp_path):
     path = tmp_path / "profile.json"
     collectives = run_world(_calibrate_world, 2, str(path))[0]

@@ -124,6 +124,7 @@ def _export(directory, batch):
     autopart.export(pm, directory, config=model.config)
 
 
+@pytest.mark.slow  # a world, then transformers' from_pretrained
 def test_export_writes_a_model_that_from_pretrained_reads(tmp_path):
     from transformers import LlamaForCausalLM
 

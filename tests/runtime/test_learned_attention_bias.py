@@ -5,6 +5,7 @@ measures the math path the dispatcher runs for it, and training matches one devi
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -46,6 +47,7 @@ def _train(batch) -> dict:
     return out
 
 
+@pytest.mark.slow  # a 2-rank world of T5 under tp
 def test_a_learned_attention_bias_trains_like_one_device():
     batch = _batch()
     ids, decoder_ids, target = batch

@@ -25,7 +25,16 @@ from tests.harness import (
     train_case,
     train_losses,
 )
-from tests.models import tiny_llama, tiny_mixtral, token_batch, train_reference
+from tests.models import (
+    assert_matches,
+    lm_loss,
+    make_optimizer,
+    snapshot,
+    tiny_llama,
+    tiny_mixtral,
+    token_batch,
+    train_reference,
+)
 
 STEPS = 3
 LAYERS = 2
@@ -172,3 +181,48 @@ def test_other_mixtures_of_experts_train_like_one_device_under_ep():
     for name in ZOO_MOE:
         reference = train_reference(_zoo(name), "adamw", STEPS, (batch[0],), batch[1])
         assert_every_rank_matches(per_rank, name, reference, label=name)
+
+
+def _router_loss(output, target):
+    """The language-model loss plus the load-balancing loss the model returns."""
+    return lm_loss(output, target) + 0.5 * output.aux_loss
+
+
+def _train_per_part(batch, pins) -> dict:
+    ids, target = batch
+    pm = autopart.parallelize(
+        tiny_mixtral(router_loss=True),
+        autopart.Mesh.local(),
+        (ids,),
+        loss_fn=_router_loss,
+        optimizer=make_optimizer("adamw"),
+        per_part_statistics=True,
+        **{"tp": 1, "cp": 1, "pp": 1, **pins},
+    )
+    result = {"losses": train_losses(pm, batch, STEPS), "params": pm.full_state_dict()}
+    pm.close()
+    return result
+
+
+def _per_part_reference(batch) -> dict:
+    """One device, each half of the batch taking its own load-balancing loss."""
+    model = tiny_mixtral(router_loss=True)
+    optimizer = make_optimizer("adamw")(model.parameters())
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        halves = zip(*(t.chunk(2) for t in batch))
+        loss = sum(_router_loss(model(ids), target) for ids, target in halves) / 2
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": snapshot(model)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pins", [{"dp": 2, "ep": 1}, {"dp": 1, "ep": 2}], ids=str)
+def test_per_part_statistics_take_each_part_s_own_load_balancing_loss(pins):
+    batch = token_batch(8)
+    reference = _per_part_reference(batch)
+    for result in run_world(_train_per_part, 2, batch, pins):
+        assert_matches(result, reference)
