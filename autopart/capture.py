@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from autopart.batch import BATCH, SEQ, batch_size
 from autopart.ops.meta import EXAMPLE_DIMS, SHAPE, TensorInfo
+from autopart.ops.params import parameter_names
 from autopart.passes.runner import PassContext
 
 log = logging.getLogger("autopart.capture")
@@ -83,11 +84,7 @@ class Captured:
     @property
     def parameter_names(self) -> dict[str, str]:
         """Every name a parameter is reachable by -> its canonical (first) FQN."""
-        canonical: dict[int, str] = {}
-        names: dict[str, str] = {}
-        for name, p in self.gm.named_parameters(remove_duplicate=False):
-            names[name] = canonical.setdefault(id(p), name)
-        return names
+        return parameter_names(self.gm)
 
     def context(self, **fields: Any) -> PassContext:
         """The pass context of this capture; `fields` set or override the others."""

@@ -49,6 +49,7 @@ from autopart.ops.meta import (
     TensorInfo,
     tensor_info,
 )
+from autopart.ops.params import parameter_names
 from autopart.passes.experts import expert_layers
 from autopart.passes.tp_decision import R
 from autopart.passes.tp_propagate import operands_of, propagate
@@ -190,12 +191,9 @@ class TpLayout:
         """The layout the rewrite gives `gm` for parameters placed as `placements`
         (FQN -> tp placement) over `tp` ranks (`sharded_logits`: the output leaf a
         vocabulary-parallel cross-entropy reads, if any)."""
-        canonical: dict[int, str] = {}
-        names = {
-            name: canonical.setdefault(id(p), name)
-            for name, p in gm.named_parameters(remove_duplicate=False)
-        }
-        result = propagate(gm, names, placements, tp, sequence_parallel, sharded_logits)
+        result = propagate(
+            gm, parameter_names(gm), placements, tp, sequence_parallel, sharded_logits
+        )
         operands = {n: operands_of(n, result.places, result.grads, tp) for n in result.decisions}
         decisions = result.decisions
         split = frozenset(n for n, d in decisions.items() if split_by(operands[n], d))
@@ -340,12 +338,7 @@ def _experts(
     """The FQNs of the stacked expert weights, and per run the bytes of the rows each
     all_to_all of its expert layers moves (one into each first grouped multiply, one out
     of each last)."""
-    canonical: dict[int, str] = {}
-    names = {
-        name: canonical.setdefault(id(p), name)
-        for name, p in gm.named_parameters(remove_duplicate=False)
-    }
-    layers = expert_layers(gm, names)
+    layers = expert_layers(gm, parameter_names(gm))
     run_of = {n: i for i, (_, _, nodes) in enumerate(runs) for n in nodes}
     rows: list[list[sympy.Expr]] = [[] for _ in runs]
     for layer in layers:

@@ -7,6 +7,16 @@ from torch import fx, nn
 from autopart.ops.meta import PARAMS
 
 
+def parameter_names(gm: nn.Module) -> dict[str, str]:
+    """Every name a parameter is reachable by -> its canonical (first) FQN: tied weights
+    share one."""
+    canonical: dict[int, str] = {}
+    return {
+        name: canonical.setdefault(id(p), name)
+        for name, p in gm.named_parameters(remove_duplicate=False)
+    }
+
+
 def parameter_readers(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     """Parameter FQN -> the nodes that read it, in graph order."""
     readers: dict[str, list[fx.Node]] = {}

@@ -135,10 +135,11 @@ def _between(matmuls: list[fx.Node]) -> set[fx.Node] | None:
 def _walk(starts: list[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]]) -> set[fx.Node]:
     """The nodes reachable from `starts` (not themselves) along `step`."""
     seen: set[fx.Node] = set()
+    excluded = set(starts)
     frontier = [n for s in starts for n in step(s)]
     while frontier:
         node = frontier.pop()
-        if node not in seen and node not in starts:
+        if node not in seen and node not in excluded:
             seen.add(node)
             frontier.extend(step(node))
     return seen

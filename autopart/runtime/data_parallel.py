@@ -243,7 +243,7 @@ def build_data_parallel_state(
     `experts`, the expert shards synced over their dp replicas only (`group` is then
     dp × ep).
     """
-    if context is not None and context.fqns or experts is not None:
+    if (context is not None and context.fqns) or experts is not None:
         return ReplicatedState(stages, group, optimizer, accumulation, None, context, experts)
     if dist.get_world_size(group) == 1:
         return LocalState(stages, optimizer)

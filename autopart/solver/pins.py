@@ -242,24 +242,15 @@ def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:
             f"ep={ep} splits each layer's {experts} experts in equal runs: pin an ep that "
             f"divides {experts}"
         )
-    clashes = [
-        f"{name}={value}"
-        for name, value in (
-            ("tp", pins.degree(Axis.TP) or 1),
-            ("cp", pins.degree(Axis.CP) or 1),
-            ("zero", pins.zero or 0),
-        )
-        if value > 1 or (name == "zero" and value > 0)
-    ]
-    clashes += [
-        f"{name}={value}"
-        for name, value in (
-            ("offload", pins.offload),
-            ("sync_every", pins.sync_every),
-            ("grad_compression", pins.grad_compression),
-        )
-        if value
-    ]
+    axes = {"tp": pins.degree(Axis.TP), "cp": pins.degree(Axis.CP)}
+    others = {
+        "zero": pins.zero,
+        "offload": pins.offload,
+        "sync_every": pins.sync_every,
+        "grad_compression": pins.grad_compression,
+    }
+    clashes = [f"{name}={n}" for name, n in axes.items() if n is not None and n > 1]
+    clashes += [f"{name}={value}" for name, value in others.items() if value]
     if clashes:
         raise PlanError(
             f"ep={ep} does not combine with {', '.join(clashes)} yet: expert parallelism runs "
