@@ -145,8 +145,12 @@ class Plan(AxisAttributes):
     # part's examples (dp × ep ranks, microbatches), as asked (it changes the math).
     per_part_statistics: bool = False
     # ZeRO offload: the optimizer state lives in host memory and the optimizer steps
-    # there (ZeRO-1/2). The solver offloads only where no plan fits without it.
+    # there (ZeRO-1/2's shards, or a single replica's whole state). The solver
+    # offloads only where no plan fits without it.
     offload: bool = False
+    # Why the solver offloaded: what the smallest plan keeping the optimizer state on
+    # the device would need ("" where pinned, or not offloaded).
+    offload_reason: str = ""
     # Opt-in compression of the data-parallel gradient all-reduce (it changes the math):
     # "bf16" or "powersgd:rank=R" (`runtime.grad_compression`); None: exact.
     grad_compression: str | None = None
@@ -184,10 +188,11 @@ class Plan(AxisAttributes):
             out.append(f"sync_warmup must be at least 0, not {self.sync_warmup}")
         out.append(replica_opt_in_refusal(self.zero, self.sync_every, self.grad_compression))
         out.append(outer_optimizer_refusal(self.outer_optimizer, self.sync_every))
-        if self.offload and (self.zero not in (1, 2) or self.dp == 1):
+        if self.offload and (self.zero not in (1, 2) and self.dp > 1 or self.cp * self.ep > 1):
             out.append(
-                "offload moves ZeRO-1/2's optimizer state shards to the host: it needs "
-                f"zero=1 or zero=2 and dp > 1 (got zero={self.zero}, dp={self.dp})"
+                "offload moves the optimizer state to the host, ZeRO-1/2's shards of it or a "
+                "single replica's whole: it needs zero=1 or zero=2, or dp=1, and neither cp "
+                f"nor ep (got zero={self.zero}, dp={self.dp}, cp={self.cp}, ep={self.ep})"
             )
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence parallelism needs tp > 1")

@@ -171,11 +171,18 @@ def explain_plan(plan: Plan) -> str:
         }[plan.zero]
         lines.append(f"ZeRO-{plan.zero} shards the {what} over the {plan.dp} dp ranks.")
     if plan.offload:
+        held = "shard of the optimizer state" if plan.dp > 1 else "optimizer state"
+        why = (
+            "chosen because no plan keeping the optimizer state on the device fits its "
+            f"memory: the smallest {plan.offload_reason}"
+            if plan.offload_reason
+            else "as pinned (autopart offloads only where no plan keeping the state on "
+            "the device fits)"
+        )
         lines.append(
-            "ZeRO offload: each rank's optimizer state shard lives in host memory and the "
-            "optimizer steps there (gradients down, updated parameters back up the host "
-            "link). autopart offloads only where pinned or where no plan keeping the "
-            "state on the device fits its memory."
+            f"ZeRO offload, {why}. Each rank's {held} lives in host memory and the "
+            "optimizer steps there: each gradient goes down the host link as soon as it "
+            "is final, while backward goes on, and the updated parameters come back up."
         )
     lines += _local_sgd_lines(plan)
     parts = plan.degrees.batch_split * plan.microbatches

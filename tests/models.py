@@ -305,6 +305,24 @@ def train_reference(
     return {"losses": losses, "params": snapshot(model)}
 
 
+def train_autocast_reference(name: str, precision: str, steps: int, batch) -> list[float]:
+    """The losses of `name`'s model trained on one CPU under autocast in `precision`
+    ("bf16-mixed" or "fp16-mixed"), with SGD and momentum, on the whole batch."""
+    ids, target = batch
+    model = LM_FACTORIES[name]()
+    opt = make_optimizer("sgd")(model.parameters())
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype):
+            loss = lm_loss(model(ids), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters (tied ones once, under their first name)."""
     return {k: v.detach().clone() for k, v in model.named_parameters()}

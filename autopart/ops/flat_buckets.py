@@ -13,7 +13,7 @@ on while they travel, and accumulates each result into its shard's `.grad`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -103,20 +103,35 @@ def all_gather_flat(
     return flat, work
 
 
+@dataclass(frozen=True, slots=True)
+class _Reduction:
+    work: dist.Work
+    out: torch.Tensor
+    flat: torch.Tensor  # held until the reduction is done
+    shard: nn.Parameter
+    then: Callable[[nn.Parameter], None] | None
+
+
 class GradientReducer:
     """Averages flat gradient buckets over `group` into the shards each rank owns."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
-        self._pending: deque[tuple[dist.Work, torch.Tensor, torch.Tensor, nn.Parameter]] = deque()
+        self._pending: deque[_Reduction] = deque()
 
-    def launch(self, flat: torch.Tensor, shard: nn.Parameter) -> None:
-        """Start reducing `flat` (consumed: divided in place) into `shard.grad`."""
+    def launch(
+        self,
+        flat: torch.Tensor,
+        shard: nn.Parameter,
+        then: Callable[[nn.Parameter], None] | None = None,
+    ) -> None:
+        """Start reducing `flat` (consumed: divided in place) into `shard.grad`; `then`
+        is called with the shard once its gradient holds the result."""
         flat.div_(self.size)  # a sum of pre-divided gradients is the mean over the batch
         out = flat.new_empty(flat.numel() // self.size)
         work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
-        self._pending.append((work, out, flat, shard))
+        self._pending.append(_Reduction(work, out, flat, shard, then))
         while len(self._pending) > REDUCE_DEPTH:
             self._complete()
 
@@ -126,9 +141,12 @@ class GradientReducer:
             self._complete()
 
     def _complete(self) -> None:
-        work, out, _, shard = self._pending.popleft()  # the flat input is released here
-        work.wait()
+        done = self._pending.popleft()  # the flat input is released here
+        done.work.wait()
+        shard = done.shard
         if shard.grad is None:
-            shard.grad = out
+            shard.grad = done.out
         else:
-            shard.grad.add_(out)
+            shard.grad.add_(done.out)
+        if done.then is not None:
+            done.then(shard)

@@ -26,6 +26,7 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 
 from autopart.policy import OuterOptimizer
 from autopart.runtime.grad_sync import GradientSync, params_in_backward_order
+from autopart.runtime.offload import HostOptimizer
 from autopart.runtime.zero import zero_state
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -33,6 +34,7 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 class DataParallelState(Protocol):
     optimizer: torch.optim.Optimizer
+    offloaded: HostOptimizer | None  # ZeRO offload's host copies, which the optimizer steps
 
     def begin(self) -> None: ...
 
@@ -44,22 +46,58 @@ class DataParallelState(Protocol):
 
 
 class LocalState:
-    """A data-parallel axis of one rank: nothing to synchronize."""
+    """A data-parallel axis of one rank: nothing to synchronize. With `offload`, the
+    optimizer steps host copies of the parameters (`HostOptimizer`): each parameter's
+    gradient goes down once its last backward pass of the step (of `accumulation`)
+    has produced it."""
 
-    def __init__(self, stages: list[fx.GraphModule], optimizer: OptimizerFactory) -> None:
-        self.optimizer = optimizer([p for gm in stages for p in gm.parameters()])
+    def __init__(
+        self,
+        stages: list[fx.GraphModule],
+        optimizer: OptimizerFactory,
+        offload: bool = False,
+        accumulation: int = 1,
+    ) -> None:
+        self.params = list(dict.fromkeys(p for gm in stages for p in gm.parameters()))
+        self.offloaded = HostOptimizer(self.params, optimizer) if offload else None
+        self.optimizer = (
+            self.offloaded.optimizer if self.offloaded is not None else optimizer(self.params)
+        )
+        self.accumulation = accumulation
+        self._arrivals: dict[int, int] = {}
+        self._hooks = (
+            [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+            if self.offloaded is not None
+            else []
+        )
 
     def begin(self) -> None:
+        self._arrivals.clear()
+        if self.offloaded is not None:
+            for p in self.params:
+                p.grad = None
         self.optimizer.zero_grad(set_to_none=True)
 
     def finish(self) -> None:
-        pass
+        if self.offloaded is not None:
+            self.offloaded.all_down()
 
     def step(self) -> None:
-        self.optimizer.step()
+        if self.offloaded is None:
+            self.optimizer.step()
+            return
+        self.offloaded.step()
+        self.offloaded.wait_up()
 
     def close(self) -> None:
-        pass
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        arrived = self._arrivals[id(p)] = self._arrivals.get(id(p), 0) + 1
+        if arrived == self.accumulation and self.offloaded is not None:
+            self.offloaded.send_down(p)
 
 
 @dataclass(frozen=True)
@@ -89,6 +127,8 @@ class ReplicatedState:
     context parallelism the gradients of `context.fqns` are summed over dp × cp, the
     others averaged over dp (whole on every cp rank already). Under expert parallelism
     (`group` is dp × ep) the experts' gradients are summed over their dp replicas."""
+
+    offloaded = None
 
     def __init__(
         self,
@@ -148,6 +188,8 @@ class LocalSgdState:
     With an `outer` optimizer (DiLoCo's form), the parameters held since the last
     averaging (the anchor, the same on every replica) take an SGD step on their
     difference from the replicas' mean, and every replica goes on from the anchor."""
+
+    offloaded = None
 
     def __init__(
         self,
@@ -237,16 +279,16 @@ def build_data_parallel_state(
     """The state for ZeRO stage `zero` of this rank's `stages` over the data-parallel
     `group`. `accumulation` is how many backward passes (microbatches) contribute to
     each step's gradients; `sync_every`, where set, makes it local SGD (with `outer`,
-    its outer optimizer);
-    `grad_compression` compresses stage 0's gradient all-reduce; `offload` keeps ZeRO-1/2's
-    optimizer state on the host; `context`, the gradients the sync also sums over cp;
+    its outer optimizer); `grad_compression` compresses stage 0's gradient all-reduce;
+    `offload` keeps the optimizer state on the host (ZeRO-1/2's shards of it, or a
+    single replica's whole); `context`, the gradients the sync also sums over cp;
     `experts`, the expert shards synced over their dp replicas only (`group` is then
     dp × ep).
     """
     if (context is not None and context.fqns) or experts is not None:
         return ReplicatedState(stages, group, optimizer, accumulation, None, context, experts)
     if dist.get_world_size(group) == 1:
-        return LocalState(stages, optimizer)
+        return LocalState(stages, optimizer, offload, accumulation)
     if sync_every is not None:
         return LocalSgdState(stages, group, optimizer, accumulation, sync_every, sync_warmup, outer)
     if zero == 0:

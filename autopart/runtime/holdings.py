@@ -72,12 +72,12 @@ class Holdings:
                     copy = _flat(of_bucket, bucket.layout, dp_rank, tp)
                     self.copies.append((bucket.shard, copy))
         self._by_id = {id(t): held for t, held in (*self.own, *self.copies)}
-        if isinstance(state, ZeroState):  # offloaded: the host copies the optimizer steps
-            for shard in state.shards:
-                host = state.host_copy(shard)
-                if host is not None and id(shard) in self._by_id:
-                    self.copies.append((host, self._by_id[id(shard)]))
-                    self._by_id[id(host)] = self._by_id[id(shard)]
+        offloaded = state.offloaded if state else None  # the host copies the optimizer steps
+        for tensor in offloaded.tensors if offloaded is not None else ():
+            host = offloaded.host_copy(tensor)
+            if host is not None and id(tensor) in self._by_id:
+                self.copies.append((host, self._by_id[id(tensor)]))
+                self._by_id[id(host)] = self._by_id[id(tensor)]
 
     def of(self, tensor: torch.Tensor) -> Held:
         return self._by_id[id(tensor)]

@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
-import torch
 import torch.distributed as dist
 from torch import fx, nn
 
@@ -31,6 +30,7 @@ from autopart.ops.params import parameter_attributes
 from autopart.ops.zero3 import sharded_parameters
 from autopart.policy import ELEMENTWISE_OPTIMIZERS, optimizer_class
 from autopart.runtime.grad_sync import params_in_backward_order
+from autopart.runtime.offload import HostOptimizer
 from autopart.runtime.zero_owners import OwnedParameters
 from autopart.runtime.zero_replicas import ReplicaShards
 
@@ -55,18 +55,24 @@ class ShardedPart(Protocol):
 
 class ZeroState:
     """ZeRO stage 1, 2 or 3: one optimizer over the shards of every part. With
-    `offload` (stages 1 and 2), the optimizer steps host copies of the shards: their
-    gradients go down to the host, the step runs there, the updated values come back
-    before the parts gather them; the optimizer's state never touches the device."""
+    `offload` (stages 1 and 2), the optimizer steps host copies of the shards
+    (`HostOptimizer`): each shard's gradient goes down as its last reduction lands, the
+    step runs there, and the updated values come back before the parts gather them; the
+    optimizer's state never touches the device."""
 
     def __init__(
         self, parts: list[ShardedPart], optimizer: OptimizerFactory, offload: bool = False
     ) -> None:
         self.parts = parts
         self.shards = [s for part in parts for s in part.shards]
-        self.host = [_host_copy(s) for s in self.shards] if offload else None
-        self._host_of = {id(s): h for s, h in zip(self.shards, self.host or [])}
-        self.optimizer = optimizer(self.host if self.host is not None else self.shards)
+        self.offloaded = HostOptimizer(self.shards, optimizer) if offload else None
+        if self.offloaded is not None:
+            for part in parts:
+                if isinstance(part, ReplicaShards):
+                    part.on_final = self.offloaded.send_down
+        self.optimizer = (
+            self.offloaded.optimizer if self.offloaded is not None else optimizer(self.shards)
+        )
 
     def begin(self) -> None:
         for part in self.parts:
@@ -75,28 +81,17 @@ class ZeroState:
     def finish(self) -> None:
         for part in self.parts:
             part.finish()
+        if self.offloaded is not None:
+            self.offloaded.all_down()
 
     def step(self) -> None:
-        if self.host is None:
+        if self.offloaded is None:
             self.optimizer.step()
         else:
-            self._step_on_host(self.host)
+            self.offloaded.step()
+            self.offloaded.wait_up()
         for part in self.parts:
             part.after_step()
-
-    def host_copy(self, shard: torch.Tensor) -> torch.Tensor | None:
-        """The host tensor the optimizer steps for `shard`, where offloaded."""
-        return self._host_of.get(id(shard))
-
-    def _step_on_host(self, host: list[nn.Parameter]) -> None:
-        for shard, copy in zip(self.shards, host):
-            grad = shard.grad
-            copy.grad = None if grad is None else grad.to(copy.device, copy=True, non_blocking=True)
-        if any(s.is_cuda for s in self.shards):
-            torch.cuda.synchronize()  # the gradients are on the host before it steps
-        self.optimizer.step()
-        for shard, copy in zip(self.shards, host):
-            shard.data.copy_(copy.data, non_blocking=True)
 
     def close(self) -> None:
         for part in self.parts:
@@ -124,13 +119,6 @@ def zero_state(
         else:
             parts.append(OwnedParameters(whole, group, accumulation, stage))
     return ZeroState(parts, optimizer, offload)
-
-
-def _host_copy(shard: nn.Parameter) -> nn.Parameter:
-    """A host copy of `shard` for the optimizer to step (pinned memory where the shard
-    is on a GPU, so that copies to and fro run asynchronously)."""
-    copy = shard.detach().to("cpu", copy=True)
-    return nn.Parameter(copy.pin_memory() if shard.is_cuda else copy)
 
 
 def _trained_in_backward_order(stages: list[fx.GraphModule]) -> list[nn.Parameter]:

@@ -20,6 +20,7 @@ reduce-scatter per microbatch: the price of holding only 1/N of the gradients.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ class _Bucket:
     grads: torch.Tensor | None  # stage 1: the bucket's whole gradients, flat
     arrivals: dict[int, int] = field(default_factory=dict)  # id(param) -> backward passes
     complete: int = 0  # stage 1: parameters whose every backward pass has arrived
+    flushes: int = 0  # stage 2: backward passes reduced
     launched: bool = False
 
 
@@ -60,6 +62,9 @@ class ReplicaShards:
         self.accumulation = accumulation
         self.stage = stage
         self.reducer = GradientReducer(group)
+        # Called with a shard once its gradient is final for the step (ZeRO offload
+        # sends it to the host then).
+        self.on_final: Callable[[nn.Parameter], None] | None = None
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.buckets = [
             self._bucket(run, rank, size) for run in group_into_buckets(params, bucket_bytes)
@@ -85,6 +90,7 @@ class ReplicaShards:
         for b in self.buckets:
             b.arrivals.clear()
             b.complete = 0
+            b.flushes = 0
             b.launched = False
             b.shard.grad = None
             if b.grads is None:
@@ -101,7 +107,7 @@ class ReplicaShards:
             if b.grads is not None and not b.launched:
                 self._launch(b)
             elif b.grads is None and any(p.grad is not None for p in b.params):
-                self._flush(b)
+                self._flush(b, final=True)
         self.reducer.drain()
 
     def after_step(self) -> None:
@@ -126,7 +132,8 @@ class ReplicaShards:
         arrived = b.arrivals[id(p)] = b.arrivals.get(id(p), 0) + 1
         if b.grads is None:  # stage 2: reduce each backward pass's gradients
             if len(b.arrivals) == len(b.params):
-                self._flush(b)
+                b.flushes += 1
+                self._flush(b, final=b.flushes == self.accumulation)
             return
         if arrived == self.accumulation:
             b.complete += 1
@@ -136,14 +143,14 @@ class ReplicaShards:
     def _launch(self, b: _Bucket) -> None:
         assert b.grads is not None, "only stage 1 reduces a whole bucket of gradients"
         b.launched = True
-        self.reducer.launch(b.grads, b.shard)
+        self.reducer.launch(b.grads, b.shard, self.on_final)
 
-    def _flush(self, b: _Bucket) -> None:
+    def _flush(self, b: _Bucket, final: bool) -> None:
         flat = b.layout.flatten([p.grad for p in b.params], like=b.shard)
         for p in b.params:
             p.grad = None
         b.arrivals.clear()
-        self.reducer.launch(flat, b.shard)
+        self.reducer.launch(flat, b.shard, self.on_final if final else None)
 
 
 def _copy_back(b: _Bucket, flat: torch.Tensor, work: dist.Work) -> None:

@@ -148,7 +148,9 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     models = CostModels.of(mesh, plan.precision)
     collectives = resharding(summary, Choices.of(plan), models, dims)
     predicted = replace(predicted, resharding=collectives)
-    return plan.with_changes(predicted=predicted, alternatives=alternatives)
+    return plan.with_changes(
+        predicted=predicted, alternatives=alternatives, offload_reason=candidate.offload_reason
+    )
 
 
 def _whole_batch(pins: Pins, mixing: list[str], mesh: Mesh) -> Pins:

@@ -127,6 +127,9 @@ class NoPlanFits(ValueError):
 class Candidate:
     choices: Choices
     predicted: Predicted
+    # Why the optimizer state is offloaded, where the search chose that: what the
+    # smallest plan keeping it on the device would need.
+    offload_reason: str = ""
 
     @property
     def simplicity(self) -> int:
@@ -175,8 +178,8 @@ def search(
     try:
         chosen = _solve(candidates, mesh.device.memory_bytes)
     except NoPlanFits as on_device:
-        # Nothing fits with the optimizer state on the device: offload it (ZeRO-1/2),
-        # unless the pins say where it lives.
+        # Nothing fits with the optimizer state on the device: offload it, unless the
+        # pins say where it lives.
         offloaded = priced(offload=True) if pins.offload is None else []
         if not offloaded:
             raise
@@ -184,7 +187,9 @@ def search(
             chosen = _solve(offloaded, mesh.device.memory_bytes)
         except NoPlanFits as e:
             raise NoPlanFits(f"{on_device}. With the optimizer state offloaded: {e}") from None
-        candidates = offloaded
+        reason = _shortfall(candidates, memory)
+        candidates = [replace(c, offload_reason=reason) for c in offloaded]
+        chosen = candidates[offloaded.index(chosen)]
     if chosen.choices.pp > 1 and not chosen.choices.stage_cuts:
         chosen = _with_inner_cuts(layouts, mesh, chosen, dims)
     fitting = [c for c in candidates if c.predicted.peak_memory_bytes <= mesh.device.memory_bytes]
@@ -459,15 +464,21 @@ def _run(model: cp_model.CpModel, x: list, candidates: list[Candidate], memory: 
 
 
 def _no_fit_message(candidates: list[Candidate], memory: int) -> str:
+    return (
+        f"no plan fits the device's {format_bytes(memory)}: the smallest the pins allow "
+        f"{_shortfall(candidates, memory)}. Unpin axes, use more devices, or a smaller batch"
+    )
+
+
+def _shortfall(candidates: list[Candidate], memory: int) -> str:
+    """The candidate needing the least memory, and what it needs beyond `memory`."""
     smallest = min(candidates, key=lambda c: c.predicted.peak_memory_bytes)
     need = smallest.predicted.peak_memory_bytes
     c = smallest.choices
     return (
-        f"no plan fits the device's {format_bytes(memory)}: the smallest the pins allow "
         f"({c.degrees} zero={c.zero} microbatches={c.microbatches}"
         f"{' with recomputation' if c.recompute else ''}) needs {format_bytes(need)} per "
-        f"rank, {format_bytes(need - memory)} too much. Unpin axes, use more devices, "
-        "or a smaller batch"
+        f"rank, {format_bytes(need - memory)} too much"
     )
 
 
@@ -479,8 +490,8 @@ def _choices(
     blocks: tuple[str, ...],
     offload: bool = False,
 ) -> Iterator[Choices]:
-    """Every combination the pins allow; with `offload`, only ZeRO-1/2 with the
-    optimizer state on the host."""
+    """Every combination the pins allow; with `offload`, only those that can keep the
+    optimizer state on the host (`_offloadable`)."""
     sequence, experts = layouts.ring_sequence(), layouts.experts
     for degrees in Degrees.factorizations(mesh.world_size, pins.degrees):
         if not _admissible(degrees, mesh, pins, batch, len(blocks), sequence, experts):
@@ -499,7 +510,7 @@ def _choices(
                 # microbatch and the logits' gather. cp pays only below a sequence.
                 continue
             for zero in _zero_stages(dp, pins) if ep == 1 else [0]:
-                if offload and zero not in (1, 2):
+                if offload and not _offloadable(dp, cp, ep, zero):
                     continue
                 for recompute in _recompute_sets(blocks, pins):
                     yield Choices(
@@ -587,6 +598,13 @@ def _microbatch_counts(replica_batch: int, pp: int = 1) -> list[int]:
     sizes = [2**k for k in range(replica_batch.bit_length()) if replica_batch % 2**k == 0]
     rest = sorted({replica_batch // s for s in sizes} - set(first))
     return first + rest
+
+
+def _offloadable(dp: int, cp: int, ep: int, zero: int) -> bool:
+    """Whether the runtime can step this plan's optimizer on the host: ZeRO-1/2's shards
+    over dp replicas, or one replica's whole state; not under cp or ep, whose gradient
+    syncs sum over their own groups."""
+    return cp == ep == 1 and (dp == 1 or zero in (1, 2))
 
 
 def _zero_stages(dp: int, pins: Pins) -> list[int]:

@@ -14,7 +14,13 @@ import torch.distributed as dist
 from autopart.runtime.precision import LossScaler
 from autopart.testing import run_world
 from tests.harness import parallelize_lm, train_losses
-from tests.models import LM_FACTORIES, lm_loss, make_optimizer, token_batch
+from tests.models import (
+    LM_FACTORIES,
+    lm_loss,
+    make_optimizer,
+    token_batch,
+    train_autocast_reference,
+)
 
 STEPS = 5
 CASES = [
@@ -40,27 +46,11 @@ def _train(batch):
     return out
 
 
-def _single_device_autocast(name: str, precision: str, batch) -> list[float]:
-    ids, target = batch
-    model = LM_FACTORIES[name]()
-    opt = make_optimizer("sgd")(model.parameters())
-    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=dtype):
-            loss = lm_loss(model(ids), target)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def test_mixed_precision_tracks_single_device_autocast():
     batch = token_batch(8)
     per_rank = run_world(_train, 2, batch)
     for name, pins, precision in CASES:
-        reference = _single_device_autocast(name, precision, batch)
+        reference = train_autocast_reference(name, precision, STEPS, batch)
         for rank, results in enumerate(per_rank):
             losses, dtypes = results[_key(name, pins, precision)]
             assert set(dtypes) == {torch.float32}  # master weights stay fp32
