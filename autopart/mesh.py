@@ -111,6 +111,10 @@ DTYPE_NAMES = {
 # keys, about 61% of peak on A100 (FlashAttention-2, Dao 2023) and 50% on H100 with
 # PyTorch 2.11's kernels (measured for cost_models.compute), over that shape's factors
 # in cost_models.gemm (0.8 · 0.845).
+#   A10 PCIe 24GB: 31.2 TF fp32, 62.5 TF tf32, 125 TF bf16/fp16; 600 GB/s GDDR6; no
+#     NVLink: peers and host over PCIe 4.0 x16 (about 25 GB/s a direction); a node of 8
+#     with one 100 Gb/s NIC (AWS g5.48xlarge: 8 A10G), 1.5 GB/s per device. Its GEMM
+#     efficiency is the DeviceSpec default, not a measurement: calibrate on the machine.
 # cpu: a modest two-core x86 host running Gloo over loopback; calibrate for real figures.
 _H100_LINKS: dict[str, Any] = dict(
     intra_node_bandwidth=450 * GB,
@@ -155,6 +159,17 @@ PRESETS: dict[str, DeviceSpec] = {
         attention_efficiency=0.74,
         host_bandwidth=50 * GB,
         **_H100_LINKS,
+    ),
+    "a10-24g": DeviceSpec(
+        name="a10-24g",
+        peak_flops={"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12},
+        memory_bytes=24 * GiB,
+        memory_bandwidth=600 * GB,
+        intra_node_bandwidth=25 * GB,
+        inter_node_bandwidth=1.5 * GB,
+        intra_node_latency=10e-6,
+        inter_node_latency=30e-6,
+        kernel_launch_s=5e-6,
     ),
     "cpu": DeviceSpec(
         name="cpu",

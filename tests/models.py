@@ -221,20 +221,34 @@ def llama_training_case():
 def llama3_8b_on_meta(positions: int = 8192) -> nn.Module:
     """Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336,
     vocabulary 128256) on the meta device: nothing is allocated."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=4096,
+    return _llama_on_meta(
         intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
         num_key_value_heads=8,
         vocab_size=128256,
         max_position_embeddings=positions,
-        use_cache=False,
+    )
+
+
+def llama2_7b_on_meta(positions: int = 4096) -> nn.Module:
+    """Llama-2-7B's shape (hidden 4096, 32 layers, 32 heads, FFN 11008, vocabulary
+    32000) on the meta device."""
+    return _llama_on_meta(
+        intermediate_size=11008,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        max_position_embeddings=positions,
+    )
+
+
+def _llama_on_meta(**config: int) -> nn.Module:
+    """A Llama of hidden size 4096, 32 layers and 32 heads, with `config`, on meta."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = LlamaConfig(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, use_cache=False, **config
     )
     with torch.device("meta"):
-        return LlamaForCausalLM(config)
+        return LlamaForCausalLM(shape)
 
 
 def mixtral_8x7b_on_meta(positions: int = 4096) -> nn.Module:

@@ -67,6 +67,7 @@ from autopart.cost_models.memory import (
     in_flight_microbatches,
     total,
 )
+from autopart.cost_models.offload import host_step_time
 from autopart.cost_models.pipeline import bucket_runs, exposed_sync, pipeline_step
 from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
 from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork, TpLayout
@@ -443,7 +444,7 @@ def _rank_cost(
         compute=compute,
         comm=comm,
         sync=_dp_sync(own, compute, choices, models, traffic),
-        optimizer=_optimizer_time(own, choices, models),
+        optimizer=_optimizer_time(own, compute, choices, models),
         memory=memory,
         figures=figures,
     )
@@ -628,7 +629,9 @@ def _bucketed(
     return sum(t * n for t, n in seconds), seconds[-1][0] if seconds else 0.0
 
 
-def _optimizer_time(own: list[SegmentWork], choices: Choices, models: CostModels) -> float:
+def _optimizer_time(
+    own: list[SegmentWork], compute: PhaseCost, choices: Choices, models: CostModels
+) -> float:
     """Adam touches this rank's parameters, gradients and state: all of them, or 1/dp
     of them under ZeRO, whose optimizer steps one flat shard per bucket instead of the
     parameter tensors (`ops/flat_buckets.py`): ZeRO-1/2 bucket the gradients as
@@ -637,7 +640,14 @@ def _optimizer_time(own: list[SegmentWork], choices: Choices, models: CostModels
     params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
     state_bytes = params * sum(STATE_BYTES[choices.precision])
     if choices.offload:
-        return _host_step_time(params / choices.dp, choices, models)
+        dp = choices.dp
+        return host_step_time(
+            params / dp,
+            _hiding(compute.backward + compute.recompute, models),
+            choices.precision,
+            models.comm.mesh.device,
+            last_bytes=models.memory.bucket_bytes / dp,  # a bucket's shard, or a parameter
+        )
     if choices.zero == 0 or choices.dp == 1:
         tensors = sum(s.param_tensors for s in own)
         return models.compute.optimizer_step_time(state_bytes, tensors)
@@ -649,16 +659,6 @@ def _optimizer_time(own: list[SegmentWork], choices: Choices, models: CostModels
         runs = bucket_runs(grad_bytes, memory.bucket_bytes, memory.first_bucket_bytes)
         shards = sum(n for _, n in runs)
     return models.compute.optimizer_step_time(state_bytes / choices.dp, shards)
-
-
-def _host_step_time(params: float, choices: Choices, models: CostModels) -> float:
-    """ZeRO offload's step of this rank's `params` shard parameters: gradients down to
-    the host and updated parameters back up over the host link, and the optimizer's
-    pass over weights, gradients and state in host memory (not overlapped)."""
-    device = models.comm.mesh.device
-    param_bytes, grad_bytes, _ = STATE_BYTES[choices.precision]
-    transfers = params * (grad_bytes + param_bytes) / device.host_bandwidth
-    return transfers + params * sum(STATE_BYTES[choices.precision]) / device.host_memory_bandwidth
 
 
 def _parameter_buckets(own: list[SegmentWork], tp: int) -> list[float]:

@@ -1,0 +1,25 @@
+"""What ZeRO offload's step on the host costs (`runtime/offload.py` runs it)."""
+
+from __future__ import annotations
+
+from autopart.cost_models.memory import STATE_BYTES
+from autopart.cost_models.pipeline import exposed_sync
+from autopart.mesh import DeviceSpec
+
+
+def host_step_time(
+    params: float, hiding: float, precision: str, device: DeviceSpec, last_bytes: float
+) -> float:
+    """Seconds of the host step for one rank's `params` (its ZeRO-1/2 shard, or all of
+    them with one replica). Each gradient goes down the host link as soon as it is
+    final, while the last microbatch's backward (`hiding` seconds) goes on, so only
+    what backward cannot cover is exposed, and the last `last_bytes` of gradients; then
+    the optimizer's pass over weights, gradients and state in host memory; then the
+    updated parameters back up, before the next forward reads them."""
+    param_bytes, grad_bytes, _ = STATE_BYTES[precision]
+    link = device.host_bandwidth
+    down = params * grad_bytes / link
+    last = min(down, last_bytes / link)
+    host_pass = params * sum(STATE_BYTES[precision]) / device.host_memory_bandwidth
+    up = params * param_bytes / link
+    return exposed_sync(down, hiding, last) + host_pass + up
