@@ -78,6 +78,8 @@ class HostOptimizer:
                 for tensor, copy in zip(self.tensors, self.host):
                     tensor.copy_(copy)
                 return
+            # Not before the device's work so far, which may still read the old values.
+            self._stream.wait_stream(torch.cuda.current_stream(self.tensors[0].device))
             with torch.cuda.stream(self._stream):
                 for tensor, copy in zip(self.tensors, self.host):
                     tensor.copy_(copy, non_blocking=True)
