@@ -10,6 +10,7 @@ still running `GRACE_S` after one failed are killed and named.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import time
@@ -93,4 +94,9 @@ def _rank_main(fn, rank, world_size, store, tmp, args) -> None:
         Path(tmp, f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
         raise
     finally:
+        # Compiled graphs hold process groups (and work on them): dropped here, and the
+        # groups destroyed and collected while the interpreter is whole, not in its
+        # teardown, where a Gloo worker thread still holding a tensor aborts the process.
+        torch._dynamo.reset()
         dist.destroy_process_group()
+        gc.collect()
