@@ -84,6 +84,23 @@ def model_state_bytes(
     }
 
 
+def sharded_state_bytes(
+    params: float,
+    experts: float,
+    dp: int,
+    ep: int,
+    zero: int,
+    per_param: tuple[int, int, int],
+    offload: bool = False,
+) -> dict[str, float]:
+    """`model_state_bytes` of a rank holding `params` parameters, `experts` of them
+    expert weights split over ep: ZeRO shards the experts over their dp replicas and
+    the other weights over dp × ep (`runtime/zero.py`)."""
+    rest = model_state_bytes(params - experts, dp * ep, zero, per_param, offload)
+    own = model_state_bytes(experts, dp, zero, per_param, offload)
+    return {part: rest[part] + own[part] for part in rest}
+
+
 def in_flight_microbatches(
     schedule: str | None, microbatches: int, stages: int, stage: int, virtual_stages: int = 1
 ) -> float:
@@ -143,15 +160,20 @@ class MemoryModel:
         pipeline_bytes: float = 0.0,
         output_bytes: float = 0.0,
         offload: bool = False,
+        experts: float = 0.0,
+        ep: int = 1,
     ) -> dict[str, int]:
         """Bytes by part for a rank holding `params` parameters (its tensor-parallel
-        share), `activations` bytes of activations, ZeRO-3 blocks of up to
-        `gathered_params` parameters, pipeline transfers of `pipeline_bytes` and, where
-        it computes the loss, a model output of `output_bytes` per microbatch."""
-        parts = model_state_bytes(params, dp, zero, STATE_BYTES[self.precision], offload)
+        share; `experts` of them its 1/ep of the expert weights), `activations` bytes of
+        activations, ZeRO-3 blocks of up to `gathered_params` parameters, pipeline
+        transfers of `pipeline_bytes` and, where it computes the loss, a model output of
+        `output_bytes` per microbatch."""
+        per_param = STATE_BYTES[self.precision]
+        parts = sharded_state_bytes(params, experts, dp, ep, zero, per_param, offload)
         parts["activations"] = activations
         parts["output_gradients"] = OUTPUT_GRADIENTS * output_bytes
-        parts["buffers"] = self.buffer_bytes(params, dp, zero, gathered_params, pipeline_bytes)
+        buffers = self.buffer_bytes(params, dp * ep, zero, gathered_params, pipeline_bytes)
+        parts["buffers"] = buffers
         parts["allocator"] = self.allocator_fraction * sum(parts.values())
         return {name: round(parts[name]) for name in PARTS}
 

@@ -419,6 +419,8 @@ def _rank_cost(
         # 1/tp of it if split; gathered whole over cp
         output_bytes=last.output_bytes * choices.cp if last else 0.0,
         offload=choices.offload,
+        experts=sum(s.expert_numel(choices.ep) for s in own),
+        ep=choices.ep,
     )
     memory["optimizer"] += round(choices.outer_copies * params * STATE_BYTES[choices.precision][0])
     recomputed = [s for s in own if choices.recomputes(s)]
@@ -581,9 +583,13 @@ def _dp_sync(
             sync, last = _bucketed(op, numel * grad_bytes * traffic, *group, models)
             exposed += exposed_sync(sync, hiding, last)
             hiding = max(0.0, hiding - sync)
-    if choices.zero == 0 or size == 1:
+    if choices.zero == 0:
         return exposed
-    return exposed + models.comm.time(ALL_GATHER, params * param_bytes, size, stride)
+    # ZeRO-1/2: every shard gathered back after the step, over its own group.
+    for group, numel in (((size, stride), params), (_expert_group(choices), experts)):
+        if group[0] > 1 and numel:
+            exposed += models.comm.time(ALL_GATHER, numel * param_bytes, *group)
+    return exposed
 
 
 def _parameter_averaging(
@@ -632,25 +638,27 @@ def _bucketed(
 def _optimizer_time(
     own: list[SegmentWork], compute: PhaseCost, choices: Choices, models: CostModels
 ) -> float:
-    """Adam touches this rank's parameters, gradients and state: all of them, or 1/dp
-    of them under ZeRO, whose optimizer steps one flat shard per bucket instead of the
+    """Adam touches this rank's parameters, gradients and state: all of them, or its
+    shards of them under ZeRO (1/dp; under ep the experts' 1/dp and the other weights'
+    1/(dp·ep)), whose optimizer steps one flat shard per bucket instead of the
     parameter tensors (`ops/flat_buckets.py`): ZeRO-1/2 bucket the gradients as
     data parallelism does, ZeRO-3 the parameters of each block and of each run of
-    segments between blocks (`passes/zero.py`)."""
+    segments between blocks (`passes/zero.py`). Offloaded, it runs on the host."""
     params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
-    state_bytes = params * sum(STATE_BYTES[choices.precision])
+    experts = sum(s.expert_numel(choices.ep) for s in own)
+    per_param = sum(STATE_BYTES[choices.precision])
+    shard = (params - experts) / choices.degrees.batch_split + experts / choices.dp
     if choices.offload:
-        dp = choices.dp
         return host_step_time(
-            params / dp,
+            shard,
             _hiding(compute.backward + compute.recompute, models),
             choices.precision,
             models.comm.mesh.device,
-            last_bytes=models.memory.bucket_bytes / dp,  # a bucket's shard, or a parameter
+            last_bytes=models.memory.bucket_bytes / choices.dp,  # a bucket's shard
         )
-    if choices.zero == 0 or choices.dp == 1:
+    if choices.zero == 0 or choices.degrees.batch_split == 1:
         tensors = sum(s.param_tensors for s in own)
-        return models.compute.optimizer_step_time(state_bytes, tensors)
+        return models.compute.optimizer_step_time(params * per_param, tensors)
     if choices.zero == 3:
         shards = len(_parameter_buckets(own, choices.tp))
     else:
@@ -658,7 +666,7 @@ def _optimizer_time(
         memory = models.memory
         runs = bucket_runs(grad_bytes, memory.bucket_bytes, memory.first_bucket_bytes)
         shards = sum(n for _, n in runs)
-    return models.compute.optimizer_step_time(state_bytes / choices.dp, shards)
+    return models.compute.optimizer_step_time(shard * per_param, shards)
 
 
 def _parameter_buckets(own: list[SegmentWork], tp: int) -> list[float]:

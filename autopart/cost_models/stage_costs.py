@@ -40,7 +40,7 @@ from autopart.cost_models.memory import (
     OUTPUT_GRADIENTS,
     STATE_BYTES,
     in_flight_microbatches,
-    model_state_bytes,
+    sharded_state_bytes,
 )
 from autopart.cost_models.predict import (
     Choices,
@@ -197,11 +197,15 @@ def stage_problem(
     With `recomputable`, every other block may be recomputed."""
     plain = segment_times(segments, models.compute, [False] * len(segments))
     again = segment_times(segments, models.compute, [s.is_block for s in segments])
-    per_param = sum(
-        model_state_bytes(
-            1, choices.dp, choices.zero, STATE_BYTES[choices.precision], choices.offload
-        ).values()
-    )
+
+    def states(seg: SegmentWork) -> float:
+        params, experts = seg.param_numel(choices.tp, choices.ep), seg.expert_numel(choices.ep)
+        per_param = STATE_BYTES[choices.precision]
+        parts = sharded_state_bytes(
+            params, experts, choices.dp, choices.ep, choices.zero, per_param, choices.offload
+        )
+        return sum(parts.values())
+
     param_bytes, grad_bytes, _ = STATE_BYTES[choices.precision]
     byte = max(1.0, memory / MEMORY_STEPS)
     second = max(t.total for t in again) * len(segments) / TIME_STEPS
@@ -232,7 +236,7 @@ def stage_problem(
                 key=seg.key,
                 kind=seg.segment.block_id if may else None,
                 time=round(base / second),
-                states=up(params * per_param),
+                states=up(states(seg)),
                 saved=up(saved if may else keeps),
                 recompute_time=round((t1.total + comm1 - base) / second) if may else 0,
                 recompute_keeps=up(seg.output_bytes) if may else 0,
@@ -264,7 +268,9 @@ def stage_problem(
             ).limit_denominator(64)
             for r in range(pp)
         ),
-        bucket=up(models.memory.bucket_bytes) if choices.dp > 1 and choices.zero else 0,
+        bucket=up(models.memory.bucket_bytes)
+        if choices.degrees.batch_split > 1 and choices.zero
+        else 0,
         fixed=tuple(up(zero3 + pipeline + (loss if r == last_rank else 0.0)) for r in range(pp)),
         comm=tuple(round(p2p_comm(boundary, choices, models.comm, r) / second) for r in range(pp)),
         allocator=Fraction(models.memory.allocator_fraction).limit_denominator(1000),

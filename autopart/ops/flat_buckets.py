@@ -115,9 +115,12 @@ class _Reduction:
 class GradientReducer:
     """Averages flat gradient buckets over `group` into the shards each rank owns."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, divisor: int | None = None) -> None:
+        """`divisor`: what the summed gradients are divided by; the group's size (their
+        mean over it) unless given (expert shards: the batch's shares, `ExpertShards`)."""
         self.group = group
         self.size = dist.get_world_size(group)
+        self.divisor = divisor or self.size
         self._pending: deque[_Reduction] = deque()
 
     def launch(
@@ -128,7 +131,7 @@ class GradientReducer:
     ) -> None:
         """Start reducing `flat` (consumed: divided in place) into `shard.grad`; `then`
         is called with the shard once its gradient holds the result."""
-        flat.div_(self.size)  # a sum of pre-divided gradients is the mean over the batch
+        flat.div_(self.divisor)  # a sum of pre-divided gradients is the mean over the batch
         out = flat.new_empty(flat.numel() // self.size)
         work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
         self._pending.append(_Reduction(work, out, flat, shard, then))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
+
 from torch import fx, nn
 
 from autopart.ops.meta import PARAMS
@@ -36,3 +38,8 @@ def parameter_attributes(gm: fx.GraphModule) -> list[tuple[fx.Node, nn.Parameter
         if isinstance(value, nn.Parameter):
             found.append((node, value))
     return found
+
+
+def parameters_named(modules: Iterable[nn.Module], fqns: Collection[str]) -> set[int]:
+    """The ids of the `modules`' parameters whose qualified names are in `fqns`."""
+    return {id(p) for m in modules for name, p in m.named_parameters() if name in fqns}

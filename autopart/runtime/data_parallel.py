@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
+from autopart.ops.params import parameters_named
 from autopart.policy import OuterOptimizer
 from autopart.runtime.grad_sync import GradientSync, params_in_backward_order
 from autopart.runtime.offload import HostOptimizer
@@ -141,8 +142,8 @@ class ReplicatedState:
         experts: ExpertShards | None = None,
     ) -> None:
         params = params_in_backward_order(stages)
-        summed = _named(stages, context.fqns) if context else set()
-        split = _named(stages, experts.fqns) if experts else set()
+        summed = parameters_named(stages, context.fqns) if context else set()
+        split = parameters_named(stages, experts.fqns) if experts else set()
         rest = [p for p in params if id(p) not in summed | split]
         dp = dist.get_world_size(group)
         self.syncs = [GradientSync(rest, group, accumulation, compression=compression)]
@@ -170,11 +171,6 @@ class ReplicatedState:
     def close(self) -> None:
         for sync in self.syncs:
             sync.close()
-
-
-def _named(stages: list[fx.GraphModule], fqns: frozenset[str]) -> set[int]:
-    """The ids of the stages' parameters named in `fqns`."""
-    return {id(p) for gm in stages for name, p in gm.named_parameters() if name in fqns}
 
 
 class LocalSgdState:
@@ -285,6 +281,8 @@ def build_data_parallel_state(
     `experts`, the expert shards synced over their dp replicas only (`group` is then
     dp × ep).
     """
+    if experts is not None and zero in (1, 2):
+        return zero_state(zero, stages, group, optimizer, accumulation, offload, experts)
     if (context is not None and context.fqns) or experts is not None:
         return ReplicatedState(stages, group, optimizer, accumulation, None, context, experts)
     if dist.get_world_size(group) == 1:

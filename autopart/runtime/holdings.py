@@ -16,6 +16,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from autopart.degrees import Axis
 from autopart.ops.flat_buckets import FlatLayout
@@ -67,9 +68,10 @@ class Holdings:
         state = pm.state
         for part in state.parts if isinstance(state, ZeroState) else ():
             if isinstance(part, ReplicaShards):
+                shard_rank = dist.get_rank(part.group)  # dp, or dp x ep under ep
                 for bucket in part.buckets:
                     of_bucket = [name_of[id(p)] for p in bucket.params]
-                    copy = _flat(of_bucket, bucket.layout, dp_rank, tp)
+                    copy = _flat(of_bucket, bucket.layout, shard_rank, tp)
                     self.copies.append((bucket.shard, copy))
         self._by_id = {id(t): held for t, held in (*self.own, *self.copies)}
         offloaded = state.offloaded if state else None  # the host copies the optimizer steps

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch.distributed as dist
 from torch import fx, nn
 
-from autopart.ops.params import parameter_attributes
+from autopart.ops.params import parameter_attributes, parameters_named
 from autopart.ops.zero3 import sharded_parameters
 from autopart.policy import ELEMENTWISE_OPTIMIZERS, optimizer_class
 from autopart.runtime.grad_sync import params_in_backward_order
@@ -35,7 +35,7 @@ from autopart.runtime.zero_owners import OwnedParameters
 from autopart.runtime.zero_replicas import ReplicaShards
 
 if TYPE_CHECKING:
-    from autopart.runtime.data_parallel import OptimizerFactory
+    from autopart.runtime.data_parallel import ExpertShards, OptimizerFactory
 
 
 class ShardedPart(Protocol):
@@ -105,19 +105,26 @@ def zero_state(
     optimizer: OptimizerFactory,
     accumulation: int,
     offload: bool = False,
+    experts: ExpertShards | None = None,
 ) -> ZeroState:
     """ZeRO stage `zero` (1-3) for this rank's `stages` over the data-parallel `group`,
-    its optimizer state on the host where `offload` (stages 1 and 2)."""
+    its optimizer state on the host where `offload` (stages 1 and 2). Under expert
+    parallelism (`group` is dp × ep, stages 1 and 2) the experts' shards are another
+    part, over the dp replicas of the same experts (`experts.group`), their summed
+    gradients divided by the batch's shares as the rest are averaged over them."""
     whole = _trained_in_backward_order(stages)
     parts: list[ShardedPart] = []
     if zero == 3:
         parts = [z for gm in reversed(stages) if (z := sharded_parameters(gm)) is not None]
-    if whole:
-        stage = min(zero, 2)
-        if optimizer_class(optimizer) in ELEMENTWISE_OPTIMIZERS:
-            parts.append(ReplicaShards(whole, group, accumulation, stage))
-        else:
-            parts.append(OwnedParameters(whole, group, accumulation, stage))
+    split = parameters_named(stages, experts.fqns) if experts else set()
+    runs = [([p for p in whole if id(p) not in split], group, None)]
+    if experts is not None:
+        runs.append(([p for p in whole if id(p) in split], experts.group, experts.shares))
+    elementwise = optimizer_class(optimizer) in ELEMENTWISE_OPTIMIZERS
+    for params, over, divisor in runs:
+        if params:
+            kind = ReplicaShards if elementwise else OwnedParameters
+            parts.append(kind(params, over, accumulation, min(zero, 2), divisor=divisor))
     return ZeroState(parts, optimizer, offload)
 
 

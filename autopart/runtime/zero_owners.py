@@ -26,7 +26,8 @@ from torch import nn
 
 
 class OwnedParameters:
-    """ZeRO stage 1 or 2 over whole `params` (given in backward order) on `group`."""
+    """ZeRO stage 1 or 2 over whole `params` (given in backward order) on `group`; the
+    summed gradients are divided by `divisor` (the group's size where None)."""
 
     def __init__(
         self,
@@ -34,11 +35,13 @@ class OwnedParameters:
         group: dist.ProcessGroup,
         accumulation: int,
         stage: int,
+        divisor: int | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"OwnedParameters is ZeRO stage 1 or 2, not {stage}")
         self.params, self.group, self.accumulation, self.stage = params, group, accumulation, stage
         self.size = dist.get_world_size(group)
+        self.divisor = divisor or self.size  # of the summed gradients: their mean by default
         global_rank = [dist.get_global_rank(group, r) for r in range(self.size)]
         self.owner = {id(p): global_rank[r] for p, r in owners(params, self.size)}
         me = global_rank[dist.get_rank(group)]
@@ -71,7 +74,7 @@ class OwnedParameters:
                 sums[id(p)] = grad if id(p) not in sums else sums[id(p)].add_(grad)
         self._pending.clear()
         for p in self.params:
-            p.grad = sums[id(p)].div_(self.size) if id(p) in sums else None
+            p.grad = sums[id(p)].div_(self.divisor) if id(p) in sums else None
 
     def after_step(self) -> None:
         broadcast_from_owners(self.params, self.owner, self.group)

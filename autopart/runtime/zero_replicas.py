@@ -46,7 +46,8 @@ class _Bucket:
 
 class ReplicaShards:
     """Sharded optimizer state (stage 1), and gradients (stage 2), for `params` given in
-    the order backward produces their gradients."""
+    the order backward produces their gradients; their gradients summed over `group`
+    are divided by `divisor` (the group's size where None: their mean)."""
 
     def __init__(
         self,
@@ -55,13 +56,14 @@ class ReplicaShards:
         accumulation: int,
         stage: int,
         bucket_bytes: int = GRAD_BUCKET_BYTES,
+        divisor: int | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ReplicaShards is ZeRO stage 1 or 2, not {stage}")
         self.group = group
         self.accumulation = accumulation
         self.stage = stage
-        self.reducer = GradientReducer(group)
+        self.reducer = GradientReducer(group, divisor)
         # Called with a shard once its gradient is final for the step (ZeRO offload
         # sends it to the host then).
         self.on_final: Callable[[nn.Parameter], None] | None = None

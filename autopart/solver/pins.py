@@ -246,7 +246,7 @@ def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:
         )
     axes = {"tp": pins.degree(Axis.TP), "cp": pins.degree(Axis.CP)}
     others = {
-        "zero": pins.zero,
+        "zero": pins.zero if pins.zero == 3 else None,
         "offload": pins.offload,
         "sync_every": pins.sync_every,
         "grad_compression": pins.grad_compression,
@@ -256,7 +256,7 @@ def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:
     if clashes:
         raise PlanError(
             f"ep={ep} does not combine with {', '.join(clashes)} yet: expert parallelism runs "
-            "with dp and pp, plain data parallelism's gradient sync (zero=0), tp=1 and cp=1"
+            "with dp and pp, ZeRO-0/1/2 (without offload), tp=1 and cp=1"
         )
 
 

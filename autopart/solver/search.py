@@ -509,7 +509,8 @@ def _choices(
                 # in the same memory, without the ring, the gradient all-reduces per
                 # microbatch and the logits' gather. cp pays only below a sequence.
                 continue
-            for zero in _zero_stages(dp, pins) if ep == 1 else [0]:
+            # Under ep, ZeRO-1/2 shard over dp x ep (the experts' part over dp).
+            for zero in [z for z in _zero_stages(dp * ep, pins) if ep == 1 or z < 3]:
                 if offload and not _offloadable(dp, cp, ep, zero):
                     continue
                 for recompute in _recompute_sets(blocks, pins):

@@ -1,14 +1,17 @@
 """A sparse mixture-of-experts decoder (tiny Mixtral: 4 routed experts, top-2, in each
 of 2 layers). Its layers are recognized as copies of one block although each routes a
 data-dependent number of tokens, so it cuts into two pipeline stages. It trains like
-one device under dp=2, pp=2 and expert parallelism ep=2 on 2 ranks, and ep=2 × dp=2
-and ep=2 × pp=2 (1F1B) on 4: 3 steps of SGD with momentum in fp32 on Gloo, every
+one device under dp=2, pp=2 and expert parallelism ep=2 (alone and with ZeRO-1) on 2
+ranks, and ep=2 × dp=2 (alone and with ZeRO-2 over 2 microbatches) and ep=2 × pp=2
+(1F1B) on 4: 3 steps of SGD with momentum in fp32 on Gloo, every
 rank's losses and parameters within 1e-5. SGD, since Adam's update would hide a
 gradient off by a constant factor (a wrong divisor in the experts' sync). Under ep each
 layer's rows travel to their experts' ranks and back with two all_to_alls, each rank
 holds half of every layer's experts, and nothing is dropped."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -44,10 +47,13 @@ CASES = {
         {"dp": 2},
         {"pp": 2, "schedule": "1f1b", "microbatches": 2},
         {"ep": 2, "dp": 1},
+        {"ep": 2, "dp": 1, "zero": 1},  # the other weights' shards over ep's 2 ranks
     ],
     4: [
         {"ep": 2, "dp": 2},
         {"ep": 2, "dp": 1, "pp": 2, "schedule": "1f1b", "microbatches": 2},
+        # The other weights sharded over dp x ep, the experts over dp.
+        {"ep": 2, "dp": 2, "zero": 2, "microbatches": 2},
     ],
 }
 
@@ -68,7 +74,8 @@ def _inspect(pm) -> dict:
         for name, p in stage.named_parameters()
         if name in pm.ep_sharded
     }
-    return {"exchanges": [i.kind for i in exchanges], "experts": experts}
+    shards = [s.numel() for s in getattr(pm.state, "shards", [])]  # ZeRO's, flat
+    return {"exchanges": [i.kind for i in exchanges], "experts": experts, "shards": shards}
 
 
 def _train(batch, cases) -> dict:
@@ -84,6 +91,7 @@ def _train(batch, cases) -> dict:
 def test_mixture_of_experts_trains_like_one_device(world):
     batch = token_batch(8)
     reference = train_reference(tiny_mixtral(), "sgd", STEPS, (batch[0],), batch[1])
+    reference_numel = sum(p.numel() for p in reference["params"].values())
     per_rank = run_world(_train, world, batch, CASES[world])
     for pins in CASES[world]:
         key = case_key("mixtral", pins)
@@ -98,6 +106,14 @@ def test_mixture_of_experts_trains_like_one_device(world):
         # Each rank holds 2 of every layer's 4 experts (gate_up and down, per layer).
         assert sum(len(r["experts"]) for r in results) == 2 * LAYERS * pipelines
         assert all(shape[0] == 2 for r in results for shape in r["experts"].values())
+        # Under ZeRO the optimizer steps flat shards: 1/dp of the rank's experts, and
+        # 1/(dp·ep) of the other weights (up to each bucket's padding to the group).
+        if pins.get("zero"):
+            dp, ep = pins["dp"], pins["ep"]
+            experts = sum(math.prod(s) for s in results[0]["experts"].values())
+            others = reference_numel - experts * ep
+            held = sum(results[0]["shards"])
+            assert held == pytest.approx(experts / dp + others / (dp * ep), abs=64)
 
 
 TWO_CPUS = Mesh.cluster("cpu", nodes=1, per_node=2)
@@ -108,7 +124,7 @@ TWO_CPUS = Mesh.cluster("cpu", nodes=1, per_node=2)
     [
         (tiny_llama, {"ep": 2}, "no expert layer autopart recognizes.*pin ep=1"),
         (tiny_mixtral, {"ep": 2, "tp": 2}, "ep=2 does not combine with tp=2"),
-        (tiny_mixtral, {"ep": 2, "zero": 1}, "ep=2 does not combine with zero=1"),
+        (tiny_mixtral, {"ep": 2, "zero": 3}, "ep=2 does not combine with zero=3"),
     ],
 )
 def test_expert_parallelism_it_cannot_run_is_refused_saying_why(model, pins, refusal):
@@ -119,9 +135,15 @@ def test_expert_parallelism_it_cannot_run_is_refused_saying_why(model, pins, ref
 
 
 def _resume(batch, directory) -> list[float]:
-    """Two steps at ep=2, one at dp=2 from their checkpoint, one at ep=2 from its."""
+    """Two steps at ep=2, one at dp=2 from their checkpoint, one at ep=2 with ZeRO-1
+    from its, one at ep=2 from that."""
     losses: list[float] = []
-    plans = ((2, {"ep": 2, "dp": 1}), (1, {"ep": 1, "dp": 2}), (1, {"ep": 2, "dp": 1}))
+    plans = (
+        (2, {"ep": 2, "dp": 1}),
+        (1, {"ep": 1, "dp": 2}),
+        (1, {"ep": 2, "dp": 1, "zero": 1}),
+        (1, {"ep": 2, "dp": 1}),
+    )
     for i, (steps, pins) in enumerate(plans):
         pm = parallelize_lm(tiny_mixtral(), batch, "adamw", tp=1, cp=1, pp=1, **pins)
         if i:
@@ -135,10 +157,10 @@ def _resume(batch, directory) -> list[float]:
 @pytest.mark.slow
 def test_a_checkpoint_moves_between_expert_and_data_parallel_plans(tmp_path):
     """The experts each ep rank holds are saved as their slices of the whole weights,
-    and read back as a dp plan's whole weights, and back: the resumed runs follow one
-    device's losses."""
+    and read back as a dp plan's whole weights, and back, through ZeRO-1's shards of
+    them and of the other weights: the resumed runs follow one device's losses."""
     batch = token_batch(8)
-    reference = train_reference(tiny_mixtral(), "adamw", 4, (batch[0],), batch[1])
+    reference = train_reference(tiny_mixtral(), "adamw", 5, (batch[0],), batch[1])
     for losses in run_world(_resume, 2, batch, str(tmp_path)):
         assert losses == pytest.approx(reference["losses"], rel=1e-5)
 

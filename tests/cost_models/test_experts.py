@@ -1,0 +1,30 @@
+"""What expert parallelism costs in memory, as the runtime holds it: each rank holds
+1/ep of the experts, and ZeRO shards their optimizer state over their dp replicas and
+the other weights' over dp × ep (`runtime/zero.py`)."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopart
+from autopart.mesh import Mesh
+from tests.models import tiny_mixtral, token_batch
+
+FOUR_CPUS = Mesh.cluster("cpu", nodes=1, per_node=4)
+ADAM_STATE = 8  # bytes a parameter: two fp32 moments
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_zero_shards_the_experts_over_dp_and_the_rest_over_dp_and_ep(zero):
+    model = tiny_mixtral()
+    ids, _ = token_batch(8)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    others = sum(p.numel() for p in model.parameters()) - experts
+    assert experts and others
+    plan = autopart.plan(model, FOUR_CPUS, (ids,), ep=2, dp=2, tp=1, pp=1, cp=1, zero=zero)
+    held = experts / 2 + others  # this rank's: 1/ep of the experts
+    shard = experts / 2 / 2 + others / 4 if zero else held
+    memory = plan.predicted.memory
+    assert memory["parameters"] == pytest.approx(4 * held, abs=1)
+    assert memory["optimizer"] == pytest.approx(ADAM_STATE * shard, abs=1)
+    assert memory["gradients"] == pytest.approx(4 * (shard if zero == 2 else held), abs=1)
