@@ -129,7 +129,7 @@ class ReplicatedState:
     others averaged over dp (whole on every cp rank already). Under expert parallelism
     (`group` is dp × ep) the experts' gradients are summed over their dp replicas."""
 
-    offloaded = None
+    offloaded: HostOptimizer | None = None
 
     def __init__(
         self,
@@ -185,7 +185,7 @@ class LocalSgdState:
     averaging (the anchor, the same on every replica) take an SGD step on their
     difference from the replicas' mean, and every replica goes on from the anchor."""
 
-    offloaded = None
+    offloaded: HostOptimizer | None = None
 
     def __init__(
         self,

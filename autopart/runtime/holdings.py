@@ -75,9 +75,8 @@ class Holdings:
                     self.copies.append((bucket.shard, copy))
         self._by_id = {id(t): held for t, held in (*self.own, *self.copies)}
         offloaded = state.offloaded if state else None  # the host copies the optimizer steps
-        for tensor in offloaded.tensors if offloaded is not None else ():
-            host = offloaded.host_copy(tensor)
-            if host is not None and id(tensor) in self._by_id:
+        for tensor, host in zip(offloaded.tensors, offloaded.host) if offloaded else ():
+            if id(tensor) in self._by_id:
                 self.copies.append((host, self._by_id[id(tensor)]))
                 self._by_id[id(host)] = self._by_id[id(tensor)]
 

@@ -38,11 +38,6 @@ class HostOptimizer:
         self._stream = torch.cuda.Stream(tensors[0].device) if cuda else None
         self.optimizer = optimizer(self.host)
 
-    def host_copy(self, tensor: torch.Tensor) -> nn.Parameter | None:
-        """The host tensor the optimizer steps for `tensor`, if it is one of them."""
-        i = self._index.get(id(tensor))
-        return None if i is None else self.host[i]
-
     def send_down(self, tensor: torch.Tensor) -> None:
         """Start copying `tensor`'s gradient, final for this step, to the host."""
         i = self._index[id(tensor)]

@@ -117,7 +117,9 @@ def zero_state(
     if zero == 3:
         parts = [z for gm in reversed(stages) if (z := sharded_parameters(gm)) is not None]
     split = parameters_named(stages, experts.fqns) if experts else set()
-    runs = [([p for p in whole if id(p) not in split], group, None)]
+    runs: list[tuple[list[nn.Parameter], dist.ProcessGroup, int | None]] = [
+        ([p for p in whole if id(p) not in split], group, None)
+    ]
     if experts is not None:
         runs.append(([p for p in whole if id(p) in split], experts.group, experts.shares))
     elementwise = optimizer_class(optimizer) in ELEMENTWISE_OPTIMIZERS
