@@ -66,11 +66,8 @@ class LocalState:
         )
         self.accumulation = accumulation
         self._arrivals: dict[int, int] = {}
-        self._hooks = (
-            [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
-            if self.offloaded is not None
-            else []
-        )
+        trained = [p for p in self.params if p.requires_grad] if offload else []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trained]
 
     def begin(self) -> None:
         self._arrivals.clear()
