@@ -60,3 +60,20 @@ def test_offloaded_optimizers_train_like_one_device():
             else:
                 assert result["losses"] == pytest.approx(fp16, rel=1e-3), (pins, rank)
     assert fp16[-1] < fp16[0] and torch.isfinite(torch.tensor(fp16)).all()
+
+
+def _frozen_embedding(batch) -> list[list[float]]:
+    """A model whose embedding is frozen, trained with and without offload at dp=1."""
+    out = []
+    for offload in (True, False):
+        model = tiny_llama()
+        model.model.embed_tokens.weight.requires_grad_(False)
+        pm = parallelize_lm(model, batch, "sgd", tp=2, offload=offload)
+        out.append(train_losses(pm, batch, STEPS))
+        pm.close()
+    return out
+
+
+def test_a_model_with_a_frozen_parameter_trains_alike_with_offload():
+    for offloaded, on_device in run_world(_frozen_embedding, 2, token_batch(8)):
+        assert offloaded == pytest.approx(on_device, rel=1e-6)
