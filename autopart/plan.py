@@ -188,10 +188,10 @@ class Plan(AxisAttributes):
             out.append(f"sync_warmup must be at least 0, not {self.sync_warmup}")
         out.append(replica_opt_in_refusal(self.zero, self.sync_every, self.grad_compression))
         out.append(outer_optimizer_refusal(self.outer_optimizer, self.sync_every))
-        if self.offload and (self.zero not in (1, 2) and self.dp > 1 or self.cp * self.ep > 1):
+        if self.offload and (self.zero == 0 and self.dp > 1 or self.cp * self.ep > 1):
             out.append(
-                "offload moves the optimizer state to the host, ZeRO-1/2's shards of it or a "
-                "single replica's whole: it needs zero=1 or zero=2, or dp=1, and neither cp "
+                "offload moves the optimizer state to the host, ZeRO's shards of it or a "
+                "single replica's whole: it needs zero=1, 2 or 3, or dp=1, and neither cp "
                 f"nor ep (got zero={self.zero}, dp={self.dp}, cp={self.cp}, ep={self.ep})"
             )
         if self.sequence_parallel and self.tp == 1:

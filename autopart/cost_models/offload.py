@@ -10,7 +10,7 @@ from autopart.mesh import DeviceSpec
 def host_step_time(
     params: float, hiding: float, precision: str, device: DeviceSpec, last_bytes: float
 ) -> float:
-    """Seconds of the host step for one rank's `params` (its ZeRO-1/2 shard, or all of
+    """Seconds of the host step for one rank's `params` (its ZeRO shard, or all of
     them with one replica). Each gradient goes down the host link as soon as it is
     final, while the last microbatch's backward (`hiding` seconds) goes on, so only
     what backward cannot cover is exposed, and the last `last_bytes` of gradients; then

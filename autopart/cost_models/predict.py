@@ -109,7 +109,7 @@ class Choices(AxisAttributes):
     tp_placements: tuple[tuple[str, Placement], ...] | None = None
     sequence_parallel: bool = False
     grad_compression: str | None = None  # as the runtime compresses the dp all-reduce
-    offload: bool = False  # ZeRO-1/2's optimizer state on the host, stepped there
+    offload: bool = False  # the optimizer state on the host, stepped there
     # Local SGD's steady state: parameters averaged every `sync_every` steps instead
     # of gradients all-reduced every step (its warm-up is priced as data parallelism).
     sync_every: int | None = None

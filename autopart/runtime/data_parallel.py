@@ -273,7 +273,7 @@ def build_data_parallel_state(
     `group`. `accumulation` is how many backward passes (microbatches) contribute to
     each step's gradients; `sync_every`, where set, makes it local SGD (with `outer`,
     its outer optimizer); `grad_compression` compresses stage 0's gradient all-reduce;
-    `offload` keeps the optimizer state on the host (ZeRO-1/2's shards of it, or a
+    `offload` keeps the optimizer state on the host (ZeRO's shards of it, or a
     single replica's whole); `context`, the gradients the sync also sums over cp;
     `experts`, the expert shards synced over their dp replicas only (`group` is then
     dp × ep).

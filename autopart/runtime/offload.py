@@ -1,7 +1,8 @@
 """ZeRO offload: the optimizer steps host copies of this rank's trained tensors.
 
 The tensors are what the data-parallel state would otherwise step on the device:
-ZeRO-1/2's flat shards, or, with one data-parallel replica, the parameters themselves.
+ZeRO's flat shards (stages 1-3), or, with one data-parallel replica, the parameters
+themselves.
 The optimizer's state lives next to the host copies and never touches the device.
 
 On a GPU each tensor's gradient goes down to its pinned host buffer on a side stream

@@ -55,10 +55,10 @@ class ShardedPart(Protocol):
 
 class ZeroState:
     """ZeRO stage 1, 2 or 3: one optimizer over the shards of every part. With
-    `offload` (stages 1 and 2), the optimizer steps host copies of the shards
-    (`HostOptimizer`): each shard's gradient goes down as its last reduction lands, the
-    step runs there, and the updated values come back before the parts gather them; the
-    optimizer's state never touches the device."""
+    `offload`, the optimizer steps host copies of the shards (`HostOptimizer`): each
+    shard's gradient goes down as its last reduction lands (ZeRO-1/2's buckets; ZeRO-3's
+    once backward is over), the step runs there, and the updated values come back before
+    the parts gather them; the optimizer's state never touches the device."""
 
     def __init__(
         self, parts: list[ShardedPart], optimizer: OptimizerFactory, offload: bool = False
@@ -108,7 +108,7 @@ def zero_state(
     experts: ExpertShards | None = None,
 ) -> ZeroState:
     """ZeRO stage `zero` (1-3) for this rank's `stages` over the data-parallel `group`,
-    its optimizer state on the host where `offload` (stages 1 and 2). Under expert
+    its optimizer state on the host where `offload`. Under expert
     parallelism (`group` is dp × ep, stages 1 and 2) the experts' shards are another
     part, over the dp replicas of the same experts (`experts.group`), their summed
     gradients divided by the batch's shares as the rest are averaged over them."""

@@ -602,10 +602,10 @@ def _microbatch_counts(replica_batch: int, pp: int = 1) -> list[int]:
 
 
 def _offloadable(dp: int, cp: int, ep: int, zero: int) -> bool:
-    """Whether the runtime can step this plan's optimizer on the host: ZeRO-1/2's shards
+    """Whether the runtime can step this plan's optimizer on the host: ZeRO's shards
     over dp replicas, or one replica's whole state; not under cp or ep, whose gradient
     syncs sum over their own groups."""
-    return cp == ep == 1 and (dp == 1 or zero in (1, 2))
+    return cp == ep == 1 and (dp == 1 or zero > 0)
 
 
 def _zero_stages(dp: int, pins: Pins) -> list[int]:

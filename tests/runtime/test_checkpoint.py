@@ -77,9 +77,12 @@ def test_a_checkpoint_resumes_under_another_plan_on_two_ranks(tmp_path):
 @pytest.mark.slow  # another world of 2: kept out of the quick suite
 def test_an_offloaded_optimizer_state_resumes_on_the_one_device_trajectory(tmp_path):
     """ZeRO offload: the optimizer state in host memory, stepped there, saved from one
-    stage and loaded into another."""
+    stage and loaded into another, and from ZeRO-3's shards into a single replica's."""
     batch = token_batch(8)
-    cases = [({"dp": 2, "zero": 2, "offload": True}, {"dp": 2, "zero": 1, "offload": True})]
+    cases = [
+        ({"dp": 2, "zero": 2, "offload": True}, {"dp": 2, "zero": 1, "offload": True}),
+        ({"dp": 2, "zero": 3, "offload": True}, {"tp": 2, "offload": True}),
+    ]
     per_rank = run_world(_resume, 2, cases, str(tmp_path), batch)
     _check(per_rank, train_single_device("llama", "adamw", BEFORE + AFTER, batch))
 

@@ -1,6 +1,6 @@
-"""ZeRO offload against one device: the optimizer steps host copies of ZeRO-1/2's
-shards, or of a single replica's whole parameters (dp=1, here under tp), and its state
-never sits beside the device's parameters.
+"""ZeRO offload against one device: the optimizer steps host copies of ZeRO's shards
+(stages 1-3), or of a single replica's whole parameters (dp=1, here under tp), and its
+state never sits beside the device's parameters.
 
 SGD with momentum: a gradient sent down before its last microbatch, or before the
 loss scale is taken out of it, moves SGD's parameters by far more than rounding."""
@@ -23,6 +23,7 @@ from tests.models import (
 STEPS = 3
 CASES = [
     ({"dp": 2, "zero": 2, "microbatches": 2}, "fp32"),
+    ({"dp": 2, "zero": 3, "microbatches": 2}, "fp32"),  # ZeRO-3's parameter shards
     ({"tp": 2, "microbatches": 2}, "fp32"),  # dp=1: the whole state on the host
     ({"dp": 2, "zero": 1}, "fp16-mixed"),  # the loss-scale check reads the host's gradients
 ]
