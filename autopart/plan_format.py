@@ -182,7 +182,8 @@ def explain_plan(plan: Plan) -> str:
         lines.append(
             f"ZeRO offload, {why}. Each rank's {held} lives in host memory and the "
             "optimizer steps there: each gradient goes down the host link as soon as it "
-            "is final, while backward goes on, and the updated parameters come back up."
+            "is final, while backward goes on, and the host steps the state tile by tile, "
+            "each tile's updated parameters going back up while it steps the next."
         )
     lines += _local_sgd_lines(plan)
     parts = plan.degrees.batch_split * plan.microbatches

@@ -8,18 +8,28 @@ from autopart.mesh import DeviceSpec
 
 
 def host_step_time(
-    params: float, hiding: float, precision: str, device: DeviceSpec, last_bytes: float
+    params: float,
+    hiding: float,
+    precision: str,
+    device: DeviceSpec,
+    last_bytes: float,
+    tile_bytes: float,
 ) -> float:
     """Seconds of the host step for one rank's `params` (its ZeRO shard, or all of
-    them with one replica). Each gradient goes down the host link as soon as it is
-    final, while the last microbatch's backward (`hiding` seconds) goes on, so only
-    what backward cannot cover is exposed, and the last `last_bytes` of gradients; then
-    the optimizer's pass over weights, gradients and state in host memory; then the
-    updated parameters back up, before the next forward reads them."""
+    them with one replica), as a two-stage pipeline on either side of the optimizer:
+
+    down  each gradient goes down the host link as soon as it is final, while the last
+          microbatch's backward (`hiding` seconds) goes on: only what backward cannot
+          cover is exposed, and the last `last_bytes` of gradients;
+    step  the optimizer's pass over weights, gradients and state in host memory, tile
+          by tile (`tile_bytes` of weights), each tile's values going back up while
+          the next is stepped: the longer of the two is exposed, and one tile of the
+          other (the last tile's trip up, where the pass is the longer)."""
     param_bytes, grad_bytes, _ = STATE_BYTES[precision]
     link = device.host_bandwidth
     down = params * grad_bytes / link
-    last = min(down, last_bytes / link)
     host_pass = params * sum(STATE_BYTES[precision]) / device.host_memory_bandwidth
     up = params * param_bytes / link
-    return exposed_sync(down, hiding, last) + host_pass + up
+    last_up = min(up, tile_bytes / link)
+    step = max(host_pass, up) + last_up
+    return exposed_sync(down, hiding, min(down, last_bytes / link)) + step

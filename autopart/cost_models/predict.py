@@ -655,6 +655,7 @@ def _optimizer_time(
             choices.precision,
             models.comm.mesh.device,
             last_bytes=models.memory.bucket_bytes / choices.dp,  # a bucket's shard
+            tile_bytes=models.memory.bucket_bytes,
         )
     if choices.zero == 0 or choices.degrees.batch_split == 1:
         tensors = sum(s.param_tensors for s in own)

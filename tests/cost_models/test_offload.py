@@ -1,7 +1,10 @@
 """What ZeRO offload's host step costs: the gradients' trip down hides behind backward,
-the host's pass over the optimizer state and the parameters' trip up do not."""
+and the parameters' trip up behind the host's pass over the optimizer state, tile by
+tile, but for the last tile."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -10,17 +13,28 @@ from autopart.mesh import PRESETS
 
 PARAMS = 1e9
 LAST = 25e6  # bytes of the last gradients to go down
+TILE = 25e6  # bytes of weights the host steps at a time
 
 
-def test_the_gradients_go_down_behind_backward_and_the_rest_is_exposed():
+def test_the_gradients_go_down_behind_backward_and_the_values_up_behind_the_step():
     device = PRESETS["a100-80g"]
     link, host = device.host_bandwidth, device.host_memory_bandwidth
     down, last = PARAMS * 4 / link, LAST / link
     host_pass = PARAMS * (4 + 4 + 8) / host  # weights, gradients, Adam's two moments
-    up = PARAMS * 4 / link
-    exposed = host_step_time(PARAMS, 0.0, "fp32", device, LAST)
-    assert exposed == pytest.approx(down + host_pass + up)
-    hidden = host_step_time(PARAMS, 10 * down, "fp32", device, LAST)
-    assert hidden == pytest.approx(last + host_pass + up)
-    half = host_step_time(PARAMS, down / 2, "fp32", device, LAST)
-    assert half == pytest.approx(down / 2 + host_pass + up)
+    up, last_up = PARAMS * 4 / link, TILE / link
+    assert host_pass > up  # on this host the pass is the longer: the trip up hides
+    exposed = host_step_time(PARAMS, 0.0, "fp32", device, LAST, TILE)
+    assert exposed == pytest.approx(down + host_pass + last_up)
+    hidden = host_step_time(PARAMS, 10 * down, "fp32", device, LAST, TILE)
+    assert hidden == pytest.approx(last + host_pass + last_up)
+    half = host_step_time(PARAMS, down / 2, "fp32", device, LAST, TILE)
+    assert half == pytest.approx(down / 2 + host_pass + last_up)
+
+
+def test_a_slow_host_link_exposes_the_trip_up_beyond_the_step():
+    device = replace(PRESETS["a100-80g"], host_bandwidth=2e9)
+    link, host = device.host_bandwidth, device.host_memory_bandwidth
+    up, host_pass = PARAMS * 4 / link, PARAMS * 16 / host
+    assert up > host_pass
+    hidden = host_step_time(PARAMS, 1e9, "fp32", device, LAST, TILE)
+    assert hidden == pytest.approx(LAST / link + up + TILE / link)

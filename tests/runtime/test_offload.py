@@ -7,9 +7,13 @@ loss scale is taken out of it, moves SGD's parameters by far more than rounding.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from torch import nn
 
+from autopart.runtime.offload import HostOptimizer
 from autopart.testing import run_world
 from tests.harness import parallelize_lm, train_losses
 from tests.models import (
@@ -78,3 +82,42 @@ def _frozen_embedding(batch) -> list[list[float]]:
 def test_a_model_with_a_frozen_parameter_trains_alike_with_offload():
     for offloaded, on_device in run_world(_frozen_embedding, 2, token_batch(8)):
         assert offloaded == pytest.approx(on_device, rel=1e-6)
+
+
+def test_the_host_steps_tile_by_tile_and_sends_each_up_as_it_leaves_it():
+    """Six 64-element tensors in tiles of two: the optimizer's parameter groups are the
+    tiles, a tile goes up before the next is stepped, and the result is the plain
+    optimizer's over the same gradients."""
+    params = [
+        nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(i))) for i in range(6)
+    ]
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    factory = functools.partial(torch.optim.AdamW, lr=0.1)
+    offloaded = HostOptimizer(params, factory, tile_bytes=2 * 64 * 4)
+    plain = factory(reference)
+    assert offloaded.tiles == [[0, 1], [2, 3], [4, 5]]
+    assert len(offloaded.optimizer.param_groups) == 3
+    stepped_when_sent: list[list[bool]] = []
+    send_up = offloaded._send_up
+
+    def watch(tile: list[int]) -> None:
+        state = offloaded.optimizer.state
+        stepped_when_sent.append([h in state for h in offloaded.host])
+        send_up(tile)
+
+    offloaded._send_up = watch  # type: ignore[method-assign]
+    for step in range(2):
+        for i, (p, r) in enumerate(zip(params, reference)):
+            grad = torch.randn(64, generator=torch.Generator().manual_seed(100 * step + i))
+            p.grad, r.grad = grad.clone(), grad.clone()
+        offloaded.all_down()
+        offloaded.step()
+        plain.step()
+    # First step: tile k went up when tiles 0..k had been stepped and the rest not yet.
+    assert stepped_when_sent[:3] == [
+        [True, True, False, False, False, False],
+        [True, True, True, True, False, False],
+        [True] * 6,
+    ]
+    for p, r in zip(params, reference):
+        assert torch.equal(p.detach(), r.detach())
