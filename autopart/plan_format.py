@@ -181,9 +181,10 @@ def explain_plan(plan: Plan) -> str:
         )
         lines.append(
             f"ZeRO offload, {why}. Each rank's {held} lives in host memory and the "
-            "optimizer steps there: each gradient goes down the host link as soon as it "
-            "is final, while backward goes on, and the host steps the state tile by tile, "
-            "each tile's updated parameters going back up while it steps the next."
+            "optimizer steps there: the gradients go down the host link while backward "
+            "goes on (ZeRO-3's once it is over), and an elementwise optimizer steps the "
+            "state tile by tile, each tile's updated parameters going back up while it "
+            "steps the next."
         )
     lines += _local_sgd_lines(plan)
     parts = plan.degrees.batch_split * plan.microbatches

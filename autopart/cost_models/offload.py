@@ -16,20 +16,21 @@ def host_step_time(
     tile_bytes: float,
 ) -> float:
     """Seconds of the host step for one rank's `params` (its ZeRO shard, or all of
-    them with one replica), as a two-stage pipeline on either side of the optimizer:
+    them with one replica), an Adam-like elementwise optimizer's:
 
-    down  each gradient goes down the host link as soon as it is final, while the last
-          microbatch's backward (`hiding` seconds) goes on: only what backward cannot
-          cover is exposed, and the last `last_bytes` of gradients;
+    down  the gradients go down the host link as they become final, while the last
+          microbatch's backward (`hiding` seconds; 0 where they go only once backward
+          is over) goes on: what backward cannot cover is exposed, and the last
+          `last_bytes` of gradients;
     step  the optimizer's pass over weights, gradients and state in host memory, tile
           by tile (`tile_bytes` of weights), each tile's values going back up while
-          the next is stepped: the longer of the two is exposed, and one tile of the
-          other (the last tile's trip up, where the pass is the longer)."""
+          the next is stepped: a two-stage pipeline, the longer stage's whole time
+          and one tile of the shorter."""
     param_bytes, grad_bytes, _ = STATE_BYTES[precision]
     link = device.host_bandwidth
     down = params * grad_bytes / link
     host_pass = params * sum(STATE_BYTES[precision]) / device.host_memory_bandwidth
     up = params * param_bytes / link
-    last_up = min(up, tile_bytes / link)
-    step = max(host_pass, up) + last_up
+    tile = min(1.0, tile_bytes / (params * param_bytes)) if params else 0.0
+    step = max(host_pass, up) + tile * min(host_pass, up)
     return exposed_sync(down, hiding, min(down, last_bytes / link)) + step

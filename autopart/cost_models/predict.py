@@ -649,9 +649,12 @@ def _optimizer_time(
     per_param = sum(STATE_BYTES[choices.precision])
     shard = (params - experts) / choices.degrees.batch_split + experts / choices.dp
     if choices.offload:
+        # ZeRO-1/2's buckets and a single replica's parameters go down as they become
+        # final, during backward; ZeRO-3's shards once it is over.
+        overlapped = choices.zero < 3 or choices.dp == 1
         return host_step_time(
             shard,
-            _hiding(compute.backward + compute.recompute, models),
+            _hiding(compute.backward + compute.recompute, models) if overlapped else 0.0,
             choices.precision,
             models.comm.mesh.device,
             last_bytes=models.memory.bucket_bytes / choices.dp,  # a bucket's shard

@@ -84,27 +84,13 @@ def _to_save(pm: ParallelModule) -> PieceState:
                 entries.setdefault(piece.name, []).append(piece)
     state.update((name, distinct(pieces)) for name, pieces in entries.items())
     if pm.optimizer is not None:
-        settings = [
+        state[PARAM_GROUPS] = [
             {k: v for k, v in group.items() if k != "params"} for group in pm.optimizer.param_groups
         ]
-        # Groups that differ only in their tensors (an offloaded optimizer's tiles) are
-        # saved as one, which any plan's groups take.
-        same = all(_same_settings(settings[0], other) for other in settings[1:])
-        state[PARAM_GROUPS] = settings[:1] if same else settings
     state[STEPS] = pm.steps
     if pm.precision.scaler is not None:
         state[LOSS_SCALE] = pm.precision.scaler.value
     return state
-
-
-def _same_settings(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    def equal(x: Any, y: Any) -> bool:
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            both = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
-            return both and torch.equal(x, y)
-        return bool(x == y)
-
-    return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
 
 
 def _state_pieces(

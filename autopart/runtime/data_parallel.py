@@ -66,18 +66,22 @@ class LocalState:
         )
         self.accumulation = accumulation
         self._arrivals: dict[int, int] = {}
+        self._active = False  # between begin and finish: the hooks count arrivals
         trained = [p for p in self.params if p.requires_grad] if offload else []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trained]
 
     def begin(self) -> None:
         self._arrivals.clear()
         if self.offloaded is not None:
+            self.offloaded.begin()
             for p in self.params:
                 p.grad = None
+            self._active = True
         self.optimizer.zero_grad(set_to_none=True)
 
     def finish(self) -> None:
         if self.offloaded is not None:
+            self._active = False
             self.offloaded.all_down()
 
     def step(self) -> None:
@@ -93,6 +97,8 @@ class LocalState:
         self._hooks.clear()
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._active:  # a backward outside a step: not this step's gradient
+            return
         arrived = self._arrivals[id(p)] = self._arrivals.get(id(p), 0) + 1
         if arrived == self.accumulation and self.offloaded is not None:
             self.offloaded.send_down(p)

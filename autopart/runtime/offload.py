@@ -1,22 +1,25 @@
 """ZeRO offload: the optimizer steps host copies of this rank's trained tensors.
 
 The tensors are what the data-parallel state would otherwise step on the device:
-ZeRO's flat shards (stages 1-3), or, with one data-parallel replica, the parameters
-themselves. The optimizer's state lives next to the host copies and never touches the
-device.
+ZeRO's shards (stages 1-3: flat shards, or whole parameters for an optimizer that is
+not elementwise), or, with one data-parallel replica, the parameters themselves. The
+optimizer's state lives next to the host copies and never touches the device.
 
 On a GPU the transfers overlap the work on either side of them:
 
     down    each tensor's gradient goes to its pinned host buffer on a side stream as
-            soon as the state knows it is final (`send_down`: a bucket's last
-            reduction, a parameter's last backward pass), while backward goes on; the
-            state's `finish` waits for the last of them (`all_down`), so that what
-            reads the gradients before the step (fp16's loss-scale check) reads these
-    step    for an elementwise optimizer the host copies are cut into tiles of about a
-            gradient bucket, one parameter group each, and a tile's updated values go
-            back up as soon as the optimizer has moved on to the next tile, so the host
-            steps tile k + 1 while tile k travels; any other optimizer steps one group,
-            sent up after it
+            soon as the state says it is final (`send_down`: a ZeRO-1/2 bucket's last
+            reduction, a single replica's parameter after its last backward pass),
+            while backward goes on; the rest (ZeRO-3's shards, whole owned parameters)
+            go when backward is over. The state's `finish` waits for all of them
+            (`all_down`), so that what reads the gradients before the step (fp16's
+            loss-scale check) reads these
+    step    for an elementwise optimizer, during its step each of the user's parameter
+            groups is cut into tiles of about a gradient bucket, and a tile's values go
+            back up as soon as the optimizer has moved on to the next, so the host
+            steps tile k + 1 while tile k travels; the user's optimizer keeps its own
+            groups, and its hooks and schedulers see one step. Another optimizer's
+            values go up after its step
     up      the device waits for the values before it next reads the tensors
             (`wait_up`)
 
@@ -26,7 +29,7 @@ On a CPU host and device are one memory: the copies are plain copies.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -51,13 +54,18 @@ class HostOptimizer:
         self.host = [_host_copy(t, pin=cuda) for t in tensors]
         self._grads = [torch.empty(h.shape, dtype=h.dtype, pin_memory=cuda) for h in self.host]
         self._index = {id(t): i for i, t in enumerate(tensors)}
+        self._of_host = {id(h): i for i, h in enumerate(self.host)}
         self._sent: set[int] = set()
         self._stream = torch.cuda.Stream(tensors[0].device) if cuda else None
-        elementwise = optimizer_class(optimizer) in ELEMENTWISE_OPTIMIZERS
-        self.tiles = _tiles(self.host, tile_bytes) if elementwise else [list(range(len(tensors)))]
-        groups = [{"params": [self.host[i] for i in tile]} for tile in self.tiles]
-        # Given parameter groups, as torch's optimizers take them (the elementwise ones).
-        self.optimizer = optimizer(cast(Any, groups) if len(groups) > 1 else self.host)
+        self.tile_bytes = tile_bytes
+        self.elementwise = optimizer_class(optimizer) in ELEMENTWISE_OPTIMIZERS
+        self.optimizer = optimizer(self.host)
+
+    def begin(self) -> None:
+        """A step begins: no gradient is on its way or on the host."""
+        self._sent.clear()
+        for copy in self.host:
+            copy.grad = None
 
     def send_down(self, tensor: torch.Tensor) -> None:
         """Start copying `tensor`'s gradient, final for this step, to the host."""
@@ -86,25 +94,36 @@ class HostOptimizer:
             self._stream.synchronize()
 
     def step(self) -> None:
-        """The step on the host (after `all_down`), each tile's values sent back up as
-        the optimizer leaves it (asynchronously on a GPU: see `wait_up`)."""
+        """The step on the host (after `all_down`), the values sent back up tile by tile
+        as the optimizer leaves each (asynchronously on a GPU: see `wait_up`)."""
         if self._stream is not None:
             # Not before the device's work so far, which may still read the old values.
             self._stream.wait_stream(torch.cuda.current_stream(self.tensors[0].device))
+        if not self.elementwise:
+            self.optimizer.step()
+            self._send_up(list(range(len(self.tensors))))
+            return
         groups = self.optimizer.param_groups
-        left = set(range(len(groups)))
+        tiled = [
+            (g, {**group, "params": tile})
+            for g, group in enumerate(groups)
+            for tile in _tiles(group["params"], self.tile_bytes)
+        ]
+        left = set(range(len(tiled)))
 
-        def stepped(g: int) -> None:
-            left.discard(g)
-            self._send_up(self.tiles[g])
+        def stepped(t: int) -> None:
+            left.discard(t)
+            self._send_up([self._of_host[id(h)] for h in tiled[t][1]["params"]])
 
-        self.optimizer.param_groups = _SendingUp(groups, stepped)
+        self.optimizer.param_groups = _SendingUp([tile for _, tile in tiled], stepped)
         try:
             self.optimizer.step()
         finally:
             self.optimizer.param_groups = groups
-        for g in sorted(left):  # an optimizer that did not go through every group
-            self._send_up(self.tiles[g])
+            for g, tile in tiled:  # whatever the step wrote into its groups' settings
+                groups[g].update((k, v) for k, v in tile.items() if k != "params")
+        for t in sorted(left):  # a tile the optimizer's pass did not leave
+            stepped(t)
 
     def wait_up(self) -> None:
         """Make the device's work from here on wait for the updated values."""
@@ -112,41 +131,42 @@ class HostOptimizer:
             torch.cuda.current_stream(self.tensors[0].device).wait_stream(self._stream)
 
     @torch.no_grad()
-    def _send_up(self, tile: list[int]) -> None:
+    def _send_up(self, indices: list[int]) -> None:
         if self._stream is None:
-            for i in tile:
+            for i in indices:
                 self.tensors[i].copy_(self.host[i])
             return
         with torch.cuda.stream(self._stream):
-            for i in tile:
+            for i in indices:
                 self.tensors[i].copy_(self.host[i], non_blocking=True)
 
 
 class _SendingUp(list):
-    """An optimizer's parameter groups, calling `stepped(g)` when the optimizer, going
-    through them in a step, has left group g for the next (or for the end): an
-    elementwise optimizer's single pass has then updated group g's tensors."""
+    """A step's parameter groups, calling `stepped(t)` whenever what goes through them
+    has left group t for the next (or for the end): an elementwise optimizer's single
+    pass has then updated group t's tensors. A step hook that also goes through them
+    sends them once more (the last send, after the pass, is what the device keeps)."""
 
     def __init__(self, groups: list[dict[str, Any]], stepped: Callable[[int], None]) -> None:
         super().__init__(groups)
         self._stepped = stepped
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for g, group in enumerate(list.__iter__(self)):
+        for t, group in enumerate(list.__iter__(self)):
             yield group
-            self._stepped(g)
+            self._stepped(t)
 
 
-def _tiles(host: list[nn.Parameter], tile_bytes: int) -> list[list[int]]:
-    """Consecutive runs of `host`'s indices of about `tile_bytes` each."""
-    tiles: list[list[int]] = [[]]
+def _tiles(params: list[torch.Tensor], tile_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of `params` of about `tile_bytes` each."""
+    tiles: list[list[torch.Tensor]] = [[]]
     size = 0
-    for i, t in enumerate(host):
-        if tiles[-1] and size + t.numel() * t.element_size() > tile_bytes:
+    for p in params:
+        if tiles[-1] and size + p.numel() * p.element_size() > tile_bytes:
             tiles.append([])
             size = 0
-        tiles[-1].append(i)
-        size += t.numel() * t.element_size()
+        tiles[-1].append(p)
+        size += p.numel() * p.element_size()
     return tiles
 
 

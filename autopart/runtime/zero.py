@@ -75,6 +75,8 @@ class ZeroState:
         )
 
     def begin(self) -> None:
+        if self.offloaded is not None:
+            self.offloaded.begin()
         for part in self.parts:
             part.begin()
 

@@ -371,7 +371,7 @@ def _with_inner_cuts(
     choices, predicted = _inner(summary, mesh, c, chosen.predicted, dims, models, False)
     if predicted.step_time_s > chosen.predicted.step_time_s:
         return chosen
-    return Candidate(choices, predicted)
+    return replace(chosen, choices=choices, predicted=predicted)
 
 
 def _inner(

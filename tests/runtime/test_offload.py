@@ -85,34 +85,38 @@ def test_a_model_with_a_frozen_parameter_trains_alike_with_offload():
 
 
 def test_the_host_steps_tile_by_tile_and_sends_each_up_as_it_leaves_it():
-    """Six 64-element tensors in tiles of two: the optimizer's parameter groups are the
-    tiles, a tile goes up before the next is stepped, and the result is the plain
+    """Six 64-element tensors, tiles of two: a tile goes up before the next is stepped,
+    while the user's optimizer keeps its one parameter group (a learning rate set on it
+    reaches every tile, a step hook sees it once), and the result is the plain
     optimizer's over the same gradients."""
-    params = [
-        nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(i))) for i in range(6)
-    ]
+    seeded = [torch.Generator().manual_seed(i) for i in range(6)]
+    params = [nn.Parameter(torch.randn(64, generator=g)) for g in seeded]
     reference = [nn.Parameter(p.detach().clone()) for p in params]
     factory = functools.partial(torch.optim.AdamW, lr=0.1)
     offloaded = HostOptimizer(params, factory, tile_bytes=2 * 64 * 4)
     plain = factory(reference)
-    assert offloaded.tiles == [[0, 1], [2, 3], [4, 5]]
-    assert len(offloaded.optimizer.param_groups) == 3
+    hooked: list[int] = []
+    offloaded.optimizer.register_step_pre_hook(lambda opt, *_: hooked.append(1))
     stepped_when_sent: list[list[bool]] = []
     send_up = offloaded._send_up
 
-    def watch(tile: list[int]) -> None:
+    def watch(indices: list[int]) -> None:
         state = offloaded.optimizer.state
         stepped_when_sent.append([h in state for h in offloaded.host])
-        send_up(tile)
+        send_up(indices)
 
     offloaded._send_up = watch  # type: ignore[method-assign]
     for step in range(2):
         for i, (p, r) in enumerate(zip(params, reference)):
             grad = torch.randn(64, generator=torch.Generator().manual_seed(100 * step + i))
             p.grad, r.grad = grad.clone(), grad.clone()
+        for opt in (offloaded.optimizer, plain):
+            opt.param_groups[0]["lr"] = 0.1 / (step + 1)
+        offloaded.begin()
         offloaded.all_down()
         offloaded.step()
         plain.step()
+    assert len(offloaded.optimizer.param_groups) == 1 and hooked == [1, 1]
     # First step: tile k went up when tiles 0..k had been stepped and the rest not yet.
     assert stepped_when_sent[:3] == [
         [True, True, False, False, False, False],
