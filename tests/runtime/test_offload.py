@@ -79,6 +79,7 @@ def _frozen_embedding(batch) -> list[list[float]]:
     return out
 
 
+@pytest.mark.slow  # another world of 2: kept out of the quick suite
 def test_a_model_with_a_frozen_parameter_trains_alike_with_offload():
     for offloaded, on_device in run_world(_frozen_embedding, 2, token_batch(8)):
         assert offloaded == pytest.approx(on_device, rel=1e-6)
