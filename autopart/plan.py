@@ -28,6 +28,7 @@ from autopart.policy import (
     Precision,
     Schedule,
     check_choice,
+    offload_refusal,
     outer_optimizer_refusal,
     replica_opt_in_refusal,
 )
@@ -145,8 +146,8 @@ class Plan(AxisAttributes):
     # part's examples (dp × ep ranks, microbatches), as asked (it changes the math).
     per_part_statistics: bool = False
     # ZeRO offload: the optimizer state lives in host memory and the optimizer steps
-    # there (ZeRO-1/2's shards, or a single replica's whole state). The solver
-    # offloads only where no plan fits without it.
+    # there (ZeRO's shards, or a single replica's whole state). The solver offloads
+    # only where no plan fits without it.
     offload: bool = False
     # Why the solver offloaded: what the smallest plan keeping the optimizer state on
     # the device would need ("" where pinned, or not offloaded).
@@ -188,12 +189,8 @@ class Plan(AxisAttributes):
             out.append(f"sync_warmup must be at least 0, not {self.sync_warmup}")
         out.append(replica_opt_in_refusal(self.zero, self.sync_every, self.grad_compression))
         out.append(outer_optimizer_refusal(self.outer_optimizer, self.sync_every))
-        if self.offload and (self.zero == 0 and self.dp > 1 or self.cp * self.ep > 1):
-            out.append(
-                "offload moves the optimizer state to the host, ZeRO's shards of it or a "
-                "single replica's whole: it needs zero=1, 2 or 3, or dp=1, and neither cp "
-                f"nor ep (got zero={self.zero}, dp={self.dp}, cp={self.cp}, ep={self.ep})"
-            )
+        if self.offload:
+            out.append(offload_refusal(self.zero, self.dp, self.cp, self.ep))
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence parallelism needs tp > 1")
         if self.pp > 1 and self.schedule is None:

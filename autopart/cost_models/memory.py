@@ -172,8 +172,7 @@ class MemoryModel:
         parts = sharded_state_bytes(params, experts, dp, ep, zero, per_param, offload)
         parts["activations"] = activations
         parts["output_gradients"] = OUTPUT_GRADIENTS * output_bytes
-        buffers = self.buffer_bytes(params, dp * ep, zero, gathered_params, pipeline_bytes)
-        parts["buffers"] = buffers
+        parts["buffers"] = self.buffer_bytes(params, dp * ep, zero, gathered_params, pipeline_bytes)
         parts["allocator"] = self.allocator_fraction * sum(parts.values())
         return {name: round(parts[name]) for name in PARTS}
 

@@ -71,13 +71,14 @@ class LocalState:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trained]
 
     def begin(self) -> None:
+        if self.offloaded is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        self.offloaded.begin()  # the host's gradients
+        for p in self.params:
+            p.grad = None
         self._arrivals.clear()
-        if self.offloaded is not None:
-            self.offloaded.begin()
-            for p in self.params:
-                p.grad = None
-            self._active = True
-        self.optimizer.zero_grad(set_to_none=True)
+        self._active = True
 
     def finish(self) -> None:
         if self.offloaded is not None:

@@ -75,7 +75,7 @@ from autopart.passes.context_parallel import sequence_length
 from autopart.passes.experts import expert_layers
 from autopart.plan import Predicted
 from autopart.plan_format import format_bytes
-from autopart.policy import Precision, Schedule, zero_refusal
+from autopart.policy import Precision, Schedule, offload_refusal, zero_refusal
 from autopart.solver.pipeline import microbatches_problem
 from autopart.solver.stage_model import solve_stages
 from autopart.solver.tensor_parallel import choose_tp_placements
@@ -491,7 +491,7 @@ def _choices(
     offload: bool = False,
 ) -> Iterator[Choices]:
     """Every combination the pins allow; with `offload`, only those that can keep the
-    optimizer state on the host (`_offloadable`)."""
+    optimizer state on the host (`policy.offload_refusal`)."""
     sequence, experts = layouts.ring_sequence(), layouts.experts
     for degrees in Degrees.factorizations(mesh.world_size, pins.degrees):
         if not _admissible(degrees, mesh, pins, batch, len(blocks), sequence, experts):
@@ -511,7 +511,7 @@ def _choices(
                 continue
             # Under ep, ZeRO-1/2 shard over dp x ep (the experts' part over dp).
             for zero in [z for z in _zero_stages(dp * ep, pins) if ep == 1 or z < 3]:
-                if offload and not _offloadable(dp, cp, ep, zero):
+                if offload and offload_refusal(zero, dp, cp, ep):
                     continue
                 for recompute in _recompute_sets(blocks, pins):
                     yield Choices(
@@ -599,13 +599,6 @@ def _microbatch_counts(replica_batch: int, pp: int = 1) -> list[int]:
     sizes = [2**k for k in range(replica_batch.bit_length()) if replica_batch % 2**k == 0]
     rest = sorted({replica_batch // s for s in sizes} - set(first))
     return first + rest
-
-
-def _offloadable(dp: int, cp: int, ep: int, zero: int) -> bool:
-    """Whether the runtime can step this plan's optimizer on the host: ZeRO's shards
-    over dp replicas, or one replica's whole state; not under cp or ep, whose gradient
-    syncs sum over their own groups."""
-    return cp == ep == 1 and (dp == 1 or zero > 0)
 
 
 def _zero_stages(dp: int, pins: Pins) -> list[int]:
