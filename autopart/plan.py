@@ -28,6 +28,7 @@ from autopart.policy import (
     Precision,
     Schedule,
     check_choice,
+    master_weights_refusal,
     offload_refusal,
     outer_optimizer_refusal,
     replica_opt_in_refusal,
@@ -152,6 +153,10 @@ class Plan(AxisAttributes):
     # Why the solver offloaded: what the smallest plan keeping the optimizer state on
     # the device would need ("" where pinned, or not offloaded).
     offload_reason: str = ""
+    # Where the fp32 weights live under mixed precision (opt-in; it changes the math):
+    # "device", the parameters themselves; "host", the offloaded optimizer's copies,
+    # the device holding 16-bit copies whose gradients are 16-bit too.
+    master_weights: str = "device"
     # Opt-in compression of the data-parallel gradient all-reduce (it changes the math):
     # "bf16" or "powersgd:rank=R" (`runtime.grad_compression`); None: exact.
     grad_compression: str | None = None
@@ -191,6 +196,7 @@ class Plan(AxisAttributes):
         out.append(outer_optimizer_refusal(self.outer_optimizer, self.sync_every))
         if self.offload:
             out.append(offload_refusal(self.zero, self.dp, self.cp, self.ep))
+        out.append(master_weights_refusal(self.master_weights, self.offload, self.precision))
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence parallelism needs tp > 1")
         if self.pp > 1 and self.schedule is None:

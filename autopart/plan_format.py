@@ -186,6 +186,16 @@ def explain_plan(plan: Plan) -> str:
             "state tile by tile, each tile's updated parameters going back up while it "
             "steps the next."
         )
+    if plan.master_weights == "host":
+        low = plan.precision.split("-")[0]
+        lines.append(
+            f"As asked (master_weights='host'), the fp32 master weights live on the host "
+            f"beside the optimizer state, and the device holds {low} copies of them: half "
+            f"the bytes for weights and gradients, and half over the host link. Contractions "
+            f"read the copies as autocast would have cast the fp32 weights; every other "
+            f"operator reads them widened. This changes the math: those operators read "
+            f"{low}-rounded weights, and the gradients are accumulated and reduced in {low}."
+        )
     lines += _local_sgd_lines(plan)
     parts = plan.degrees.batch_split * plan.microbatches
     if plan.per_part_statistics and parts > 1:

@@ -33,6 +33,15 @@ class Schedule(StrEnum):
     INTERLEAVED_1F1B = "interleaved-1f1b"
 
 
+class MasterWeights(StrEnum):
+    """Where a mixed-precision plan's fp32 weights live: on the device (the parameters
+    themselves, under autocast), or, with ZeRO offload, on the host beside the optimizer
+    state, the device holding 16-bit copies of them."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
 PRECISIONS: tuple[str, ...] = tuple(p.value for p in Precision)
 # Spellings people reach for first, as pins: both mean autocast over fp32 weights.
 PRECISION_ALIASES = {"bf16": Precision.BF16_MIXED.value, "fp16": Precision.FP16_MIXED.value}
@@ -146,6 +155,22 @@ def offload_refusal(zero: int, dp: int, cp: int, ep: int) -> str | None:
             "offload moves the optimizer state to the host, ZeRO's shards of it or a "
             "single replica's whole: it needs zero=1, 2 or 3, or dp=1, and neither cp "
             f"nor ep (got zero={zero}, dp={dp}, cp={cp}, ep={ep})"
+        )
+    return None
+
+
+def master_weights_refusal(master_weights: str, offload: bool, precision: str) -> str | None:
+    """Why the fp32 master weights cannot live where asked, or None. On the host they
+    are the offloaded optimizer's copies, and the device's copies are 16-bit: they need
+    offload and a mixed precision, whose 16-bit dtype those copies take."""
+    problem = check_choice(MasterWeights, master_weights, "master_weights")
+    if problem or master_weights == MasterWeights.DEVICE:
+        return problem
+    if not offload or precision not in LOW_DTYPES:
+        return (
+            "master_weights='host' keeps the fp32 weights beside the offloaded optimizer "
+            "state and 16-bit copies on the device: it needs offload=True and precision "
+            f"'bf16-mixed' or 'fp16-mixed' (got offload={offload}, precision={precision!r})"
         )
     return None
 

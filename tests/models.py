@@ -337,6 +337,34 @@ def train_autocast_reference(name: str, precision: str, steps: int, batch) -> li
     return losses
 
 
+def train_host_masters_reference(name: str, steps: int, batch) -> dict:
+    """`name`'s model trained on one CPU under bf16 autocast with SGD and momentum over
+    fp32 master weights, its weights read as their bf16 copies and its gradients
+    rounded to bf16 (autopart's `master_weights="host"`): the parameters hold the
+    copies' values in fp32, which autocast's contractions read exactly as the bf16
+    copies and every other operator reads widened, as autopart's graph does."""
+    ids, target = batch
+    model = LM_FACTORIES[name]()
+    params = list(model.parameters())
+    masters = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = make_optimizer("sgd")(masters)
+    losses = []
+    for _ in range(steps):
+        with torch.no_grad():
+            for p, master in zip(params, masters):
+                p.copy_(master.to(torch.bfloat16))
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm_loss(model(ids), target)
+        loss.backward()
+        for p, master in zip(params, masters):
+            master.grad = p.grad.to(torch.bfloat16).float()
+        opt.step()
+        losses.append(loss.item())
+    names = [name for name, _ in model.named_parameters()]
+    return {"losses": losses, "params": {n: m.detach().clone() for n, m in zip(names, masters)}}
+
+
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters (tied ones once, under their first name)."""
     return {k: v.detach().clone() for k, v in model.named_parameters()}

@@ -47,13 +47,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopart.policy import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES, Precision, Schedule
+from autopart.policy import (
+    FIRST_GRAD_BUCKET_BYTES,
+    GRAD_BUCKET_BYTES,
+    MasterWeights,
+    Precision,
+    Schedule,
+)
 
 # Bytes per parameter: (parameters, gradients, optimizer state) for Adam.
 FP32_WEIGHTS = (4, 4, 8)
 HALF_WEIGHTS = (2, 2, 12)
 # autopart keeps fp32 weights, gradients and optimizer state under every precision.
 STATE_BYTES: dict[str, tuple[int, int, int]] = {p: FP32_WEIGHTS for p in Precision}
+
+
+def state_bytes(precision: str, master_weights: str = MasterWeights.DEVICE) -> tuple[int, int, int]:
+    """Bytes per parameter of its (weights, gradients, optimizer state) as autopart's
+    runtime holds them: fp32 under every precision, but for master weights on the host,
+    where the device's weights and gradients are 16-bit and the fp32 masters join the
+    (offloaded) optimizer state."""
+    return HALF_WEIGHTS if master_weights == MasterWeights.HOST else STATE_BYTES[precision]
+
+
 PARTS = (
     "parameters",
     "gradients",
@@ -162,26 +178,35 @@ class MemoryModel:
         offload: bool = False,
         experts: float = 0.0,
         ep: int = 1,
+        master_weights: str = MasterWeights.DEVICE,
     ) -> dict[str, int]:
         """Bytes by part for a rank holding `params` parameters (its tensor-parallel
         share; `experts` of them its 1/ep of the expert weights), `activations` bytes of
         activations, ZeRO-3 blocks of up to `gathered_params` parameters, pipeline
         transfers of `pipeline_bytes` and, where it computes the loss, a model output of
-        `output_bytes` per microbatch."""
-        per_param = STATE_BYTES[self.precision]
+        `output_bytes` per microbatch; `master_weights` as `state_bytes` takes it."""
+        per_param = state_bytes(self.precision, master_weights)
         parts = sharded_state_bytes(params, experts, dp, ep, zero, per_param, offload)
         parts["activations"] = activations
         parts["output_gradients"] = OUTPUT_GRADIENTS * output_bytes
-        parts["buffers"] = self.buffer_bytes(params, dp * ep, zero, gathered_params, pipeline_bytes)
+        parts["buffers"] = self.buffer_bytes(
+            params, dp * ep, zero, gathered_params, pipeline_bytes, per_param
+        )
         parts["allocator"] = self.allocator_fraction * sum(parts.values())
         return {name: round(parts[name]) for name in PARTS}
 
     def buffer_bytes(
-        self, params: float, dp: int, zero: int, gathered_params: float, pipeline_bytes: float
+        self,
+        params: float,
+        dp: int,
+        zero: int,
+        gathered_params: float,
+        pipeline_bytes: float,
+        per_param_state: tuple[int, int, int] | None = None,
     ) -> float:
         """A reduce-scatter bucket (ZeRO ≥ 1), two blocks of gathered parameters
         (ZeRO-3), one activation sent and one received (pipelines)."""
-        per_param, per_grad, _ = STATE_BYTES[self.precision]
+        per_param, per_grad, _ = per_param_state or STATE_BYTES[self.precision]
         buffers = 2 * pipeline_bytes
         if dp > 1 and zero >= 1:
             buffers += min(self.bucket_bytes, params * per_grad)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from autopart.cost_models.memory import STATE_BYTES
 from autopart.cost_models.pipeline import exposed_sync
 from autopart.mesh import DeviceSpec
 
@@ -10,7 +9,7 @@ from autopart.mesh import DeviceSpec
 def host_step_time(
     params: float,
     hiding: float,
-    precision: str,
+    per_param: tuple[int, int, int],
     device: DeviceSpec,
     last_bytes: float,
     tile_bytes: float,
@@ -25,11 +24,15 @@ def host_step_time(
     step  the optimizer's pass over weights, gradients and state in host memory, tile
           by tile (`tile_bytes` of weights), each tile's values going back up while
           the next is stepped: a two-stage pipeline, the longer stage's whole time
-          and one tile of the shorter."""
-    param_bytes, grad_bytes, _ = STATE_BYTES[precision]
+          and one tile of the shorter.
+
+    `per_param`: bytes per parameter of (weights, gradients, state), as
+    `memory.state_bytes`: the link carries the device's weights and gradients, the
+    host's pass touches them all."""
+    param_bytes, grad_bytes, _ = per_param
     link = device.host_bandwidth
     down = params * grad_bytes / link
-    host_pass = params * sum(STATE_BYTES[precision]) / device.host_memory_bandwidth
+    host_pass = params * sum(per_param) / device.host_memory_bandwidth
     up = params * param_bytes / link
     tile = min(1.0, tile_bytes / (params * param_bytes)) if params else 0.0
     step = max(host_pass, up) + tile * min(host_pass, up)

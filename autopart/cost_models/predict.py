@@ -61,10 +61,10 @@ from autopart.cost_models.context import (
 from autopart.cost_models.experts import all_to_all_comm
 from autopart.cost_models.memory import (
     FP32_WEIGHTS,
-    STATE_BYTES,
     Activations,
     MemoryModel,
     in_flight_microbatches,
+    state_bytes,
     total,
 )
 from autopart.cost_models.offload import host_step_time
@@ -116,6 +116,9 @@ class Choices(AxisAttributes):
     # Copies of the parameters local SGD's outer optimizer keeps: its anchor, and its
     # momentum where it has one.
     outer_copies: int = 0
+    # Where the fp32 weights live (`policy.MasterWeights`): on the host, the device's
+    # weights and gradients are 16-bit.
+    master_weights: str = "device"
 
     def __post_init__(self) -> None:
         if self.pp > 1 and self.schedule is None:
@@ -141,7 +144,13 @@ class Choices(AxisAttributes):
             plan.offload,
             plan.sync_every,
             _outer_copies(plan.outer_optimizer),
+            plan.master_weights,
         )
+
+    @property
+    def state_bytes(self) -> tuple[int, int, int]:
+        """Bytes per parameter of its (weights, gradients, optimizer state)."""
+        return state_bytes(self.precision, self.master_weights)
 
     def tp_layout(self, gm: fx.GraphModule) -> TpLayout | None:
         if self.tp == 1 or self.tp_placements is None:
@@ -258,7 +267,7 @@ def predict(
         gradient_fraction(
             choices.grad_compression,
             [p.shape for p in summary.gm.parameters()],
-            STATE_BYTES[choices.precision][1],
+            choices.state_bytes[1],
         )
         if choices.grad_compression
         else 1.0  # the search prices thousands of plans: no pass over the parameters
@@ -324,7 +333,7 @@ def step_time_lower_bound(
         if choices.cp > 1 and not _cp_in_sync(choices):
             # All stages' parameters: spread over pp below, which only lowers the floor.
             params = sum(s.param_numel(choices.tp) for s in segments)
-            grad_bytes = STATE_BYTES[choices.precision][1]
+            grad_bytes = choices.state_bytes[1]
             comm = models.comm
             compute += gradient_all_reduces(params, choices.cp, choices.tp, grad_bytes, comm)
         if cache is not None:
@@ -421,8 +430,9 @@ def _rank_cost(
         offload=choices.offload,
         experts=sum(s.expert_numel(choices.ep) for s in own),
         ep=choices.ep,
+        master_weights=choices.master_weights,
     )
-    memory["optimizer"] += round(choices.outer_copies * params * STATE_BYTES[choices.precision][0])
+    memory["optimizer"] += round(choices.outer_copies * params * choices.state_bytes[0])
     recomputed = [s for s in own if choices.recomputes(s)]
     attention_recomputed = sum(choices.recomputes_attention(s) for s in own)
     unrecomputed = Activations(kept=sum(s.saved_bytes(choices.precision) for s in own))
@@ -467,7 +477,7 @@ def _cp_comm(
     comm = models.comm
     recomputed = [choices.recomputes(s) for s in own]
     rings = ring_comm(own, cp, tp, choices.precision, recomputed, comm, models.compute)
-    grad_bytes = STATE_BYTES[choices.precision][1]
+    grad_bytes = choices.state_bytes[1]
     in_sync = _cp_in_sync(choices)
     gradients = 0.0 if in_sync else gradient_all_reduces(params, cp, tp, grad_bytes, comm)
     logits = output_gather(last.output_bytes, cp, tp, comm) if last else 0.0
@@ -531,7 +541,7 @@ def _zero3_comm(
     reduce-scatter show and the others hide behind the pass's compute while it lasts."""
     if choices.zero != 3 or choices.dp == 1:
         return 0.0
-    param_bytes, grad_bytes = STATE_BYTES[choices.precision][:2]
+    param_bytes, grad_bytes = choices.state_bytes[:2]
     comm, dp, stride = models.comm, choices.dp, choices.degrees.stride(Axis.DP)
     buckets = _gathers(own, choices.tp)
     if not buckets:
@@ -574,7 +584,7 @@ def _dp_sync(
     ep = choices.ep
     experts = sum(s.expert_numel(ep) for s in own) if ep > 1 else 0.0
     params = sum(s.param_numel(choices.tp, ep) for s in own) - experts
-    param_bytes, grad_bytes = STATE_BYTES[choices.precision][:2]
+    param_bytes, grad_bytes = choices.state_bytes[:2]
     op = ALL_REDUCE if choices.zero == 0 else REDUCE_SCATTER
     hiding = _hiding(compute.backward + compute.recompute, models)
     exposed = 0.0
@@ -598,7 +608,7 @@ def _parameter_averaging(
     """Local SGD, per step: one all-reduce of every parameter's value (as the optimizer
     holds it) every `sync_every` steps, after the optimizer step (nothing to hide it)."""
     params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
-    nbytes = params * STATE_BYTES[choices.precision][0]
+    nbytes = params * choices.state_bytes[0]
     sync_every = choices.sync_every or 1
     return models.comm.time(ALL_REDUCE, nbytes, size, stride) / sync_every
 
@@ -646,7 +656,7 @@ def _optimizer_time(
     segments between blocks (`passes/zero.py`). Offloaded, it runs on the host."""
     params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
     experts = sum(s.expert_numel(choices.ep) for s in own)
-    per_param = sum(STATE_BYTES[choices.precision])
+    per_param = sum(choices.state_bytes)
     shard = (params - experts) / choices.degrees.batch_split + experts / choices.dp
     if choices.offload:
         # ZeRO-1/2's buckets and a single replica's parameters go down as they become
@@ -655,7 +665,7 @@ def _optimizer_time(
         return host_step_time(
             shard,
             _hiding(compute.backward + compute.recompute, models) if overlapped else 0.0,
-            choices.precision,
+            choices.state_bytes,
             models.comm.mesh.device,
             last_bytes=models.memory.bucket_bytes / choices.dp,  # a bucket's shard
             tile_bytes=models.memory.bucket_bytes,
@@ -666,7 +676,7 @@ def _optimizer_time(
     if choices.zero == 3:
         shards = len(_parameter_buckets(own, choices.tp))
     else:
-        grad_bytes = params * STATE_BYTES[choices.precision][1]
+        grad_bytes = params * choices.state_bytes[1]
         memory = models.memory
         runs = bucket_runs(grad_bytes, memory.bucket_bytes, memory.first_bucket_bytes)
         shards = sum(n for _, n in runs)

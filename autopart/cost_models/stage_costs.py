@@ -38,7 +38,6 @@ from fractions import Fraction
 from autopart.cost_models.experts import segment_all_to_all
 from autopart.cost_models.memory import (
     OUTPUT_GRADIENTS,
-    STATE_BYTES,
     in_flight_microbatches,
     sharded_state_bytes,
 )
@@ -200,13 +199,13 @@ def stage_problem(
 
     def states(seg: SegmentWork) -> float:
         params, experts = seg.param_numel(choices.tp, choices.ep), seg.expert_numel(choices.ep)
-        per_param = STATE_BYTES[choices.precision]
+        per_param = choices.state_bytes
         parts = sharded_state_bytes(
             params, experts, choices.dp, choices.ep, choices.zero, per_param, choices.offload
         )
         return sum(parts.values())
 
-    param_bytes, grad_bytes, _ = STATE_BYTES[choices.precision]
+    param_bytes, grad_bytes, _ = choices.state_bytes
     byte = max(1.0, memory / MEMORY_STEPS)
     second = max(t.total for t in again) * len(segments) / TIME_STEPS
 

@@ -131,6 +131,15 @@ class ShardedParameters(nn.Module):
     def after_step(self) -> None:
         """Nothing to do: the next forward gathers the updated shards."""
 
+    @torch.no_grad()
+    def lower(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Hold the trained shards in `dtype` (16-bit copies of master weights kept
+        elsewhere), so that they are gathered and reduced in it: the shards lowered."""
+        lowered = [shard for shard in self.shards if shard.requires_grad]
+        for shard in lowered:
+            shard.data = shard.data.to(dtype)
+        return lowered
+
     def close(self) -> None:
         """No hooks on the user's parameters: the shards are autopart's own."""
 

@@ -13,6 +13,8 @@ disabled by name (`PassContext.disabled`).
     ── pipeline split ──       cut the graph into stages, keep this rank's (pp > 1)
     materialize               real memory for this rank's pieces of a meta model
     retarget devices          device arguments and tensors on this rank's device
+    widen weight reads        master weights on the host: non-contractions read the
+                              device's 16-bit weights widened (master_weights.py)
     recompute                 the plan's blocks (or their attention cores) run under
                               activation checkpointing
     ZeRO-3                    shard each stage's parameters over dp; gather on use
@@ -30,6 +32,7 @@ from autopart.ops.program import RankProgram
 from autopart.passes.causal_attention import causal_attention_pass
 from autopart.passes.context_parallel import context_parallel_pass
 from autopart.passes.expert_parallel import expert_parallel_pass
+from autopart.passes.master_weights import widen_weight_reads_pass
 from autopart.passes.materialize import materialize_pass
 from autopart.passes.pipeline_split import split_stages
 from autopart.passes.recompute import recompute_pass
@@ -38,6 +41,7 @@ from autopart.passes.runner import Pass, PassContext, run_passes
 from autopart.passes.tensor_parallel import tensor_parallel_pass
 from autopart.passes.zero import zero3_pass
 from autopart.plan import Plan
+from autopart.policy import MasterWeights
 
 
 def _always(plan: Plan) -> bool:
@@ -62,6 +66,11 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite(expert_parallel_pass, lambda plan: plan.ep > 1),
     Rewrite(materialize_pass, per_stage=True),
     Rewrite(retarget_devices_pass, per_stage=True),
+    Rewrite(
+        widen_weight_reads_pass,
+        lambda plan: plan.master_weights == MasterWeights.HOST,
+        per_stage=True,
+    ),
     Rewrite(
         recompute_pass,
         lambda plan: bool(plan.recompute or plan.recompute_attention),

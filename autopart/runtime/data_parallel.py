@@ -27,7 +27,7 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 from autopart.ops.params import parameters_named
 from autopart.policy import OuterOptimizer
 from autopart.runtime.grad_sync import GradientSync, params_in_backward_order
-from autopart.runtime.offload import HostOptimizer
+from autopart.runtime.offload import HostOptimizer, lower
 from autopart.runtime.zero import zero_state
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -50,7 +50,8 @@ class LocalState:
     """A data-parallel axis of one rank: nothing to synchronize. With `offload`, the
     optimizer steps host copies of the parameters (`HostOptimizer`): each parameter's
     gradient goes down once its last backward pass of the step (of `accumulation`)
-    has produced it."""
+    has produced it; with `masters_dtype` too, the host copies are the fp32 master
+    weights and the trained parameters hold copies in that 16-bit dtype."""
 
     def __init__(
         self,
@@ -58,6 +59,7 @@ class LocalState:
         optimizer: OptimizerFactory,
         offload: bool = False,
         accumulation: int = 1,
+        masters_dtype: torch.dtype | None = None,
     ) -> None:
         self.params = list(dict.fromkeys(p for gm in stages for p in gm.parameters()))
         self.offloaded = HostOptimizer(self.params, optimizer) if offload else None
@@ -68,6 +70,8 @@ class LocalState:
         self._arrivals: dict[int, int] = {}
         self._active = False  # between begin and finish: the hooks count arrivals
         trained = [p for p in self.params if p.requires_grad] if offload else []
+        if self.offloaded is not None and masters_dtype is not None:
+            self.offloaded.lowered = {id(p) for p in lower(trained, masters_dtype)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trained]
 
     def begin(self) -> None:
@@ -275,6 +279,7 @@ def build_data_parallel_state(
     offload: bool = False,
     context: ContextSums | None = None,
     experts: ExpertShards | None = None,
+    masters_dtype: torch.dtype | None = None,
 ) -> DataParallelState:
     """The state for ZeRO stage `zero` of this rank's `stages` over the data-parallel
     `group`. `accumulation` is how many backward passes (microbatches) contribute to
@@ -283,16 +288,17 @@ def build_data_parallel_state(
     `offload` keeps the optimizer state on the host (ZeRO's shards of it, or a
     single replica's whole); `context`, the gradients the sync also sums over cp;
     `experts`, the expert shards synced over their dp replicas only (`group` is then
-    dp × ep).
+    dp × ep); `masters_dtype`, with `offload`, keeps the fp32 master weights on the host
+    too, the device's copies in that 16-bit dtype.
     """
     if experts is not None and zero in (1, 2):
         return zero_state(zero, stages, group, optimizer, accumulation, offload, experts)
     if (context is not None and context.fqns) or experts is not None:
         return ReplicatedState(stages, group, optimizer, accumulation, None, context, experts)
     if dist.get_world_size(group) == 1:
-        return LocalState(stages, optimizer, offload, accumulation)
+        return LocalState(stages, optimizer, offload, accumulation, masters_dtype)
     if sync_every is not None:
         return LocalSgdState(stages, group, optimizer, accumulation, sync_every, sync_warmup, outer)
     if zero == 0:
         return ReplicatedState(stages, group, optimizer, accumulation, grad_compression)
-    return zero_state(zero, stages, group, optimizer, accumulation, offload)
+    return zero_state(zero, stages, group, optimizer, accumulation, offload, None, masters_dtype)

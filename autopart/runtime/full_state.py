@@ -2,7 +2,9 @@
 
 Each layer of sharding is undone in the reverse order it was applied: ZeRO-3 over dp,
 then tensor parallelism over tp, then expert parallelism over ep, then the pipeline
-over pp (each stage holds its own parameters, exchanged as objects).
+over pp (each stage holds its own parameters, exchanged as objects). Where the master
+weights live on the host, the device's 16-bit copies are then overwritten by them,
+every rank's pieces exchanged as objects.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from autopart.degrees import Axis
 from autopart.ops import zero3
 from autopart.ops.shards import unshard
+from autopart.runtime.holdings import Holdings
 
 if TYPE_CHECKING:
     from autopart.runtime.parallel_module import ParallelModule
@@ -25,7 +28,33 @@ def full_state_dict(pm: ParallelModule) -> dict[str, torch.Tensor]:
     for stage in pm.stages:
         full.update(zero3.full_state_dict(stage))
     full = _undo_expert_parallel(pm, _undo_tensor_parallel(pm, full))
-    return _gather_pipeline_stages(pm, full)
+    return _with_masters(pm, _gather_pipeline_stages(pm, full))
+
+
+def _with_masters(pm: ParallelModule, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`params` with the master weights on the host in place of the device's 16-bit
+    copies: every rank's pieces of them, gathered (each element is some rank's)."""
+    offloaded = pm.state.offloaded if pm.state else None
+    if offloaded is None or not offloaded.lowered:
+        return params
+    mine = [
+        (piece.name, piece.offsets, piece.view.clone())
+        for host, held in Holdings(pm).masters
+        for piece in held.pieces(host.detach())
+    ]
+    every: list[list[tuple[str, tuple[int, ...], torch.Tensor]] | None] = [
+        None
+    ] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    widened: set[str] = set()
+    for pieces in every:
+        for name, offsets, view in pieces or ():
+            if name not in widened:
+                params[name] = params[name].to(view.dtype)
+                widened.add(name)
+            region = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))
+            params[name][region] = view.to(params[name].device)
+    return params
 
 
 def _undo_tensor_parallel(

@@ -75,21 +75,34 @@ class Holdings:
                     self.copies.append((bucket.shard, copy))
         self._by_id = {id(t): held for t, held in (*self.own, *self.copies)}
         offloaded = state.offloaded if state else None  # the host copies the optimizer steps
+        # Device tensors holding 16-bit copies of master weights on the host, and those
+        # masters: what a checkpoint saves of the weights instead.
+        self.lowered = offloaded.lowered if offloaded else set()
+        self.masters: list[tuple[torch.Tensor, Held]] = []
         for tensor, host in zip(offloaded.tensors, offloaded.host) if offloaded else ():
             if id(tensor) in self._by_id:
-                self.copies.append((host, self._by_id[id(tensor)]))
-                self._by_id[id(host)] = self._by_id[id(tensor)]
+                held = self._by_id[id(tensor)]
+                self.copies.append((host, held))
+                self._by_id[id(host)] = held
+                if id(tensor) in self.lowered:
+                    self.masters.append((host, held))
 
     def of(self, tensor: torch.Tensor) -> Held:
         return self._by_id[id(tensor)]
 
     def parameters(self, loading: bool) -> dict[str, list[Piece]]:
-        """Each parameter's pieces on this rank. For saving, each box once; for
-        loading, every view that must receive it, ZeRO-1/2's flat shards included
+        """Each parameter's pieces on this rank. For saving, each box once, from the
+        master weights where the device holds 16-bit copies; for loading, every view
+        that must receive it, ZeRO-1/2's flat shards and the host's copies included
         (they hold copies of the parameters' values)."""
         entries: dict[str, list[Piece]] = {}
-        for tensor, held in (*self.own, *(self.copies if loading else ())):
-            for piece in held.pieces(tensor.detach()):
+        held = (
+            [*self.own, *self.copies]
+            if loading
+            else [(t, h) for t, h in self.own if id(t) not in self.lowered] + self.masters
+        )
+        for tensor, held_as in held:
+            for piece in held_as.pieces(tensor.detach()):
                 entries.setdefault(piece.name, []).append(piece)
         if loading:
             return entries

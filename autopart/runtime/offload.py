@@ -24,11 +24,17 @@ On a GPU the transfers overlap the work on either side of them:
             (`wait_up`)
 
 On a CPU host and device are one memory: the copies are plain copies.
+
+Master weights on the host (`master_weights="host"`, mixed precision only): the host
+copies are the fp32 weights, and the device's tensors (those stepped, and whatever
+holds their values whole: ZeRO-1/2's parameters) become 16-bit copies of them
+(`lower`), so their gradients are 16-bit too. The link then carries 16-bit values both
+ways, widened to fp32 on the host before the step and narrowed after it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +62,10 @@ class HostOptimizer:
         self._index = {id(t): i for i, t in enumerate(tensors)}
         self._of_host = {id(h): i for i, h in enumerate(self.host)}
         self._sent: set[int] = set()
+        # ids of the device tensors that hold 16-bit copies of the host's (fp32) masters
+        self.lowered: set[int] = set()
+        self._staged_down: dict[int, torch.Tensor] = {}  # pinned 16-bit gradients
+        self._staged_up: dict[int, torch.Tensor] = {}  # pinned 16-bit values
         self._stream = torch.cuda.Stream(tensors[0].device) if cuda else None
         self.tile_bytes = tile_bytes
         self.elementwise = optimizer_class(optimizer) in ELEMENTWISE_OPTIMIZERS
@@ -77,11 +87,14 @@ class HostOptimizer:
             return
         copy.grad = self._grads[i]
         if self._stream is None:
-            copy.grad.copy_(grad)
+            copy.grad.copy_(grad)  # widened, where the device's are 16-bit
             return
+        target = copy.grad
+        if grad.dtype != target.dtype:  # 16 bits over the link, widened in `all_down`
+            target = self._staged(self._staged_down, i, grad.dtype)
         self._stream.wait_stream(torch.cuda.current_stream(grad.device))
         with torch.cuda.stream(self._stream):
-            copy.grad.copy_(grad, non_blocking=True)
+            target.copy_(grad, non_blocking=True)
         grad.record_stream(self._stream)  # not reused before the copy has read it
 
     def all_down(self) -> None:
@@ -92,6 +105,10 @@ class HostOptimizer:
         self._sent.clear()
         if self._stream is not None:
             self._stream.synchronize()
+        for i, staged in self._staged_down.items():
+            grad = self.host[i].grad
+            if grad is not None:
+                grad.copy_(staged)
 
     def step(self) -> None:
         """The step on the host (after `all_down`), the values sent back up tile by tile
@@ -138,7 +155,27 @@ class HostOptimizer:
             return
         with torch.cuda.stream(self._stream):
             for i in indices:
-                self.tensors[i].copy_(self.host[i], non_blocking=True)
+                source: torch.Tensor = self.host[i]
+                if self.tensors[i].dtype != source.dtype:  # narrowed here, 16 bits go up
+                    source = self._staged(self._staged_up, i, self.tensors[i].dtype)
+                    source.copy_(self.host[i])
+                self.tensors[i].copy_(source, non_blocking=True)
+
+    def _staged(self, buffers: dict[int, torch.Tensor], i: int, dtype: torch.dtype) -> torch.Tensor:
+        """A pinned host buffer for tensor i's values in `dtype`, made on first use.
+        Reused every step: the previous step's copy through it ended in `all_down`."""
+        if i not in buffers:
+            buffers[i] = torch.empty(self.host[i].shape, dtype=dtype, pin_memory=True)
+        return buffers[i]
+
+
+@torch.no_grad()
+def lower(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """`tensors` (device parameters) hold `dtype` copies of their values from here on,
+    the same tensors still (the graphs and hooks that hold them keep them)."""
+    for t in tensors:
+        t.data = t.data.to(dtype)
+    return list(tensors)
 
 
 class _SendingUp(list):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -17,7 +18,7 @@ from autopart.ops.loss_match import CrossEntropy
 from autopart.ops.meta import COLLECTIVE, CollectiveInfo, TensorInfo
 from autopart.ops.program import RankProgram
 from autopart.plan import Plan
-from autopart.policy import outer_optimizer, sequence_multiple
+from autopart.policy import MasterWeights, outer_optimizer, sequence_multiple
 from autopart.runtime.data_parallel import (
     ContextSums,
     ExpertShards,
@@ -108,6 +109,7 @@ class ParallelModule(nn.Module):
                 ExpertShards(groups.group(Axis.DP), program.ep_sharded, groups.batch_size)
                 if program.ep_sharded
                 else None,
+                self.precision.dtype if plan.master_weights == MasterWeights.HOST else None,
             )
             if optimizer
             else None
@@ -152,10 +154,18 @@ class ParallelModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.plan.pp > 1:
             raise NotImplementedError("a pipelined model runs through train_step")
-        output = self.stages[0](*args, **kwargs)
+        with self._weights_16_bit():
+            output = self.stages[0](*args, **kwargs)
         # The program may return logits sharded over the vocabulary (for the loss's
         # sake); the caller gets them whole.
         return whole_output(output, self.vocab_parallel_loss, self._tp_group)
+
+    def _weights_16_bit(self) -> contextlib.AbstractContextManager[None]:
+        """With master weights on the host the device's weights are 16-bit, which only
+        the plan's autocast multiplies with its activations (passes/master_weights.py)."""
+        if self.plan.master_weights == MasterWeights.HOST:
+            return self.precision.autocast()
+        return contextlib.nullcontext()
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's slice of a global batch, on this rank's device."""

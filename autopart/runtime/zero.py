@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
+import torch
 import torch.distributed as dist
 from torch import fx, nn
 
@@ -44,6 +45,8 @@ class ShardedPart(Protocol):
     @property
     def shards(self) -> Iterable[nn.Parameter]: ...
 
+    def lower(self, dtype: torch.dtype) -> list[torch.Tensor]: ...
+
     def begin(self) -> None: ...
 
     def finish(self) -> None: ...
@@ -58,14 +61,22 @@ class ZeroState:
     `offload`, the optimizer steps host copies of the shards (`HostOptimizer`): each
     shard's gradient goes down as its last reduction lands (ZeRO-1/2's buckets; ZeRO-3's
     once backward is over), the step runs there, and the updated values come back before
-    the parts gather them; the optimizer's state never touches the device."""
+    the parts gather them; the optimizer's state never touches the device. With
+    `masters_dtype` too, the host copies are the fp32 master weights and the parts hold
+    copies in that 16-bit dtype."""
 
     def __init__(
-        self, parts: list[ShardedPart], optimizer: OptimizerFactory, offload: bool = False
+        self,
+        parts: list[ShardedPart],
+        optimizer: OptimizerFactory,
+        offload: bool = False,
+        masters_dtype: torch.dtype | None = None,
     ) -> None:
         self.parts = parts
         self.shards = [s for part in parts for s in part.shards]
         self.offloaded = HostOptimizer(self.shards, optimizer) if offload else None
+        if self.offloaded is not None and masters_dtype is not None:
+            self.offloaded.lowered = {id(t) for part in parts for t in part.lower(masters_dtype)}
         if self.offloaded is not None:
             for part in parts:
                 if isinstance(part, ReplicaShards):
@@ -108,9 +119,11 @@ def zero_state(
     accumulation: int,
     offload: bool = False,
     experts: ExpertShards | None = None,
+    masters_dtype: torch.dtype | None = None,
 ) -> ZeroState:
     """ZeRO stage `zero` (1-3) for this rank's `stages` over the data-parallel `group`,
-    its optimizer state on the host where `offload`. Under expert
+    its optimizer state on the host where `offload` (and the fp32 master weights, the
+    device holding `masters_dtype` copies, where that is given). Under expert
     parallelism (`group` is dp × ep, stages 1 and 2) the experts' shards are another
     part, over the dp replicas of the same experts (`experts.group`), their summed
     gradients divided by the batch's shares as the rest are averaged over them."""
@@ -129,7 +142,7 @@ def zero_state(
         if params:
             kind = ReplicaShards if elementwise else OwnedParameters
             parts.append(kind(params, over, accumulation, min(zero, 2), divisor=divisor))
-    return ZeroState(parts, optimizer, offload)
+    return ZeroState(parts, optimizer, offload, masters_dtype)
 
 
 def _trained_in_backward_order(stages: list[fx.GraphModule]) -> list[nn.Parameter]:

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopart.runtime.offload import lower
+
 
 class OwnedParameters:
     """ZeRO stage 1 or 2 over whole `params` (given in backward order) on `group`; the
@@ -54,6 +56,11 @@ class OwnedParameters:
     def shards(self) -> list[nn.Parameter]:
         """What this rank's optimizer steps: the parameters it owns, whole."""
         return self.mine
+
+    def lower(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Hold the parameters and gradients in `dtype` (16-bit copies of master
+        weights kept elsewhere): the tensors lowered."""
+        return lower(list(self.params), dtype)
 
     def begin(self) -> None:
         self._arrivals.clear()

@@ -30,6 +30,7 @@ from torch import nn
 from autopart.ops.flat_buckets import FlatLayout, GradientReducer, all_gather_flat
 from autopart.policy import GRAD_BUCKET_BYTES
 from autopart.runtime.grad_sync import group_into_buckets
+from autopart.runtime.offload import lower
 
 
 @dataclass
@@ -87,6 +88,15 @@ class ReplicaShards:
     @property
     def shards(self) -> list[nn.Parameter]:
         return [b.shard for b in self.buckets]
+
+    def lower(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Hold the parameters, their shards and gradients in `dtype` (16-bit copies of
+        master weights kept elsewhere): the tensors lowered."""
+        lowered = lower([t for b in self.buckets for t in (*b.params, b.shard)], dtype)
+        for b in self.buckets:
+            if b.grads is not None:
+                b.grads = b.grads.new_zeros(b.grads.shape, dtype=dtype)
+        return lowered
 
     def begin(self) -> None:
         for b in self.buckets:

@@ -25,8 +25,10 @@ from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
 from autopart.policy import (
     PRECISION_ALIASES,
+    MasterWeights,
     Precision,
     check_choice,
+    master_weights_refusal,
     outer_optimizer_refusal,
     replica_opt_in_refusal,
     zero_refusal,
@@ -58,6 +60,9 @@ class Pins:
     per_part_statistics: bool = False
     grad_compression: str | None = None  # the user's choice only (it changes the math)
     offload: bool | None = None  # None: only where no plan fits without it
+    # "host": fp32 master weights beside the offloaded state, 16-bit copies on the
+    # device (it changes the math: the user's choice only). It implies offload.
+    master_weights: str = "device"
     # The optimizer the plan will run, where known: ZeRO is left out unless it is exact
     # for it (policy.zero_refusal).
     optimizer_class: type[torch.optim.Optimizer] | None = None
@@ -89,6 +94,16 @@ class Pins:
             if problem:
                 aliases = ", ".join(f"{a!r} for {p!r}" for a, p in PRECISION_ALIASES.items())
                 raise PlanError(f"{problem} (or {aliases})")
+        host_masters = pins.get("master_weights") == MasterWeights.HOST
+        if host_masters and pins.get("offload") is None:  # the host's copies: offloaded
+            pins["offload"] = True
+        refusal = master_weights_refusal(
+            pins.get("master_weights", MasterWeights.DEVICE),
+            bool(pins.get("offload")),
+            pins.get("precision", Precision.FP32),
+        )
+        if refusal:
+            raise PlanError(refusal)
         sync_every, compression = pins.get("sync_every"), pins.get("grad_compression")
         if sync_every is not None or compression is not None:  # whole replicas: no ZeRO
             refusal = replica_opt_in_refusal(pins.get("zero") or 0, sync_every, compression)
@@ -296,6 +311,7 @@ def _plan_of(
         per_part_statistics=pins.per_part_statistics,
         grad_compression=pins.grad_compression,
         offload=choices.offload,
+        master_weights=pins.master_weights,
         recompute=choices.recompute,
         recompute_attention=choices.recompute_attention,
         placements=_placements(captured, layouts.placements(choices.tp), choices.zero),

@@ -75,7 +75,14 @@ from autopart.passes.context_parallel import sequence_length
 from autopart.passes.experts import expert_layers
 from autopart.plan import Predicted
 from autopart.plan_format import format_bytes
-from autopart.policy import Precision, Schedule, offload_refusal, zero_refusal
+from autopart.policy import (
+    LOW_DTYPES,
+    MasterWeights,
+    Precision,
+    Schedule,
+    offload_refusal,
+    zero_refusal,
+)
 from autopart.solver.pipeline import microbatches_problem
 from autopart.solver.stage_model import solve_stages
 from autopart.solver.tensor_parallel import choose_tp_placements
@@ -186,7 +193,10 @@ def search(
         try:
             chosen = _solve(offloaded, mesh.device.memory_bytes)
         except NoPlanFits as e:
-            raise NoPlanFits(f"{on_device}. With the optimizer state offloaded: {e}") from None
+            hint = _host_masters_hint(layouts, mesh, pins, global_batch, dims, blocks)
+            raise NoPlanFits(
+                f"{on_device}. With the optimizer state offloaded: {e}{hint}"
+            ) from None
         reason = _shortfall(candidates, memory)
         candidates = [replace(c, offload_reason=reason) for c in offloaded]
         chosen = candidates[offloaded.index(chosen)]
@@ -470,6 +480,38 @@ def _no_fit_message(candidates: list[Candidate], memory: int) -> str:
     )
 
 
+def _host_masters_hint(
+    layouts: TpLayouts,
+    mesh: Mesh,
+    pins: Pins,
+    batch: int,
+    dims: Mapping[str, int],
+    blocks: tuple[str, ...],
+) -> str:
+    """Where nothing fits even offloaded, whether the fp32 master weights on the host
+    would make a plan fit: the user's choice only (it changes the math), so it is
+    advice, never chosen."""
+    if pins.precision not in LOW_DTYPES or pins.master_weights == MasterWeights.HOST:
+        return ""
+    host = replace(pins, master_weights=MasterWeights.HOST.value)
+    recomputable = pins.recompute is None and pins.recompute_attention is None
+    choices = list(_choices(layouts, mesh, host, batch, blocks, offload=True))
+    memory = mesh.device.memory_bytes
+    fitting = [
+        c
+        for c in _price(layouts, mesh, dims, choices, recomputable)
+        if c.predicted.peak_memory_bytes <= memory
+    ]
+    if not fitting:
+        return ""
+    smallest = min(fitting, key=lambda c: c.predicted.peak_memory_bytes).predicted
+    return (
+        ". With the fp32 master weights on the host too (master_weights='host', 16-bit "
+        "weights and gradients on the device; it changes the math slightly) a plan fits, "
+        f"in {format_bytes(smallest.peak_memory_bytes)} per rank"
+    )
+
+
 def _shortfall(candidates: list[Candidate], memory: int) -> str:
     """The candidate needing the least memory, and what it needs beyond `memory`."""
     smallest = min(candidates, key=lambda c: c.predicted.peak_memory_bytes)
@@ -526,6 +568,7 @@ def _choices(
                         _pinned_paths(pins.recompute_attention, blocks),
                         sequence_parallel=sp,
                         offload=offload,
+                        master_weights=pins.master_weights,
                         sync_every=pins.sync_every,
                     )
 

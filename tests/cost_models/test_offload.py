@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from autopart.cost_models.memory import FP32_WEIGHTS
 from autopart.cost_models.offload import host_step_time
 from autopart.mesh import PRESETS
 
@@ -24,11 +25,11 @@ def test_the_gradients_go_down_behind_backward_and_the_values_up_behind_the_step
     up = PARAMS * 4 / link
     assert host_pass > up  # on this host the pass is the longer: the trip up hides
     tail = TILE / (PARAMS * 4) * up  # the last tile's trip up
-    exposed = host_step_time(PARAMS, 0.0, "fp32", device, LAST, TILE)
+    exposed = host_step_time(PARAMS, 0.0, FP32_WEIGHTS, device, LAST, TILE)
     assert exposed == pytest.approx(down + host_pass + tail)
-    hidden = host_step_time(PARAMS, 10 * down, "fp32", device, LAST, TILE)
+    hidden = host_step_time(PARAMS, 10 * down, FP32_WEIGHTS, device, LAST, TILE)
     assert hidden == pytest.approx(last + host_pass + tail)
-    half = host_step_time(PARAMS, down / 2, "fp32", device, LAST, TILE)
+    half = host_step_time(PARAMS, down / 2, FP32_WEIGHTS, device, LAST, TILE)
     assert half == pytest.approx(down / 2 + host_pass + tail)
 
 
@@ -38,5 +39,5 @@ def test_a_slow_host_link_exposes_the_trip_up_and_one_tile_of_the_step():
     up, host_pass = PARAMS * 4 / link, PARAMS * 16 / host
     assert up > host_pass
     head = TILE / (PARAMS * 4) * host_pass  # the first tile's pass, before any goes up
-    hidden = host_step_time(PARAMS, 1e9, "fp32", device, LAST, TILE)
+    hidden = host_step_time(PARAMS, 1e9, FP32_WEIGHTS, device, LAST, TILE)
     assert hidden == pytest.approx(LAST / link + up + head)

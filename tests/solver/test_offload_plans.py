@@ -17,7 +17,7 @@ from autopart.plan import PlanError
 from tests.harness import plan_lm
 from tests.models import llama2_7b_on_meta
 
-SEQUENCES, SHORT, LONG = 8, 4096, 96 * 1024
+SEQUENCES, SHORT, LONG, LONGER = 8, 4096, 96 * 1024, 128 * 1024
 MESH = Mesh.cluster("a10-24g", nodes=1, per_node=8)
 
 
@@ -44,3 +44,22 @@ def test_a_7b_model_on_8_24gb_devices_offloads_only_where_nothing_else_fits():
     # The reason names the smallest plan on the device and what it lacks, as the
     # refusal without offload does.
     assert plan.offload_reason.split(" needs ")[0] in str(on_device.value)
+
+
+@pytest.mark.slow
+def test_fp32_master_weights_on_the_host_fit_what_offload_alone_cannot():
+    """At 128k tokens not even the offloaded plans fit; the refusal says that keeping the
+    master weights on the host would, and with it pinned the plan fits, its device
+    weights and gradients half the bytes of the offloaded plan's at 96k."""
+    memory = MESH.device.memory_bytes
+    with pytest.raises(PlanError, match="master_weights='host'.*a plan fits"):
+        _plan(LONGER)
+    plan = _plan(LONGER, master_weights="host")
+    assert plan.offload and plan.master_weights == "host", plan.explain()
+    assert plan.predicted.peak_memory_bytes <= memory
+    assert "This changes the math" in plan.explain()
+    device_masters = _plan(LONG).predicted.memory
+    host_masters = _plan(LONG, master_weights="host").predicted.memory
+    assert plan.degrees == _plan(LONG).degrees  # the same layout: the bytes compare
+    for part in ("parameters", "gradients"):
+        assert host_masters[part] == pytest.approx(device_masters[part] / 2, rel=1e-6)
