@@ -3,8 +3,9 @@ capture → analyze → solve → rewrite → run. Each stage lives in its own p
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -27,6 +28,7 @@ from autopart.plan import Plan, PlanError
 from autopart.policy import (
     COLLECTIVE_TIMEOUT_S,
     LOW_DTYPES,
+    MasterWeights,
     optimizer_class,
     optimizer_refusal,
     zero_refusal,
@@ -94,7 +96,7 @@ def parallelize(
     elif pins:
         raise TypeError(f"pass either a plan or pins, not both (got pins {sorted(pins)})")
     plan.check_compatible(captured.fingerprint, mesh)
-    refusal = zero_refusal(plan.zero, kind)
+    refusal = zero_refusal(plan.zero, kind) or _host_masters_refusal(plan, captured, model)
     if refusal:
         raise PlanError(refusal)
     limit = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
@@ -108,6 +110,51 @@ def parallelize(
     return ParallelModule(
         program, plan, groups, loss_fn, optimizer, shapes, ranges, again, recognized_loss=loss
     )
+
+
+def _host_masters_refusal(plan: Plan, captured: Captured, model: nn.Module) -> str | None:
+    """Why this model cannot keep its master weights on the host, or None: they are fp32
+    copies of fp32 parameters, and the graph pass that widens the device's 16-bit
+    copies reads torch.export's operators (passes/master_weights.py)."""
+    if plan.master_weights != MasterWeights.HOST:
+        return None
+    if captured.frontend != "export":
+        return (
+            f"master_weights='host' needs a torch.export capture, and this model was "
+            f"captured by {captured.frontend}: keep master_weights='device'"
+        )
+    narrow = [
+        n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32
+    ]
+    if narrow:
+        return (
+            f"master_weights='host' keeps fp32 masters of fp32 parameters, and {narrow[0]} "
+            f"is {model.get_parameter(narrow[0]).dtype}: build the model in fp32"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def _as_captured(model: nn.Module, plan: Plan) -> Iterator[None]:
+    """`model` with its trained parameters in fp32 (and no gradients) while it is
+    captured again, where the plan keeps master weights on the host and they hold the
+    device's 16-bit copies: the capture then records the dtypes the first program was
+    made for."""
+    host = plan.master_weights == MasterWeights.HOST
+    lowered = [
+        (p, p.data, p.grad)
+        for p in model.parameters()
+        if host and p.requires_grad and p.dtype != torch.float32
+    ]
+    for p, data, _ in lowered:
+        p.grad = None
+        p.data = data.float()
+    try:
+        yield
+    finally:
+        for p, data, grad in lowered:
+            p.data = data
+            p.grad = grad
 
 
 def _rank_program(
@@ -135,9 +182,10 @@ def _program_again(
     which the program `held` does not take: `model` captured again at them, rewritten
     as `held` was, and given `held`'s tensors (trained since; not loaded again from the
     weights), with the inputs it takes."""
-    captured = captured_for_planning(model, inputs, example_kwargs)
-    target = RankTarget(plan, groups, loss=loss)
-    program = _rank_program(model, captured, example_kwargs, target, _KEEPS_TENSORS)
+    with _as_captured(model, plan):
+        captured = captured_for_planning(model, inputs, example_kwargs)
+        target = RankTarget(plan, groups, loss=loss)
+        program = _rank_program(model, captured, example_kwargs, target, _KEEPS_TENSORS)
     return sharing_tensors(program, held), captured.input_shapes(), captured.dim_ranges
 
 

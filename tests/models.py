@@ -337,19 +337,19 @@ def train_autocast_reference(name: str, precision: str, steps: int, batch) -> li
     return losses
 
 
-def train_host_masters_reference(name: str, steps: int, batch) -> dict:
-    """`name`'s model trained on one CPU under bf16 autocast with SGD and momentum over
-    fp32 master weights, its weights read as their bf16 copies and its gradients
-    rounded to bf16 (autopart's `master_weights="host"`): the parameters hold the
-    copies' values in fp32, which autocast's contractions read exactly as the bf16
-    copies and every other operator reads widened, as autopart's graph does."""
-    ids, target = batch
-    model = LM_FACTORIES[name]()
-    params = list(model.parameters())
+def train_host_masters_reference(build: Callable[[], nn.Module], batches: list) -> dict:
+    """`build()`'s model trained on one CPU, a step on each of `batches`, under bf16
+    autocast with SGD and momentum over fp32 master weights, its weights read as their
+    bf16 copies and its gradients rounded to bf16 (autopart's `master_weights="host"`):
+    the parameters hold the copies' values in fp32, which autocast's contractions read
+    exactly as the bf16 copies and every other operator reads widened, as autopart's
+    graph does."""
+    model = build()
+    names, params = zip(*model.named_parameters())  # tied weights once
     masters = [nn.Parameter(p.detach().clone()) for p in params]
     opt = make_optimizer("sgd")(masters)
     losses = []
-    for _ in range(steps):
+    for ids, target in batches:
         with torch.no_grad():
             for p, master in zip(params, masters):
                 p.copy_(master.to(torch.bfloat16))
@@ -361,7 +361,6 @@ def train_host_masters_reference(name: str, steps: int, batch) -> dict:
             master.grad = p.grad.to(torch.bfloat16).float()
         opt.step()
         losses.append(loss.item())
-    names = [name for name, _ in model.named_parameters()]
     return {"losses": losses, "params": {n: m.detach().clone() for n, m in zip(names, masters)}}
 
 

@@ -16,7 +16,9 @@ ZeRO shards them over the N data-parallel ranks:
 (the 2s being 4s with fp32 weights). The paper's example, 7.5B parameters on 64 ranks
 with 16-bit weights, gives 120 / 31.4 / 16.6 / 1.9 GB. autopart's runtime keeps fp32
 weights and gradients in every precision (mixed precision is autocast: only the compute
-is 16-bit), so its total is the same 16Ψ but ZeRO-1/2 shard a different share of it.
+is 16-bit), so its total is the same 16Ψ but ZeRO-1/2 shard a different share of it;
+only with the master weights on the host (offloaded, beside K) does the device hold
+the paper's 16-bit weights and gradients (`state_bytes`).
 
 Activations. A microbatch leaves the bytes its operators save for backward
 (`passes.saved`) on the rank until its backward runs; the schedule decides how many
@@ -58,7 +60,8 @@ from autopart.policy import (
 # Bytes per parameter: (parameters, gradients, optimizer state) for Adam.
 FP32_WEIGHTS = (4, 4, 8)
 HALF_WEIGHTS = (2, 2, 12)
-# autopart keeps fp32 weights, gradients and optimizer state under every precision.
+# autopart keeps fp32 weights, gradients and optimizer state under every precision
+# (but for master weights on the host: `state_bytes`).
 STATE_BYTES: dict[str, tuple[int, int, int]] = {p: FP32_WEIGHTS for p in Precision}
 
 

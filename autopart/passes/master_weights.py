@@ -23,8 +23,9 @@ from autopart.passes.runner import PassContext
 
 aten = torch.ops.aten
 
-# Operators autocast runs in 16 bits, converting every floating operand (PyTorch's
-# lower-precision lists, CPU's and CUDA's alike).
+# Operators autocast runs in 16 bits, converting every floating operand, on CPUs and
+# GPUs both (in both of PyTorch's lower-precision lists). Any other reader is widened:
+# exact whatever it is, only a cast slower.
 AUTOCAST_CONTRACTIONS = frozenset(
     {
         aten.linear.default,
@@ -36,7 +37,6 @@ AUTOCAST_CONTRACTIONS = frozenset(
         aten.conv1d.default,
         aten.conv2d.default,
         aten.conv3d.default,
-        aten.convolution.default,
     }
 )
 

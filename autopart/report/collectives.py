@@ -40,7 +40,7 @@ from autopart.cost_models.comm import (
     SEND_RECV,
     CommModel,
 )
-from autopart.cost_models.memory import STATE_BYTES, MemoryModel
+from autopart.cost_models.memory import MemoryModel, state_bytes
 from autopart.cost_models.pipeline import bucket_runs
 from autopart.cost_models.predict import LOSS_BYTES
 from autopart.degrees import Axis, MeshError
@@ -111,7 +111,7 @@ def _comm_model(plan: Plan) -> CommModel | None:
 
 def _parameters(plan: Plan, predicted: Predicted) -> float:
     """Parameters on the recorded rank: its tensor-parallel share of its stage's."""
-    param_bytes = STATE_BYTES[plan.precision][0]
+    param_bytes = state_bytes(plan.precision, plan.master_weights)[0]
     sharded = plan.dp if plan.zero == 3 else 1
     return predicted.memory.get("parameters", 0) * sharded / param_bytes
 
@@ -141,7 +141,7 @@ def _bucketed_time(
 def _dp_sync(plan: Plan, params: float, comm: CommModel | None) -> list[Collective]:
     if plan.degrees.batch_split == 1:
         return []
-    param_bytes, grad_bytes = STATE_BYTES[plan.precision][:2]
+    param_bytes, grad_bytes = state_bytes(plan.precision, plan.master_weights)[:2]
     grads, weights = params * grad_bytes, params * param_bytes
     if plan.zero == 3:
         m = plan.microbatches
@@ -225,7 +225,10 @@ def _pp_transfers(
     if plan.zero == 3:
         note = "the plan does not record the activation's size under ZeRO-3"
         return [Collective(name, SEND_RECV, "pp", plan.pp, calls, None, None, note)]
-    staged = MemoryModel(plan.precision).buffer_bytes(params, plan.dp, plan.zero, 0.0, 0.0)
+    per_param = state_bytes(plan.precision, plan.master_weights)
+    staged = MemoryModel(plan.precision).buffer_bytes(
+        params, plan.dp, plan.zero, 0.0, 0.0, per_param
+    )
     activation = max(0.0, predicted.memory.get("buffers", 0) - staged) / 2
     one = _time(comm, SEND_RECV, activation, plan, Axis.PP)
     return [

@@ -71,7 +71,7 @@ class LocalState:
         self._active = False  # between begin and finish: the hooks count arrivals
         trained = [p for p in self.params if p.requires_grad] if offload else []
         if self.offloaded is not None and masters_dtype is not None:
-            self.offloaded.lowered = {id(p) for p in lower(trained, masters_dtype)}
+            self.offloaded.lowered = {id(p): p for p in lower(trained, masters_dtype)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trained]
 
     def begin(self) -> None:
@@ -100,6 +100,8 @@ class LocalState:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self.offloaded is not None:
+            self.offloaded.widen_back()
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._active:  # a backward outside a step: not this step's gradient

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from autopart.degrees import Axis
 from autopart.ops import zero3
 from autopart.ops.shards import unshard
+from autopart.policy import MasterWeights
 from autopart.runtime.holdings import Holdings
 
 if TYPE_CHECKING:
@@ -34,9 +35,8 @@ def full_state_dict(pm: ParallelModule) -> dict[str, torch.Tensor]:
 def _with_masters(pm: ParallelModule, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`params` with the master weights on the host in place of the device's 16-bit
     copies: every rank's pieces of them, gathered (each element is some rank's)."""
-    offloaded = pm.state.offloaded if pm.state else None
-    if offloaded is None or not offloaded.lowered:
-        return params
+    if pm.plan.master_weights != MasterWeights.HOST or pm.state is None:
+        return params  # (the same on every rank: a rank holding no masters gathers too)
     mine = [
         (piece.name, piece.offsets, piece.view.clone())
         for host, held in Holdings(pm).masters

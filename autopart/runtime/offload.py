@@ -62,8 +62,8 @@ class HostOptimizer:
         self._index = {id(t): i for i, t in enumerate(tensors)}
         self._of_host = {id(h): i for i, h in enumerate(self.host)}
         self._sent: set[int] = set()
-        # ids of the device tensors that hold 16-bit copies of the host's (fp32) masters
-        self.lowered: set[int] = set()
+        # the device tensors holding 16-bit copies of the host's (fp32) masters, by id
+        self.lowered: dict[int, torch.Tensor] = {}
         self._staged_down: dict[int, torch.Tensor] = {}  # pinned 16-bit gradients
         self._staged_up: dict[int, torch.Tensor] = {}  # pinned 16-bit values
         self._stream = torch.cuda.Stream(tensors[0].device) if cuda else None
@@ -160,6 +160,18 @@ class HostOptimizer:
                     source = self._staged(self._staged_up, i, self.tensors[i].dtype)
                     source.copy_(self.host[i])
                 self.tensors[i].copy_(source, non_blocking=True)
+
+    @torch.no_grad()
+    def widen_back(self) -> None:
+        """Undo `lower`, the run being over: every lowered tensor is fp32 again, holding
+        its master where the host holds one whole of it, else its 16-bit value (ZeRO-1/2's
+        whole parameters, whose masters are shards: `full_state_dict` has them exactly)."""
+        for tensor, host in zip(self.tensors, self.host):
+            if id(tensor) in self.lowered:
+                tensor.data = host.detach().to(tensor.device)
+        for lowered in self.lowered.values():
+            lowered.data = lowered.data.to(self.host[0].dtype)
+        self.lowered.clear()
 
     def _staged(self, buffers: dict[int, torch.Tensor], i: int, dtype: torch.dtype) -> torch.Tensor:
         """A pinned host buffer for tensor i's values in `dtype`, made on first use.

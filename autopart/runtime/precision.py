@@ -2,7 +2,10 @@
 
 "bf16-mixed" and "fp16-mixed" run forward (and the loss) under `torch.autocast`, so
 matrix products compute in the low dtype while parameters, gradients and optimizer
-state stay fp32; gradients are therefore reduced in fp32. fp16's narrow range also
+state stay fp32; gradients are therefore reduced in fp32. (With master weights on the
+host the device's parameters and gradients are 16-bit copies instead: runtime/offload.py.
+Under fp16 the scaled gradients are then fp16 too, and overflow, skipping a step and
+halving the scale, until the scale has come down to what they hold.) fp16's narrow range also
 needs loss scaling: the loss is multiplied before backward, the synchronized gradients
 are divided back and checked for overflow on every rank (one all-reduce of a flag, so
 all ranks skip the same steps), and the scale halves on overflow and doubles after a

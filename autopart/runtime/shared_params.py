@@ -18,6 +18,11 @@ post-accumulate hook (the data-parallel gradient sync) sees it. Each shared para
 has a process group of its own: its messages cannot interleave with the pipeline's sends
 and receives, or with another parameter's, on one communicator (NCCL matches by order).
 Outside a step the hooks do nothing.
+
+Values and gradients travel in the parameter's captured dtype (`_Shared.dtype`): with
+master weights on the host the owner holds a 16-bit copy while the replicas, buffers,
+keep that dtype (holding the copy's values, which its readers then read as they read
+a widened weight, passes/master_weights.py).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class _Shared:
     param: torch.Tensor | None  # the parameter, where this rank runs its owner
     replicas: dict[int, torch.Tensor]  # reader stage -> replica, for readers run here
     remote_readers: list[tuple[int, int]]  # (reader stage, global rank) run elsewhere
+    dtype: torch.dtype  # of what travels: the parameter's, as captured
     arrivals: dict[int, int] = field(default_factory=dict)  # id(tensor) -> backward count
 
 
@@ -57,6 +63,7 @@ class SharedParameters:
         self.microbatches = microbatches
         self.active = False
         self.works: list[dist.Work] = []
+        self.sending: list[torch.Tensor] = []
         self.hooks: list[RemovableHandle] = []
         pp_group = groups.group(Axis.PP)
         pp = groups.size(Axis.PP)
@@ -75,12 +82,17 @@ class SharedParameters:
     ) -> _Shared:
         rank_of = {s: ranks[s % len(ranks)] for s in (shared.owner, *shared.readers)}
         crosses = len(set(rank_of.values())) > 1
+        param = local[shared.owner].get_parameter(shared.fqn) if shared.owner in local else None
+        replicas = {r: local[r].get_buffer(shared.fqn) for r in shared.readers if r in local}
         entry = _Shared(
             group=_pp_groups_like(groups) if crosses else None,  # collective: every rank
             owner_rank=rank_of[shared.owner],
-            param=local[shared.owner].get_parameter(shared.fqn) if shared.owner in local else None,
-            replicas={r: local[r].get_buffer(shared.fqn) for r in shared.readers if r in local},
+            param=param,
+            replicas=replicas,
             remote_readers=[(r, rank_of[r]) for r in shared.readers if r not in local],
+            dtype=next(
+                (t.dtype for t in (param, *replicas.values()) if t is not None), torch.float32
+            ),
         )
         if entry.param is not None and entry.param.requires_grad:
             self.hooks.append(entry.param.register_hook(lambda g, e=entry: self._owner_grad(e, g)))
@@ -102,11 +114,12 @@ class SharedParameters:
             for replica in entry.replicas.values():
                 replica.grad = None
             if entry.param is not None:
-                value = entry.param.detach()
+                value = entry.param.detach().to(entry.dtype)
                 for replica in entry.replicas.values():
                     replica.detach().copy_(value)
                 for _, rank in entry.remote_readers:
                     self.works.append(_isend(value, rank, entry.group))
+                self.sending.append(value)  # alive until its sends complete
         for entry in self.shared:
             if entry.param is None:
                 for _, replica in sorted(entry.replicas.items()):
@@ -117,6 +130,7 @@ class SharedParameters:
         for work in self.works:
             work.wait()
         self.works.clear()
+        self.sending.clear()
         self.active = False
 
     def close(self) -> None:
@@ -140,12 +154,12 @@ class SharedParameters:
         # Later stages finish their backward first: receive in decreasing stage order,
         # the order a rank running several readers sends in.
         for _, rank in sorted(entry.remote_readers, reverse=True):
-            incoming = torch.empty_like(grad)
+            incoming = torch.empty(grad.shape, dtype=entry.dtype, device=grad.device)
             dist.recv(incoming, rank, group=entry.group)
-            grad = grad + incoming
+            grad = grad + incoming.to(grad.dtype)
         for replica in entry.replicas.values():
             if replica.grad is not None:
-                grad = grad + replica.grad
+                grad = grad + replica.grad.to(grad.dtype)
         return grad
 
 

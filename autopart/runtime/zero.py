@@ -29,7 +29,7 @@ from torch import fx, nn
 
 from autopart.ops.params import parameter_attributes, parameters_named
 from autopart.ops.zero3 import sharded_parameters
-from autopart.policy import ELEMENTWISE_OPTIMIZERS, optimizer_class
+from autopart.policy import ELEMENTWISE_OPTIMIZERS, GRAD_BUCKET_BYTES, optimizer_class
 from autopart.runtime.grad_sync import params_in_backward_order
 from autopart.runtime.offload import HostOptimizer
 from autopart.runtime.zero_owners import OwnedParameters
@@ -76,7 +76,7 @@ class ZeroState:
         self.shards = [s for part in parts for s in part.shards]
         self.offloaded = HostOptimizer(self.shards, optimizer) if offload else None
         if self.offloaded is not None and masters_dtype is not None:
-            self.offloaded.lowered = {id(t) for part in parts for t in part.lower(masters_dtype)}
+            self.offloaded.lowered = {id(t): t for part in parts for t in part.lower(masters_dtype)}
         if self.offloaded is not None:
             for part in parts:
                 if isinstance(part, ReplicaShards):
@@ -109,6 +109,8 @@ class ZeroState:
     def close(self) -> None:
         for part in self.parts:
             part.close()
+        if self.offloaded is not None:
+            self.offloaded.widen_back()
 
 
 def zero_state(
@@ -139,9 +141,18 @@ def zero_state(
         runs.append(([p for p in whole if id(p) in split], experts.group, experts.shares))
     elementwise = optimizer_class(optimizer) in ELEMENTWISE_OPTIMIZERS
     for params, over, divisor in runs:
-        if params:
-            kind = ReplicaShards if elementwise else OwnedParameters
-            parts.append(kind(params, over, accumulation, min(zero, 2), divisor=divisor))
+        if not params:
+            continue
+        if elementwise:
+            # Bucketed by their fp32 bytes now, and as big in their 16-bit gradients
+            # once lowered.
+            widening = 4 // masters_dtype.itemsize if masters_dtype is not None else 1
+            bucket_bytes = GRAD_BUCKET_BYTES * widening
+            parts.append(
+                ReplicaShards(params, over, accumulation, min(zero, 2), bucket_bytes, divisor)
+            )
+        else:
+            parts.append(OwnedParameters(params, over, accumulation, min(zero, 2), divisor))
     return ZeroState(parts, optimizer, offload, masters_dtype)
 
 

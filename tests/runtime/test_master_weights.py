@@ -12,33 +12,61 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import fx
 
 import autopart
 from autopart.testing import run_world
 from tests.harness import parallelize_lm, train_losses
-from tests.models import snapshot, tiny_llama, token_batch, train_host_masters_reference
+from tests.models import (
+    LM_FACTORIES,
+    FixedLengthLM,
+    snapshot,
+    tiny_llama,
+    token_batch,
+    train_host_masters_reference,
+)
 
 STEPS = 3
-QUICK = [{"dp": 2, "zero": 2, "microbatches": 2}, {"tp": 2}]  # ZeRO's shards; dp=1's whole
-SLOW = [{"dp": 2, "zero": 1}, {"dp": 2, "zero": 3}, {"pp": 2, "microbatches": 2}]
+MODELS = {**LM_FACTORIES, "fixed-length": FixedLengthLM}
+QUICK = [("llama", {"dp": 2, "zero": 2, "microbatches": 2}), ("llama", {"tp": 2})]
+SLOW = [
+    ("llama", {"dp": 2, "zero": 1}),
+    ("llama", {"dp": 2, "zero": 3}),
+    ("llama", {"pp": 2, "microbatches": 2}),
+    ("gpt2", {"pp": 2, "microbatches": 2}),  # the head reads the embedding: a tied weight
+]
 
 
-def _train(batch, cases) -> dict:
+def _train(batches, cases) -> dict:
     out = {}
-    for pins in cases:
+    for name, pins in cases:
+        model = MODELS[name]()
         pm = parallelize_lm(
-            tiny_llama(), batch, "sgd", precision="bf16-mixed", master_weights="host", **pins
+            model, batches[0], "sgd", precision="bf16-mixed", master_weights="host", **pins
         )
         assert pm.plan.offload  # master weights on the host imply it
         trained = [p for p in pm.parameters() if p.requires_grad]
         stepped = [p for group in pm.optimizer.param_groups for p in group["params"]]
-        out[str(pins)] = {
-            "losses": train_losses(pm, batch, STEPS),
+        losses = [pm.train_step(ids, target).item() for ids, target in batches]
+        graphs = [getattr(program.runner, "program", None) for program in pm.programs.programs]
+        widening = torch.ops.aten.to.dtype
+        out[f"{name} {pins}"] = {
+            "losses": losses,
+            "programs": len(graphs),
+            # What each program (without a pipeline) widens the weights to.
+            "widened": [
+                {n.args[1] for n in g.graph.find_nodes(op="call_function", target=widening)}
+                for g in graphs
+                if isinstance(g, fx.GraphModule)
+            ],
             "params": pm.full_state_dict(),
             "device": {p.dtype for p in trained},
             "host": {p.dtype for p in stepped} | {p.device.type for p in stepped},
         }
         pm.close()
+        # The model's own parameters are fp32 again (a ZeRO-1/2 replica's hold the
+        # bf16 copies' values; full_state_dict has the masters).
+        out[f"{name} {pins}"]["closed"] = {p.dtype for p in model.parameters()}
     return out
 
 
@@ -50,17 +78,23 @@ def _update_error(got: dict, want: dict, before: dict) -> float:
     return float(err / moved)
 
 
-def _check(cases: list[dict]) -> None:
-    batch = token_batch(8)
-    reference = train_host_masters_reference("llama", STEPS, batch)
-    before = snapshot(tiny_llama())
-    for rank, results in enumerate(run_world(_train, 2, batch, cases)):
-        for pins in cases:
-            result = results[str(pins)]
-            where = (pins, rank)
+def _check(cases: list, batches: list) -> list[int]:
+    """Check every case on every rank; the programs each rank made, summed over cases."""
+    references = {
+        name: train_host_masters_reference(MODELS[name], batches) for name in {n for n, _ in cases}
+    }
+    made = []
+    for rank, results in enumerate(run_world(_train, 2, batches, cases)):
+        made.append(sum(result["programs"] for result in results.values()))
+        for name, pins in cases:
+            result, reference = results[f"{name} {pins}"], references[name]
+            where = (name, pins, rank)
             assert result["device"] == {torch.bfloat16}, where
             assert result["host"] == {torch.float32, "cpu"}, where
+            assert result["closed"] == {torch.float32}, where
+            assert all(w == {torch.float32} for w in result["widened"]), where
             params = result["params"]
+            assert params.keys() == reference["params"].keys(), where
             assert {v.dtype for v in params.values()} == {torch.float32}, where
             # The masters keep what bf16 would round away.
             assert any((v.bfloat16().float() != v).any() for v in params.values()), where
@@ -69,16 +103,28 @@ def _check(cases: list[dict]) -> None:
             first = 1e-4 if pins.get("tp") else 1e-6
             assert losses[0] == pytest.approx(want[0], rel=first), where
             assert losses == pytest.approx(want, rel=1e-4), where
+            before = snapshot(MODELS[name]())
             assert _update_error(params, reference["params"], before) < 0.02, where
+    return made
 
 
 def test_host_masters_train_like_one_device_over_fp32_masters():
-    _check(QUICK)
+    _check(QUICK, [token_batch(8)] * STEPS)
 
 
-@pytest.mark.slow  # three more plans in a world of 2
-def test_host_masters_under_zero1_zero3_and_a_pipeline():
-    _check(SLOW)
+@pytest.mark.slow  # four more plans in a world of 2
+def test_host_masters_under_zero1_zero3_and_pipelines():
+    _check(SLOW, [token_batch(8)] * STEPS)
+
+
+@pytest.mark.slow  # another world of 2
+def test_a_program_made_again_for_new_shapes_reads_the_weights_as_the_first():
+    """A step at another sequence length runs a program captured again from the model
+    (whose length torch.export keeps static), its parameters the bf16 copies by then:
+    captured as fp32 all the same, so its norms read the weights widened."""
+    batches = [token_batch(8), token_batch(8, seq=24), token_batch(8)]
+    programs = _check([("fixed-length", {"dp": 2, "zero": 1})], batches)
+    assert programs == [2, 2]  # on each rank: the first, and one for length 24
 
 
 def _resume(root, batch) -> dict:
@@ -100,8 +146,8 @@ def _resume(root, batch) -> dict:
         pm = parallelize_lm(tiny_llama(seed=1), batch, "sgd", **pins)
         autopart.load_checkpoint(pm, root)
         loaded = pm.full_state_dict()
-        out[name] = all(torch.equal(loaded[n], saved[n]) for n in saved) and loaded.keys() == (
-            saved.keys()
+        out[name] = loaded.keys() == saved.keys() and all(
+            torch.equal(loaded[n], saved[n]) for n in saved
         )
         pm.close()
     return out
