@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from autopart.cost_models.memory import FP32_WEIGHTS
+from autopart.cost_models.memory import FP32_WEIGHTS, HALF_WEIGHTS
 from autopart.cost_models.offload import host_step_time
 from autopart.mesh import PRESETS
 
@@ -41,3 +41,18 @@ def test_a_slow_host_link_exposes_the_trip_up_and_one_tile_of_the_step():
     head = TILE / (PARAMS * 4) * host_pass  # the first tile's pass, before any goes up
     hidden = host_step_time(PARAMS, 1e9, FP32_WEIGHTS, device, LAST, TILE)
     assert hidden == pytest.approx(LAST / link + up + head)
+
+
+def test_host_masters_halve_the_link_and_add_the_host_casts():
+    """With the master weights on the host the link carries 16-bit gradients and
+    values; the host also widens those gradients (2 bytes read, 4 written) and narrows
+    the values (4 read, 2 written) around its fp32 pass."""
+    device = replace(PRESETS["a100-80g"], host_bandwidth=2e9)  # the link the longer
+    link, host = device.host_bandwidth, device.host_memory_bandwidth
+    up, host_pass = PARAMS * 2 / link, PARAMS * (16 + 6 + 6) / host
+    assert up > host_pass
+    head = TILE / (PARAMS * 4) * host_pass  # tiles of the host's fp32 weights
+    hidden = host_step_time(PARAMS, 1e9, HALF_WEIGHTS, device, LAST, TILE)
+    assert hidden == pytest.approx(LAST / link + up + head)
+    exposed = host_step_time(PARAMS, 0.0, HALF_WEIGHTS, device, LAST, TILE)
+    assert exposed == pytest.approx(PARAMS * 2 / link + up + head)
