@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 
+import torch
 from torch import fx, nn
 
 from autopart.ops.meta import PARAMS
@@ -43,3 +44,13 @@ def parameter_attributes(gm: fx.GraphModule) -> list[tuple[fx.Node, nn.Parameter
 def parameters_named(modules: Iterable[nn.Module], fqns: Collection[str]) -> set[int]:
     """The ids of the `modules`' parameters whose qualified names are in `fqns`."""
     return {id(p) for m in modules for name, p in m.named_parameters() if name in fqns}
+
+
+@torch.no_grad()
+def lower(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """`tensors` (device parameters) hold `dtype` copies of their values from here on,
+    the same tensors still (the graphs and hooks that hold them keep them): master
+    weights on the host (runtime/offload.py)."""
+    for t in tensors:
+        t.data = t.data.to(dtype)
+    return list(tensors)

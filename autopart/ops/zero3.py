@@ -34,6 +34,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed import GroupName
 
 from autopart.ops.flat_buckets import FlatLayout, GradientReducer, all_gather_flat
+from autopart.ops.params import lower
 
 ZERO3 = "zero3"  # the attribute of a stage module that holds its ShardedParameters
 
@@ -131,14 +132,10 @@ class ShardedParameters(nn.Module):
     def after_step(self) -> None:
         """Nothing to do: the next forward gathers the updated shards."""
 
-    @torch.no_grad()
     def lower(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """Hold the trained shards in `dtype` (16-bit copies of master weights kept
         elsewhere), so that they are gathered and reduced in it: the shards lowered."""
-        lowered = [shard for shard in self.shards if shard.requires_grad]
-        for shard in lowered:
-            shard.data = shard.data.to(dtype)
-        return lowered
+        return lower([shard for shard in self.shards if shard.requires_grad], dtype)
 
     def close(self) -> None:
         """No hooks on the user's parameters: the shards are autopart's own."""

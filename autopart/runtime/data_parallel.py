@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
-from autopart.ops.params import parameters_named
+from autopart.ops.params import lower, parameters_named
 from autopart.policy import OuterOptimizer
 from autopart.runtime.grad_sync import GradientSync, params_in_backward_order
-from autopart.runtime.offload import HostOptimizer, lower
+from autopart.runtime.offload import HostOptimizer
 from autopart.runtime.zero import zero_state
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]

@@ -46,12 +46,9 @@ def _with_masters(pm: ParallelModule, params: dict[str, torch.Tensor]) -> dict[s
         None
     ] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    widened: set[str] = set()
     for pieces in every:
         for name, offsets, view in pieces or ():
-            if name not in widened:
-                params[name] = params[name].to(view.dtype)
-                widened.add(name)
+            params[name] = params[name].to(view.dtype)  # once: then it is the same tensor
             region = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))
             params[name][region] = view.to(params[name].device)
     return params

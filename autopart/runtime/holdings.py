@@ -77,7 +77,7 @@ class Holdings:
         offloaded = state.offloaded if state else None  # the host copies the optimizer steps
         # Device tensors holding 16-bit copies of master weights on the host, and those
         # masters: what a checkpoint saves of the weights instead.
-        self.lowered = offloaded.lowered if offloaded else set()
+        self.lowered = offloaded.lowered if offloaded else {}
         self.masters: list[tuple[torch.Tensor, Held]] = []
         for tensor, host in zip(offloaded.tensors, offloaded.host) if offloaded else ():
             if id(tensor) in self._by_id:

@@ -34,7 +34,7 @@ ways, widened to fp32 on the host before the step and narrowed after it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -179,15 +179,6 @@ class HostOptimizer:
         if i not in buffers:
             buffers[i] = torch.empty(self.host[i].shape, dtype=dtype, pin_memory=True)
         return buffers[i]
-
-
-@torch.no_grad()
-def lower(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """`tensors` (device parameters) hold `dtype` copies of their values from here on,
-    the same tensors still (the graphs and hooks that hold them keep them)."""
-    for t in tensors:
-        t.data = t.data.to(dtype)
-    return list(tensors)
 
 
 class _SendingUp(list):

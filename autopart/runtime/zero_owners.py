@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.runtime.offload import lower
+from autopart.ops.params import lower
 
 
 class OwnedParameters:

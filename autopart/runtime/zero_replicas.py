@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.ops.flat_buckets import FlatLayout, GradientReducer, all_gather_flat
+from autopart.ops.params import lower
 from autopart.policy import GRAD_BUCKET_BYTES
 from autopart.runtime.grad_sync import group_into_buckets
-from autopart.runtime.offload import lower
 
 
 @dataclass
