@@ -141,7 +141,8 @@ class ShardedParameters(nn.Module):
         """No hooks on the user's parameters: the shards are autopart's own."""
 
     def gathered_bytes(self) -> int:
-        """Bytes of gathered buckets still alive on this rank."""
+        """Bytes of gathered buckets this rank still holds (the process group's backend
+        may keep a completed gather's output a moment longer: not counted)."""
         flats = (ref() for _, ref in self._gathered.values())
         return sum(f.numel() * f.element_size() for f in flats if f is not None)
 
@@ -156,7 +157,12 @@ class ShardedParameters(nn.Module):
     # -- gathering ---------------------------------------------------------------------
 
     def start_gather(self, bucket: int) -> _Pending:
-        flat, work = all_gather_flat(self.shards[bucket], self.layouts[bucket], self.group, True)
+        output, work = all_gather_flat(self.shards[bucket], self.layouts[bucket], self.group, True)
+        # Track and hand out a second tensor over the output's storage, not the tensor the
+        # backend fills: its worker may hold that one for a moment after the work completes,
+        # and a tensor held from C++ stays alive in Python, so a weak reference to it would
+        # count a bucket this rank has released.
+        flat = output.new_empty(0).set_(output.untyped_storage(), 0, output.shape, output.stride())
         self._gathered = {
             ptr: entry for ptr, entry in self._gathered.items() if entry[1]() is not None
         }
