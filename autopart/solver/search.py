@@ -16,8 +16,8 @@ Candidates, every combination the pins allow:
     pays (`TpLayouts.sequence_parallel`: the layout solved with and without it);
   microbatches: every count giving a power-of-two microbatch size that divides the
     replica's batch (gradient accumulation without a pipeline too); schedule 1F1B,
-    and interleaved 1F1B over 2 virtual stages where the blocks allow (GPipe where one
-    microbatch is pinned);
+    and interleaved 1F1B over 2 to MAX_VIRTUAL_STAGES virtual stages where the blocks
+    allow (GPipe where one microbatch is pinned);
   no recomputation, unless pinned (whole blocks, or their attention cores alone).
 Each is priced once by `cost_models.predict` on one `GraphSummary` of the graph. A
 pipeline's stage cuts, and the blocks to recompute (whole, or their attention cores
@@ -117,6 +117,10 @@ SLACK = 0.05
 # 1e-4; a margin, so that no plan the inner model could make the fastest is skipped.
 REBALANCE_GAIN = 0.02
 SEED = 0
+# The most virtual stages per rank the search tries for interleaved 1F1B: Llama 3's
+# 405B run cut 126 blocks into 16 × 8 chunks (Llama Team, 2024, section 3.3.2); beyond
+# it the bubble has shrunk by 8× and the transfers grow on.
+MAX_VIRTUAL_STAGES = 8
 # What switching an axis on (degree > 1) adds to a plan's complexity (3 where not named):
 # data parallelism adds none, so it is preferred among near-equal plans.
 AXIS_COMPLEXITY = {Axis.DP: 0}
@@ -621,15 +625,26 @@ def _pipelines(pp: int, replica_batch: int, pins: Pins, blocks: int):
     else:
         schedules = [Schedule.ONE_F_ONE_B.value, Schedule.INTERLEAVED_1F1B.value]
     for schedule in schedules:
-        virtual = pins.virtual_stages or (2 if schedule == Schedule.INTERLEAVED_1F1B else 1)
-        if virtual > 1 and pp * virtual > blocks and not pins.virtual_stages:
-            continue
-        if pins.microbatches:
-            yield schedule, virtual, pins.microbatches
-            continue
-        for m in _microbatch_counts(replica_batch, pp):
-            if not microbatches_problem(schedule, pp, m):
-                yield schedule, virtual, m
+        for virtual in _virtual_counts(schedule, pp, blocks, pins.virtual_stages):
+            if pins.microbatches:
+                yield schedule, virtual, pins.microbatches
+                continue
+            for m in _microbatch_counts(replica_batch, pp):
+                if not microbatches_problem(schedule, pp, m):
+                    yield schedule, virtual, m
+
+
+def _virtual_counts(schedule: str | None, pp: int, blocks: int, pinned: int | None) -> list[int]:
+    """Virtual stages per rank to try: the pinned count; 1 but for interleaved 1F1B; else
+    every count from 2 whose pp·v chunks hold a block each, up to MAX_VIRTUAL_STAGES. More
+    chunks shrink the bubble, (p-1)/(v·m) of the step, but each microbatch crosses v·p-1
+    stage boundaries instead of p-1 and the first stage holds more in flight: the cost
+    models weigh the two."""
+    if pinned:
+        return [pinned]
+    if schedule != Schedule.INTERLEAVED_1F1B:
+        return [1]
+    return list(range(2, min(MAX_VIRTUAL_STAGES, blocks // pp) + 1))
 
 
 def _microbatch_counts(replica_batch: int, pp: int = 1) -> list[int]:
