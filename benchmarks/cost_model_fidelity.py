@@ -2,6 +2,7 @@
 and peak memory for every plan type that runs, on the tiny GPT-2 and Llama.
 
     python benchmarks/cost_model_fidelity.py [--epochs 6] [--steps 4] [--batch 16] [--seq 64]
+                                              [--fresh-pages]
 
 One Gloo world of local CPU processes per world size (1, 2 and 4), every plan of that
 world built once in it (`autopart.plan` on a first calibration, then
@@ -16,6 +17,10 @@ world built once in it (`autopart.plan` on a first calibration, then
     measures      the median seconds of `pm.train_step`, each step after a barrier, half
                   of the steps of every plan before the calibration and half after it;
                   a step is as slow as its slowest rank.
+
+The processes reuse freed memory (glibc's mmap and trim thresholds raised, unless
+`--fresh-pages`), as a caching allocator would: the cost models do not price the page
+faults of large outputs written to fresh pages.
 
 Pairing each epoch's prediction with the steps measured around its calibration keeps
 the two under the same load: on a shared machine other jobs come and go within
@@ -314,7 +319,20 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--worlds", default="1,2,4")
     parser.add_argument("--profiles", help="where to keep the device profiles (a temp dir)")
+    parser.add_argument(
+        "--fresh-pages",
+        action="store_true",
+        help="leave glibc's allocator as it is (large outputs on fresh, faulting pages)",
+    )
     args = parser.parse_args()
+    if not args.fresh_pages:
+        # The worlds' processes (which inherit this environment) keep freed tensors in
+        # the heap for reuse, as a caching allocator does, instead of handing large ones
+        # back to the kernel and faulting in fresh pages for the next: 600-1,600 page
+        # faults a step of tiny GPT-2, 10-25% of its time, which the cost models do not
+        # price (PyTorch's CPU tuning guide recommends jemalloc or tcmalloc for this).
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
     options = {"epochs": args.epochs, "steps": args.steps, "batch": args.batch, "seq": args.seq}
     lines, loads = [], {}
     with tempfile.TemporaryDirectory() as tmp:
