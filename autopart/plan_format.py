@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from autopart.degrees import Axis
 from autopart.placements import placement_to_str
-from autopart.policy import cp_gradients_in_sync
+from autopart.policy import MasterWeights, cp_gradients_in_sync
 
 if TYPE_CHECKING:
     from autopart.plan import Plan, Resharding, StageFigures
@@ -186,7 +186,7 @@ def explain_plan(plan: Plan) -> str:
             "state tile by tile, each tile's updated parameters going back up while it "
             "steps the next."
         )
-    if plan.master_weights == "host":
+    if plan.master_weights == MasterWeights.HOST:
         low = plan.precision.split("-")[0]
         lines.append(
             f"As asked (master_weights='host'), the fp32 master weights live on the host "

@@ -205,11 +205,12 @@ class MemoryModel:
         zero: int,
         gathered_params: float,
         pipeline_bytes: float,
-        per_param_state: tuple[int, int, int] | None = None,
+        per_param_state: tuple[int, int, int],
     ) -> float:
         """A reduce-scatter bucket (ZeRO ≥ 1), two blocks of gathered parameters
-        (ZeRO-3), one activation sent and one received (pipelines)."""
-        per_param, per_grad, _ = per_param_state or STATE_BYTES[self.precision]
+        (ZeRO-3), one activation sent and one received (pipelines); `per_param_state`
+        as `state_bytes` gives it."""
+        per_param, per_grad, _ = per_param_state
         buffers = 2 * pipeline_bytes
         if dp > 1 and zero >= 1:
             buffers += min(self.bucket_bytes, params * per_grad)

@@ -78,6 +78,7 @@ from autopart.policy import (
     SCHEDULES,
     ZERO3_BUCKET_BYTES,
     ZERO3_REGATHER_AFTER,
+    MasterWeights,
     Precision,
     Schedule,
     cp_gradients_in_sync,
@@ -118,7 +119,7 @@ class Choices(AxisAttributes):
     outer_copies: int = 0
     # Where the fp32 weights live (`policy.MasterWeights`): on the host, the device's
     # weights and gradients are 16-bit.
-    master_weights: str = "device"
+    master_weights: str = MasterWeights.DEVICE
 
     def __post_init__(self) -> None:
         if self.pp > 1 and self.schedule is None:

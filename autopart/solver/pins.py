@@ -287,7 +287,6 @@ def _plan_of(
     pipeline = choose_pipeline(
         captured.gm,
         choices.pp,
-        batch // choices.dp,
         choices.schedule,
         choices.virtual_stages,
         choices.microbatches,

@@ -1,9 +1,7 @@
-"""The pipeline's shape for pp > 1: schedule, virtual stages, microbatches and cuts.
-
-Unpinned, a pipeline runs 1F1B (interleaved 1F1B with virtual stages) over the fewest
-microbatches that keep every stage busy in the steady state: the smallest divisor of the
-per-replica batch that is at least pp. The checks are the schedules' own requirements,
-made here so that a plan that validates also runs.
+"""The pipeline's shape for pp > 1: the search's schedule, virtual stages and
+microbatches (`search._pipelines` enumerates them, pinned or not), checked against the
+schedules' own requirements, so that a plan that validates also runs; and its stage
+cuts.
 """
 
 from __future__ import annotations
@@ -28,32 +26,26 @@ class PipelineChoice:
 def choose_pipeline(
     gm: fx.GraphModule,
     pp: int,
-    replica_batch: int,
     schedule: str | None,
-    virtual_stages: int | None,
-    microbatches: int | None,
+    virtual_stages: int,
+    microbatches: int,
     stage_cuts: tuple[str, ...] = (),
 ) -> PipelineChoice:
-    """`replica_batch` is the global batch over dp; the other arguments are pins, or the
-    search's choices (its stage cuts); without cuts they are balanced in FLOPs."""
+    """The search's choices (pinned ones among them) where the schedule runs them;
+    without `stage_cuts`, cuts balanced in FLOPs."""
     if pp == 1:
-        return PipelineChoice(schedule, virtual_stages or 1, microbatches or 1, ())
-    virtual = virtual_stages or (2 if schedule == Schedule.INTERLEAVED_1F1B else 1)
-    schedule = schedule or (
-        Schedule.INTERLEAVED_1F1B.value if virtual > 1 else Schedule.ONE_F_ONE_B.value
-    )
-    if virtual > 1 and schedule != Schedule.INTERLEAVED_1F1B:
+        return PipelineChoice(schedule, virtual_stages, microbatches, ())
+    assert schedule is not None, "a pipeline's Choices carry a schedule"
+    if virtual_stages > 1 and schedule != Schedule.INTERLEAVED_1F1B:
         raise PlanError(
-            f"virtual_stages={virtual} needs schedule='interleaved-1f1b' (the {schedule} "
-            "schedule runs one stage per rank)"
+            f"virtual_stages={virtual_stages} needs schedule='interleaved-1f1b' (the "
+            f"{schedule} schedule runs one stage per rank)"
         )
-    m = microbatches or next(
-        (d for d in range(pp, replica_batch + 1) if replica_batch % d == 0), replica_batch
-    )
-    problem = microbatches_problem(schedule, pp, m)
+    problem = microbatches_problem(schedule, pp, microbatches)
     if problem:
         raise PlanError(problem)
-    return PipelineChoice(schedule, virtual, m, stage_cuts or choose_stage_cuts(gm, pp * virtual))
+    cuts = stage_cuts or choose_stage_cuts(gm, pp * virtual_stages)
+    return PipelineChoice(schedule, virtual_stages, microbatches, cuts)
 
 
 def microbatches_problem(schedule: str, pp: int, m: int) -> str | None:
