@@ -61,6 +61,21 @@ def test_interleaved_and_composed_pipelines_match_single_device():
     _check(WORLD_4, 4)
 
 
+# The solver runs up to 8 virtual stages a rank (`search.MAX_VIRTUAL_STAGES`): 4 a rank
+# over 8 blocks, and 3 a rank, whose 6 chunks hold the 8 blocks unevenly.
+DEEP_INTERLEAVED = [
+    ("llama PP2 × 4 virtual", "llama", 8, dict(pp=2, schedule="interleaved-1f1b",
+                                               virtual_stages=4, microbatches=4)),
+    ("gpt2 PP2 × 3 virtual", "gpt2", 8, dict(pp=2, schedule="interleaved-1f1b",
+                                             virtual_stages=3, microbatches=2)),
+]  # fmt: skip
+
+
+@pytest.mark.slow  # another world of 2
+def test_more_virtual_stages_match_single_device():
+    _check(DEEP_INTERLEAVED, 2)
+
+
 # Stages the inner solver may choose: uneven cuts, and some blocks recomputed (those of
 # the first stage, which holds the most microbatches in flight under 1F1B).
 UNEVEN = [  # (name, model, layers, world, pins, stage cuts, recomputed blocks)
