@@ -429,7 +429,7 @@ def _rank_cost(
         # 1/tp of it if split; gathered whole over cp
         output_bytes=last.output_bytes * choices.cp if last else 0.0,
         offload=choices.offload,
-        experts=sum(s.expert_numel(choices.ep) for s in own),
+        experts=sum(s.expert_numel(choices.ep, choices.tp) for s in own),
         ep=choices.ep,
         master_weights=choices.master_weights,
     )
@@ -583,7 +583,7 @@ def _dp_sync(
     if choices.sync_every is not None:
         return _parameter_averaging(own, choices, models, size, stride)
     ep = choices.ep
-    experts = sum(s.expert_numel(ep) for s in own) if ep > 1 else 0.0
+    experts = sum(s.expert_numel(ep, choices.tp) for s in own) if ep > 1 else 0.0
     params = sum(s.param_numel(choices.tp, ep) for s in own) - experts
     param_bytes, grad_bytes = choices.state_bytes[:2]
     op = ALL_REDUCE if choices.zero == 0 else REDUCE_SCATTER
@@ -656,7 +656,7 @@ def _optimizer_time(
     data parallelism does, ZeRO-3 the parameters of each block and of each run of
     segments between blocks (`passes/zero.py`). Offloaded, it runs on the host."""
     params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
-    experts = sum(s.expert_numel(choices.ep) for s in own)
+    experts = sum(s.expert_numel(choices.ep, choices.tp) for s in own)
     per_param = sum(choices.state_bytes)
     shard = (params - experts) / choices.degrees.batch_split + experts / choices.dp
     if choices.offload:

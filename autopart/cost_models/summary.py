@@ -85,6 +85,7 @@ class Segment:
     # (`passes.experts`: the rows into the first grouped multiply, out of the last).
     expert_param_numel: int = 0
     expert_rows: tuple[sympy.Expr, ...] = ()
+    sharded_expert_param_numel: int = 0  # of the experts, split over tp too
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,14 +152,17 @@ class SegmentWork:
 
     def param_numel(self, tp: int = 1, ep: int = 1) -> float:
         """Parameters held by one rank of a `tp`-way tensor-parallel group, with the
-        experts split over `ep` ranks (expert parallelism runs with tp = 1)."""
+        experts split over `ep` ranks."""
         s = self.segment
         held = s.param_numel - s.sharded_param_numel + s.sharded_param_numel / tp
-        return held - s.expert_param_numel * (1 - 1 / ep)
+        return held - self.expert_numel(1, tp) * (1 - 1 / ep)
 
-    def expert_numel(self, ep: int = 1) -> float:
-        """Of `param_numel`, the expert weights one of `ep` ranks holds."""
-        return self.segment.expert_param_numel / ep
+    def expert_numel(self, ep: int = 1, tp: int = 1) -> float:
+        """Of `param_numel`, the expert weights one rank of `ep` × `tp` holds (the
+        layout may shard them over tp too: expert tensor parallelism)."""
+        s = self.segment
+        whole = s.expert_param_numel - s.sharded_expert_param_numel
+        return (whole + s.sharded_expert_param_numel / tp) / ep
 
     def sharded(self, tp: int) -> SegmentWork:
         """One tp rank's share: its operators', and its output where the layout splits
@@ -327,6 +331,11 @@ def _segments(
             _output_split(nodes, flags[i]),
             sum(numel[p] for p in owners[i] if p in experts),
             rows[i],
+            sum(
+                numel[p]
+                for p in owners[i]
+                if p in experts and _is_sharded_param(gm, nodes, p, layout)
+            ),
         )
         for i, (key, block_id, nodes) in enumerate(runs)
     )

@@ -13,6 +13,11 @@ In every layer:
 - the router, the weighting of each expert's output and the load-balancing loss run on
   each rank's own tokens, untouched.
 
+Under tp the tensor-parallel pass has already split every expert on its inner dims
+(`tp_rules._grouped_contraction`: the first grouped multiply column-parallel, the last
+row-parallel): the tp ranks of an ep group route the same rows, and this pass cuts each
+rank's run of experts (dim 0) out of its tp slices.
+
 Nothing is dropped, so each expert computes the rows one device's would. The gradient
 of an expert's weight on its rank sums the rows of every ep rank's tokens; the
 data-parallel sync sums it over the dp replicas of that expert and divides by dp × ep,
@@ -49,7 +54,14 @@ def expert_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         raise NoExpertLayers(
             f"the plan splits experts over ep = {plan.ep} ranks, but the model has no routed "
             "expert layer autopart recognizes (grouped multiplies over weights stacked by "
-            "expert): plan it with ep = 1"
+            "expert)"
+            + (
+                f", or tp = {plan.tp}'s layout gathers the stacked expert weights before their "
+                "grouped multiplies instead of splitting them on their inner dims"
+                if plan.tp > 1
+                else ""
+            )
+            + ": plan it with ep = 1"
         )
     for layer in layers:
         if layer.experts % plan.ep:

@@ -32,7 +32,7 @@ from torch import fx
 from torch.distributed.tensor import Placement, Shard
 
 from autopart.batch import SEQ
-from autopart.ops.aten import ATTENTION_OPS, VIEW_OPS, op_name
+from autopart.ops.aten import ATTENTION_OPS, GROUPED_MM_OPS, VIEW_OPS, op_name
 from autopart.ops.collectives import COLLECTIVES
 from autopart.ops.meta import SHAPE, TensorInfo, tensor_info
 from autopart.ops.vocab_parallel import vocab_parallel_embedding
@@ -102,6 +102,8 @@ def _rule_for(name: str, node: fx.Node) -> Callable[[Operands], Decision] | None
         return _embedding
     if name in _CONTRACTIONS:
         return _contraction
+    if name in GROUPED_MM_OPS:
+        return _grouped_contraction
     if name in ATTENTION_OPS:
         return _attention
     if name in ("view", "_unsafe_view", "reshape"):
@@ -636,3 +638,31 @@ def _contraction(ops: Operands) -> Decision:
             decision.copy_to_group.add(bias_i)
         return decision
     return fallback(ops, f"{name} with operands {a} and {b}")
+
+
+def _grouped_contraction(ops: Operands) -> Decision:
+    """Routed rows a [rows, k] times experts' stacked weights b [E, k, n], each run of
+    rows (ending at the offsets, which stay whole) by its own expert's matrix: an
+    expert tensor-parallel layer. Sharding n (b's last dim) gives every row n/tp of its
+    outputs (column parallel, the layer's first product); sharding k of both operands
+    gives partial sums, reduced right after (row parallel, its last). The rows are
+    never split: every rank routes the same rows, so the offsets hold for each."""
+    a_i, b_i, *rest = ops.tensors
+    if any(ops.places[i] != R for i in rest):
+        return fallback(ops, "grouped multiply with sharded offsets")
+    a, b = ops.places[a_i], ops.places[b_i]
+    ra, rb = _rank(ops, a_i), _rank(ops, b_i)
+    da = _norm_dim(a.dim, ra) if isinstance(a, Shard) else None
+    db = _norm_dim(b.dim, rb) if isinstance(b, Shard) else None
+    decision = Decision(output=R)
+    if a == R and db == rb - 1:
+        decision.output = Shard(ra - 1)
+        if ops.grads[a_i]:
+            decision.copy_to_group.add(a_i)
+        return decision
+    if da == ra - 1 and (db == rb - 2 or b == R):
+        if b == R:
+            decision.inputs[b_i] = Shard(rb - 2)
+        decision.reduce_to = R
+        return decision
+    return fallback(ops, f"grouped multiply with operands {a} and {b}")

@@ -22,8 +22,9 @@ from autopart.degrees import Axis
 from autopart.ops.flat_buckets import FlatLayout
 from autopart.ops.zero3 import ZERO3, sharded_parameters
 from autopart.runtime.pieces import (
+    AxisSlices,
     Piece,
-    TensorParallelSlices,
+    Slices,
     distinct,
     flat_pieces,
     whole_pieces,
@@ -60,7 +61,7 @@ class Holdings:
                     name_of[id(p)] = name
                     size = tp.whole_size(name, p.shape)
                     pieces = partial(whole_pieces, name, tp=tp)
-                    self.own.append((p, Held((name,), size, pieces, name not in tp.layout)))
+                    self.own.append((p, Held((name,), size, pieces, name not in tp)))
             zero3 = sharded_parameters(gm)
             if zero3 is not None:
                 for shard, names, layout in zip(zero3.shards, zero3.names, zero3.layouts):
@@ -109,15 +110,18 @@ class Holdings:
         return {name: distinct(pieces) for name, pieces in entries.items()}
 
 
-def _slices(pm: ParallelModule) -> TensorParallelSlices:
-    """How this rank's slices sit in whole parameters: tp's, or under expert
-    parallelism (which runs with tp = 1) its run of every layer's experts, dim 0."""
-    if pm.plan.ep > 1:
-        experts = {name: (0, 1) for name in pm.ep_sharded}
-        return TensorParallelSlices(experts, pm.plan.ep, pm.groups.rank(Axis.EP))
-    return TensorParallelSlices(pm.tp_layout, pm.plan.tp, pm.groups.rank(Axis.TP))
+def _slices(pm: ParallelModule) -> Slices:
+    """How this rank's slices sit in whole parameters: under expert parallelism its run
+    of every layer's experts (dim 0), cut from tp's slices."""
+    experts = {name: (0, 1) for name in pm.ep_sharded}
+    return Slices(
+        (
+            AxisSlices(experts, pm.plan.ep, pm.groups.rank(Axis.EP)),
+            AxisSlices(pm.tp_layout, pm.plan.tp, pm.groups.rank(Axis.TP)),
+        )
+    )
 
 
-def _flat(names: Sequence[str], layout: FlatLayout, rank: int, tp: TensorParallelSlices) -> Held:
+def _flat(names: Sequence[str], layout: FlatLayout, rank: int, tp: Slices) -> Held:
     pieces = partial(flat_pieces, names=names, layout=layout, rank=rank, tp=tp)
     return Held(tuple(names), tp.whole_size(names[0], layout.shapes[0]), pieces, False)

@@ -45,9 +45,9 @@ class Piece:
 
 
 @dataclass(frozen=True, slots=True)
-class TensorParallelSlices:
-    """How this rank's tensor-parallel slices sit in whole parameters: `layout` maps a
-    sharded parameter's name to (dim, parts), as `ops.shards.local_shard` cuts it, over
+class AxisSlices:
+    """How this rank's slices over one mesh axis sit in whole parameters: `layout` maps
+    a sharded parameter's name to (dim, parts), as `ops.shards.local_shard` cuts it, over
     `size` ranks (tp's; or ep's, whose expert runs are slices of dim 0 alike)."""
 
     layout: Mapping[str, tuple[int, int]]
@@ -84,6 +84,37 @@ class TensorParallelSlices:
         return pieces
 
 
+@dataclass(frozen=True, slots=True)
+class Slices:
+    """How this rank's slices sit in whole parameters, cut over several axes: `axes`
+    innermost cut first (ep's runs of experts are cut from tp's slices)."""
+
+    axes: tuple[AxisSlices, ...]
+
+    def __contains__(self, name: str) -> bool:
+        return any(name in axis.layout for axis in self.axes)
+
+    def whole_size(self, name: str, local: Sequence[int]) -> tuple[int, ...]:
+        size = tuple(local)
+        for axis in self.axes:
+            size = axis.whole_size(name, size)
+        return size
+
+    def place(self, name: str, local: Sequence[int], box: Box, view: torch.Tensor) -> list[Piece]:
+        """The pieces of whole `name` that `view`, a box of this rank's slice (of shape
+        `local`), holds: each axis moves them within the slice the next one cut."""
+        pieces = [Piece(name, tuple(local), box[0], view)]
+        shape = tuple(local)
+        for axis in self.axes:
+            pieces = [
+                moved
+                for p in pieces
+                for moved in axis.place(name, shape, (p.offsets, tuple(p.view.shape)), p.view)
+            ]
+            shape = axis.whole_size(name, shape)
+        return pieces
+
+
 def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     """The boxes that cover elements [start, stop) of a row-major tensor of `shape`, in
     memory order: each box is contiguous."""
@@ -108,7 +139,7 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     return boxes
 
 
-def whole_pieces(name: str, tensor: torch.Tensor, tp: TensorParallelSlices) -> list[Piece]:
+def whole_pieces(name: str, tensor: torch.Tensor, tp: Slices) -> list[Piece]:
     """The pieces of a parameter held whole (or as its tensor-parallel slice)."""
     box = ((0,) * tensor.dim(), tuple(tensor.shape))
     return tp.place(name, tuple(tensor.shape), box, tensor)
@@ -119,7 +150,7 @@ def flat_pieces(
     names: Sequence[str],
     layout: FlatLayout,
     rank: int,
-    tp: TensorParallelSlices,
+    tp: Slices,
 ) -> list[Piece]:
     """The pieces held by `flat`, rank `rank`'s shard of a bucket of `layout` whose
     tensors are named `names` (padding holds nothing)."""

@@ -259,7 +259,7 @@ def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:
             f"ep={ep} splits each layer's {experts} experts in equal runs: pin an ep that "
             f"divides {experts}"
         )
-    axes = {"tp": pins.degree(Axis.TP), "cp": pins.degree(Axis.CP)}
+    axes = {"cp": pins.degree(Axis.CP)}
     others = {
         "zero": pins.zero if pins.zero == 3 else None,
         "offload": pins.offload,
@@ -271,7 +271,7 @@ def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:
     if clashes:
         raise PlanError(
             f"ep={ep} does not combine with {', '.join(clashes)} yet: expert parallelism runs "
-            "with dp and pp, ZeRO-0/1/2 (without offload), tp=1 and cp=1"
+            "with dp, tp and pp, ZeRO-0/1/2 (without offload), and cp=1"
         )
 
 

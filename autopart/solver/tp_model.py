@@ -51,7 +51,7 @@ from torch import fx
 from torch.distributed.tensor import Placement, Shard
 
 from autopart.cost_models.tp_costs import DecisionCost, TpCosts
-from autopart.ops.aten import op_name
+from autopart.ops.aten import GROUPED_MM_OPS, op_name
 from autopart.ops.meta import BLOCK, SHAPE, TensorInfo
 from autopart.passes.blocks import block_counterparts
 from autopart.passes.tp_decision import Decision, NodePlacement, R, argument_leaves
@@ -408,11 +408,13 @@ def parameter_roles(
         fqn = param_names.get(str(node.target)) if node.op == "get_attr" else None
         if fqn is None or fqn not in placements:
             continue
-        found = [_role(user, node, result.decisions[user]) for user in node.users]
+        found = [_role(user, read, result.decisions[user]) for user, read in _readers(node)]
         roles[fqn] = min(found, key=ROLES.index) if found else ROLES[-1]
     return roles
 
 
+# Products whose weight sharded on their output dim is column-parallel.
+_PRODUCTS = frozenset({"linear", "mm", "addmm", "matmul"}) | GROUPED_MM_OPS
 ROLES = (
     "vocabulary-parallel",
     "row-parallel",
@@ -420,6 +422,18 @@ ROLES = (
     "gathered when used",
     "sharded with its operator",
 )
+
+
+def _readers(param: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """(operator, the operand it reads) for each operator reading `param`, through
+    transposes (an expert's stacked weights are read as [E, in, out])."""
+    out = []
+    for user in param.users:
+        if op_name(user) in ("transpose", "t", "permute"):
+            out += _readers(user)
+        else:
+            out.append((user, param))
+    return out
 
 
 def _role(user: fx.Node, param: fx.Node, decision: Decision) -> str:
@@ -430,6 +444,6 @@ def _role(user: fx.Node, param: fx.Node, decision: Decision) -> str:
         return ROLES[3]
     if decision.reduce_to is not None:
         return ROLES[1]
-    if op_name(user) in ("linear", "mm", "addmm", "matmul") and isinstance(decision.output, Shard):
+    if op_name(user) in _PRODUCTS and isinstance(decision.output, Shard):
         return ROLES[2]
     return ROLES[4]

@@ -28,3 +28,17 @@ def test_zero_shards_the_experts_over_dp_and_the_rest_over_dp_and_ep(zero):
     assert memory["parameters"] == pytest.approx(4 * held, abs=1)
     assert memory["optimizer"] == pytest.approx(ADAM_STATE * shard, abs=1)
     assert memory["gradients"] == pytest.approx(4 * (shard if zero == 2 else held), abs=1)
+
+
+def test_under_ep_and_tp_a_rank_holds_its_slice_of_its_experts():
+    """ep=2 × tp=2: the layout splits every expert column then row parallel, so a rank
+    holds 1/(ep·tp) of the experts; the other weights as tp alone holds them."""
+    model = tiny_mixtral()
+    ids, _ = token_batch(8)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    plan = autopart.plan(model, FOUR_CPUS, (ids,), ep=2, tp=2, dp=1, pp=1, cp=1, zero=0)
+    tp_alone = autopart.plan(model, FOUR_CPUS, (ids,), ep=1, tp=2, dp=2, pp=1, cp=1, zero=0)
+    assert "row-parallel: " in plan.explain() and "experts.down_proj" in plan.explain()
+    held = plan.predicted.memory["parameters"] / 4
+    held_by_tp = tp_alone.predicted.memory["parameters"] / 4
+    assert held == pytest.approx(held_by_tp - experts / 2 * (1 - 1 / 2), abs=1)

@@ -2,8 +2,9 @@
 of 2 layers). Its layers are recognized as copies of one block although each routes a
 data-dependent number of tokens, so it cuts into two pipeline stages. It trains like
 one device under dp=2, pp=2 and expert parallelism ep=2 (alone and with ZeRO-1) on 2
-ranks, and ep=2 × dp=2 (alone and with ZeRO-2 over 2 microbatches) and ep=2 × pp=2
-(1F1B) on 4: 3 steps of SGD with momentum in fp32 on Gloo, every
+ranks, and ep=2 × dp=2 (alone and with ZeRO-2 over 2 microbatches), ep=2 × pp=2
+(1F1B) and ep=2 × tp=2 (each rank's experts split column then row parallel; alone and
+with ZeRO-1) on 4: 3 steps of SGD with momentum in fp32 on Gloo, every
 rank's losses and parameters within 1e-5. SGD, since Adam's update would hide a
 gradient off by a constant factor (a wrong divisor in the experts' sync). Under ep each
 layer's rows travel to their experts' ranks and back with two all_to_alls, each rank
@@ -54,6 +55,9 @@ CASES = {
         {"ep": 2, "dp": 1, "pp": 2, "schedule": "1f1b", "microbatches": 2},
         # The other weights sharded over dp x ep, the experts over dp.
         {"ep": 2, "dp": 2, "zero": 2, "microbatches": 2},
+        # Each ep rank's experts split over tp too (column then row parallel).
+        {"ep": 2, "tp": 2, "dp": 1},
+        {"ep": 2, "tp": 2, "dp": 1, "zero": 1},
     ],
 }
 
@@ -103,17 +107,27 @@ def test_mixture_of_experts_trains_like_one_device(world):
         # Into each layer's experts and back out: two all_to_alls per layer and rank.
         assert sum(len(r["exchanges"]) for r in results) == 2 * LAYERS * pipelines
         assert {k for r in results for k in r["exchanges"]} == {"all_to_all"}
-        # Each rank holds 2 of every layer's 4 experts (gate_up and down, per layer).
+        # Each rank holds 2 of every layer's 4 experts (gate_up and down, per layer),
+        # under tp a 1/tp slice of each.
         assert sum(len(r["experts"]) for r in results) == 2 * LAYERS * pipelines
         assert all(shape[0] == 2 for r in results for shape in r["experts"].values())
+        whole = {n: math.prod(p.shape) for n, p in reference["params"].items()}
+        tp = pins.get("tp", 1)
+        for r in results:
+            assert {n: math.prod(s) * 2 * tp for n, s in r["experts"].items()} == {
+                n: whole[n] for n in r["experts"]
+            }
         # Under ZeRO the optimizer steps flat shards: 1/dp of the rank's experts, and
         # 1/(dp·ep) of the other weights (up to each bucket's padding to the group).
         if pins.get("zero"):
             dp, ep = pins["dp"], pins["ep"]
             experts = sum(math.prod(s) for s in results[0]["experts"].values())
-            others = reference_numel - experts * ep
+            others = (reference_numel - experts * ep * tp) / tp  # a tp slice or whole
             held = sum(results[0]["shards"])
-            assert held == pytest.approx(experts / dp + others / (dp * ep), abs=64)
+            if tp == 1:
+                assert held == pytest.approx(experts / dp + others / (dp * ep), abs=64)
+            else:  # some of the other weights stay whole under tp (norms)
+                assert experts / dp + others / (dp * ep) <= held < experts / dp + others
 
 
 TWO_CPUS = Mesh.cluster("cpu", nodes=1, per_node=2)
@@ -123,13 +137,13 @@ TWO_CPUS = Mesh.cluster("cpu", nodes=1, per_node=2)
     ("model", "pins", "refusal"),
     [
         (tiny_llama, {"ep": 2}, "no expert layer autopart recognizes.*pin ep=1"),
-        (tiny_mixtral, {"ep": 2, "tp": 2}, "ep=2 does not combine with tp=2"),
+        (tiny_mixtral, {"ep": 2, "cp": 2}, "ep=2 does not combine with cp=2"),
         (tiny_mixtral, {"ep": 2, "zero": 3}, "ep=2 does not combine with zero=3"),
     ],
 )
 def test_expert_parallelism_it_cannot_run_is_refused_saying_why(model, pins, refusal):
     ids, _ = token_batch(4)
-    mesh = TWO_CPUS if pins.get("tp", 1) == 1 else Mesh.cluster("cpu", nodes=1, per_node=4)
+    mesh = TWO_CPUS if pins.get("cp", 1) == 1 else Mesh.cluster("cpu", nodes=1, per_node=4)
     with pytest.raises(autopart.PlanError, match=refusal):
         autopart.plan(model(), mesh, (ids,), **pins)
 

@@ -11,7 +11,8 @@ import torch
 from autopart.ops.flat_buckets import FlatLayout
 from autopart.ops.shards import local_shard
 from autopart.runtime.pieces import (
-    TensorParallelSlices,
+    AxisSlices,
+    Slices,
     distinct,
     flat_pieces,
     flat_range_boxes,
@@ -61,7 +62,7 @@ def test_tensor_parallel_slices_and_flat_shards_rebuild_every_tensor_once(layout
     whole = {name: torch.randn(shape) for name, shape in WEIGHTS.items()}
     pieces = []
     for tp_rank in range(tp):
-        slices = TensorParallelSlices(layout, tp, tp_rank)
+        slices = Slices((AxisSlices(layout, tp, tp_rank),))
         local = {name: _slice(layout, name, t, tp, tp_rank) for name, t in whole.items()}
         if dp == 1:  # held whole (or as the tensor-parallel slice)
             for name, t in local.items():
@@ -80,6 +81,40 @@ def test_tensor_parallel_slices_and_flat_shards_rebuild_every_tensor_once(layout
         assert torch.equal(rebuilt[name], whole[name]), name
 
 
+@pytest.mark.parametrize("dp", [1, 3])
+def test_experts_cut_over_ep_from_tensor_parallel_slices_rebuild_once(dp):
+    """Expert parallelism cuts each rank's run of experts (dim 0) out of the tp slice
+    it holds; the two axes' moves compose, a fused weight's parts included."""
+    torch.manual_seed(0)
+    shapes = {"gate_up": (4, 8, 6), "down": (4, 6, 4), "other": (6, 4)}
+    whole = {name: torch.randn(shape) for name, shape in shapes.items()}
+    tp_layout = {"gate_up": (1, 2), "down": (2, 1), "other": (0, 1)}
+    ep_layout = {"gate_up": (0, 1), "down": (0, 1)}
+    ep = tp = 2
+    pieces = []
+    for ep_rank in range(ep):
+        for tp_rank in range(tp):
+            slices = Slices(
+                (AxisSlices(ep_layout, ep, ep_rank), AxisSlices(tp_layout, tp, tp_rank))
+            )
+            local = {
+                name: _slice(ep_layout, name, _slice(tp_layout, name, t, tp, tp_rank), ep, ep_rank)
+                for name, t in whole.items()
+            }
+            assert slices.whole_size("gate_up", local["gate_up"].shape) == shapes["gate_up"]
+            if dp == 1:
+                pieces += [p for name, t in local.items() for p in whole_pieces(name, t, slices)]
+                continue
+            bucket = FlatLayout.of(list(local.values()), dp)
+            for dp_rank in range(dp):
+                shard = bucket.shard_of(list(local.values()), dp_rank)
+                pieces += flat_pieces(shard, list(local), bucket, dp_rank, slices)
+    rebuilt, hits = _rebuild(distinct(pieces), shapes)
+    for name in shapes:
+        assert torch.equal(hits[name], torch.ones(shapes[name])), name
+        assert torch.equal(rebuilt[name], whole[name]), name
+
+
 def _slice(layout, name, t, tp, rank):
     if name not in layout:
         return t
@@ -91,7 +126,7 @@ def test_a_piece_is_a_view_of_what_the_rank_holds():
     """Loading writes into the pieces' views: they must alias the held tensor."""
     bucket = FlatLayout.of([torch.zeros(4, 3)], 2)
     shard = torch.zeros(bucket.shard_numel)
-    slices = TensorParallelSlices({}, 1, 0)
+    slices = Slices((AxisSlices({}, 1, 0),))
     for piece in flat_pieces(shard, ["w"], bucket, 1, slices):
         piece.view.fill_(1.0)
     assert shard.sum().item() == 6.0
