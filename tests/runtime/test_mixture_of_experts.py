@@ -179,6 +179,35 @@ def test_a_checkpoint_moves_between_expert_and_data_parallel_plans(tmp_path):
         assert losses == pytest.approx(reference["losses"], rel=1e-5)
 
 
+def _resume_tp(batch, directory) -> list[float]:
+    """Two steps at ep=2 × tp=2, one at dp=4 from their checkpoint, one at ep=2 × tp=2
+    with ZeRO-1 from its."""
+    losses: list[float] = []
+    plans = (
+        (2, {"ep": 2, "tp": 2, "dp": 1}),
+        (1, {"ep": 1, "tp": 1, "dp": 4}),
+        (1, {"ep": 2, "tp": 2, "dp": 1, "zero": 1}),
+    )
+    for i, (steps, pins) in enumerate(plans):
+        pm = parallelize_lm(tiny_mixtral(), batch, "adamw", cp=1, pp=1, **pins)
+        if i:
+            autopart.load_checkpoint(pm, directory)
+        losses += train_losses(pm, batch, steps)
+        autopart.save_checkpoint(pm, directory)
+        pm.close()
+    return losses
+
+
+@pytest.mark.slow
+def test_a_checkpoint_moves_between_expert_tensor_parallel_and_data_parallel_plans(tmp_path):
+    """Under ep × tp a rank holds its tp slice of its run of experts: saved as its box
+    of the whole weights, read back whole by a dp plan and sliced again."""
+    batch = token_batch(8)
+    reference = train_reference(tiny_mixtral(), "adamw", 4, (batch[0],), batch[1])
+    for losses in run_world(_resume_tp, 4, batch, str(tmp_path)):
+        assert losses == pytest.approx(reference["losses"], rel=1e-5)
+
+
 def test_a_load_balancing_loss_keeps_the_batch_whole_unless_asked():
     """The load-balancing loss multiplies two statistics of the whole batch (token
     fractions, router probabilities): split over dp or ep, each part's product would
