@@ -39,7 +39,7 @@ backward (3× forward FLOPs) without recomputation, as in MFU (Chowdhery et al.,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -406,7 +406,7 @@ def _rank_cost(
     params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
     boundary = max((s.output_bytes for s in own if s.is_block), default=0.0)
     blocks = [s for s in own if s.is_block]
-    gathered = max((s.param_numel(choices.tp, choices.ep) for s in blocks), default=params)
+    gathered = max((zero3_gathered(s, choices) for s in blocks), default=params)
     tp = _tp_comm(own, choices, models.comm)
     comm = (
         tp
@@ -540,15 +540,18 @@ def _zero3_comm(
     reduce-scattered. A gather is issued one bucket ahead and reduce-scatters
     travel while backward goes on, so each pass's first gather and the last
     reduce-scatter show and the others hide behind the pass's compute while it lasts."""
-    if choices.zero != 3 or choices.dp == 1:
+    if choices.zero != 3 or choices.degrees.batch_split == 1:
         return 0.0
     param_bytes, grad_bytes = choices.state_bytes[:2]
-    comm, dp, stride = models.comm, choices.dp, choices.degrees.stride(Axis.DP)
-    buckets = _gathers(own, choices.tp)
-    if not buckets:
+    gathers: list[float] = []
+    scatters: list[float] = []
+    for numel, (size, stride) in _zero3_groups(choices):
+        if size > 1:
+            for b in _gathers(own, numel):
+                gathers.append(models.comm.time(ALL_GATHER, b * param_bytes, size, stride))
+                scatters.append(models.comm.time(REDUCE_SCATTER, b * grad_bytes, size, stride))
+    if not gathers:
         return 0.0
-    gathers = [comm.time(ALL_GATHER, b * param_bytes, dp, stride) for b in buckets]
-    scatters = [comm.time(REDUCE_SCATTER, b * grad_bytes, dp, stride) for b in buckets]
     forward = gathers[0] + max(0.0, sum(gathers[1:]) - _hiding(compute.forward, models))
     hidden = sum(gathers[:-1]) + sum(scatters[1:])  # backward runs the buckets in reverse
     backward = (
@@ -557,6 +560,28 @@ def _zero3_comm(
         + max(0.0, hidden - _hiding(compute.backward + compute.recompute, models))
     )
     return forward + backward
+
+
+def _zero3_groups(
+    choices: Choices,
+) -> list[tuple[Callable[[SegmentWork], float], tuple[int, int]]]:
+    """ZeRO-3's kinds of bucket: (a segment's parameters of that kind on this rank, the
+    (ranks, stride) they are sharded over). Under expert parallelism the experts' over
+    their dp replicas (`_expert_group`), the other weights' over dp × ep."""
+    tp, ep = choices.tp, choices.ep
+    if ep == 1:
+        return [(lambda s: s.param_numel(tp), (choices.dp, choices.degrees.stride(Axis.DP)))]
+    batch = (choices.dp * ep, choices.degrees.stride(Axis.EP))
+    return [
+        (lambda s: s.param_numel(tp, ep) - s.expert_numel(ep, tp), batch),
+        (lambda s: s.expert_numel(ep, tp), _expert_group(choices)),
+    ]
+
+
+def zero3_gathered(seg: SegmentWork, choices: Choices) -> float:
+    """The parameters of `seg` ZeRO-3 gathers whole (an expert with one replica is held
+    whole, not gathered)."""
+    return sum(numel(seg) for numel, (size, _) in _zero3_groups(choices) if size > 1)
 
 
 def _hiding(compute: float, models: CostModels) -> float:
@@ -675,7 +700,7 @@ def _optimizer_time(
         tensors = sum(s.param_tensors for s in own)
         return models.compute.optimizer_step_time(params * per_param, tensors)
     if choices.zero == 3:
-        shards = len(_parameter_buckets(own, choices.tp))
+        shards = len(_parameter_buckets(own, choices))
     else:
         grad_bytes = params * choices.state_bytes[1]
         memory = models.memory
@@ -684,21 +709,24 @@ def _optimizer_time(
     return models.compute.optimizer_step_time(shard * per_param, shards)
 
 
-def _parameter_buckets(own: list[SegmentWork], tp: int) -> list[float]:
+def _parameter_buckets(own: list[SegmentWork], choices: Choices) -> list[float]:
     """ZeRO-3's buckets (`passes/zero.py`), as parameter counts: one per block holding
     parameters and one per run of other segments holding them, each split at the
-    pass's cap on fp32 bytes."""
-    return _bucketing(own, tp)[0]
+    pass's cap on fp32 bytes (under ep, the experts' apart from the other weights')."""
+    return [b for numel, _ in _zero3_groups(choices) for b in _bucketing(own, numel)[0]]
 
 
-def _bucketing(own: list[SegmentWork], tp: int) -> tuple[list[float], list[list[int]]]:
-    """The buckets, and for each segment the buckets holding the parameters it owns."""
+def _bucketing(
+    own: list[SegmentWork], numel: Callable[[SegmentWork], float]
+) -> tuple[list[float], list[list[int]]]:
+    """The buckets of the parameters `numel` counts, and for each segment the buckets
+    holding those it owns."""
     cap = ZERO3_BUCKET_BYTES / FP32_WEIGHTS[0]
     buckets: list[float] = []
     of_segment: list[list[int]] = []
     in_run = False
     for seg in own:
-        params = seg.param_numel(tp)
+        params = numel(seg)
         if params and (seg.is_block or not in_run):
             buckets.append(0.0)
         mine = [len(buckets) - 1] if params else []
@@ -711,15 +739,15 @@ def _bucketing(own: list[SegmentWork], tp: int) -> tuple[list[float], list[list[
             mine.extend(range(len(buckets), len(buckets) + len(more)))
             buckets.extend(more)
         of_segment.append(mine)
-        in_run = (in_run or seg.param_numel(tp) > 0) and not seg.is_block
+        in_run = (in_run or params > 0) and not seg.is_block
     return buckets, of_segment
 
 
-def _gathers(own: list[SegmentWork], tp: int) -> list[float]:
+def _gathers(own: list[SegmentWork], numel: Callable[[SegmentWork], float]) -> list[float]:
     """ZeRO-3's all-gathers in forward order, as parameter counts, as `passes/zero.py`
     issues them: each bucket where it is first read, and again where it is read after
     ZERO3_REGATHER_AFTER other gathers (a tied head reading the embedding's bucket)."""
-    buckets, of_segment = _bucketing(own, tp)
+    buckets, of_segment = _bucketing(own, numel)
     owner = {p: of_segment[i] for i, seg in enumerate(own) for p in seg.segment.owned}
     last: dict[int, int] = {}
     out: list[float] = []

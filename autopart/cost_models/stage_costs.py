@@ -48,6 +48,7 @@ from autopart.cost_models.predict import (
     p2p_comm,
     segment_times,
     tp_comm,
+    zero3_gathered,
 )
 from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork
 
@@ -251,8 +252,8 @@ def stage_problem(
     chunks, pp = choices.chunks, choices.pp
     blocks = [s for s in segments if s.is_block]
     boundary = max((s.output_bytes for s in blocks), default=0.0)
-    gathered = max((s.param_numel(choices.tp, choices.ep) for s in blocks), default=0.0)
-    zero3 = 2 * gathered * param_bytes if choices.dp > 1 and choices.zero == 3 else 0.0
+    gathered = max((zero3_gathered(s, choices) for s in blocks), default=0.0)
+    zero3 = 2 * gathered * param_bytes if choices.zero == 3 else 0.0
     pipeline = 2 * boundary if pp > 1 else 0.0
     loss = OUTPUT_GRADIENTS * segments[-1].output_bytes
     last_rank = (chunks - 1) % pp

@@ -1,4 +1,6 @@
 """ZeRO-3 at run time: parameters sharded over the data-parallel ranks, gathered on use.
+Each bucket has its own group (`ShardGroup`): under expert parallelism the experts'
+buckets are sharded over their dp replicas, the other weights' over dp × ep.
 
 `zero3_pass` (passes/zero.py) replaces a stage's parameters by a `ShardedParameters`
 module, the stage's `zero3` submodule: one flat shard (an nn.Parameter) per bucket of
@@ -40,6 +42,20 @@ ZERO3 = "zero3"  # the attribute of a stage module that holds its ShardedParamet
 
 
 @dataclass(frozen=True, slots=True)
+class ShardGroup:
+    """The ranks a bucket is sharded over: their process group, this rank's place and
+    their number, the mesh axes they span (for reports), and what the bucket's summed
+    gradients are divided by (their number, unless given: an expert's by the batch's
+    shares, `ExpertShards`)."""
+
+    name: GroupName
+    rank: int
+    size: int
+    axes: str
+    divisor: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class _Pending:
     """An all-gather in flight: `flat` is filled once `work` completes."""
 
@@ -69,23 +85,22 @@ class ShardedParameters(nn.Module):
         self,
         names: Sequence[Sequence[str]],
         params: Sequence[Sequence[torch.Tensor]],
-        group_name: GroupName,
-        rank: int,
-        size: int,
+        over: Sequence[ShardGroup],
     ) -> None:
-        """`names[b]` and `params[b]`: the FQNs and values of bucket b's parameters."""
+        """`names[b]` and `params[b]`: the FQNs and values of bucket b's parameters,
+        sharded over `over[b]`."""
         super().__init__()
         self.names = [tuple(n) for n in names]
-        self.layouts = [FlatLayout.of(ps, size) for ps in params]
+        self.over = tuple(over)
+        self.layouts = [FlatLayout.of(ps, g.size) for ps, g in zip(params, over)]
         self.shards = nn.ParameterList(
             nn.Parameter(
-                layout.shard_of([p.detach() for p in ps], rank),
+                layout.shard_of([p.detach() for p in ps], g.rank),
                 requires_grad=ps[0].requires_grad,
             )
-            for layout, ps in zip(self.layouts, params)
+            for layout, ps, g in zip(self.layouts, params, over)
         )
-        self.group_name = group_name
-        self._reducer: GradientReducer | None = None
+        self._reducers: dict[GroupName, GradientReducer] = {}
         self._contexts: list[saved_tensors_hooks] = []
         # storage address -> (bucket, its gathered flat buffer) for every gather alive
         self._gathered: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
@@ -95,15 +110,14 @@ class ShardedParameters(nn.Module):
         self._last_packed: int | None = None
         self.peak_gathered_bytes = 0  # the most alive at once since the step began
 
-    @property
-    def group(self) -> dist.ProcessGroup:
-        return dist.distributed_c10d._resolve_process_group(self.group_name)
+    def group(self, bucket: int) -> dist.ProcessGroup:
+        return dist.distributed_c10d._resolve_process_group(self.over[bucket].name)
 
-    @property
-    def reducer(self) -> GradientReducer:
-        if self._reducer is None:
-            self._reducer = GradientReducer(self.group)
-        return self._reducer
+    def reducer(self, bucket: int) -> GradientReducer:
+        over = self.over[bucket]
+        if over.name not in self._reducers:
+            self._reducers[over.name] = GradientReducer(self.group(bucket), over.divisor)
+        return self._reducers[over.name]
 
     def install(self, gm: fx.GraphModule) -> None:
         """Run the stage's forward under the saved-tensor hooks. The hooks find the
@@ -123,7 +137,8 @@ class ShardedParameters(nn.Module):
 
     def finish(self) -> None:
         """Wait for every gradient reduction; drop what backward gathered."""
-        self.reducer.drain()
+        for reducer in self._reducers.values():
+            reducer.drain()
         for pending in self._prefetched.values():
             pending.wait()
         self._prefetched.clear()
@@ -147,17 +162,18 @@ class ShardedParameters(nn.Module):
         return sum(f.numel() * f.element_size() for f in flats if f is not None)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole, under its FQN (collective over the dp group)."""
+        """Every parameter whole, under its FQN (collective over each bucket's group)."""
         out: dict[str, torch.Tensor] = {}
         for b, (names, layout) in enumerate(zip(self.names, self.layouts)):
-            flat, _ = all_gather_flat(self.shards[b], layout, self.group)
+            flat, _ = all_gather_flat(self.shards[b], layout, self.group(b))
             out.update((n, v.clone()) for n, v in zip(names, layout.views(flat)))
         return out
 
     # -- gathering ---------------------------------------------------------------------
 
     def start_gather(self, bucket: int) -> _Pending:
-        output, work = all_gather_flat(self.shards[bucket], self.layouts[bucket], self.group, True)
+        layout, group = self.layouts[bucket], self.group(bucket)
+        output, work = all_gather_flat(self.shards[bucket], layout, group, True)
         # Track and hand out a second tensor over the output's storage, not the tensor the
         # backend fills: its worker may hold that one for a moment after the work completes,
         # and a tensor held from C++ stays alive in Python, so a weak reference to it would
@@ -178,7 +194,7 @@ class ShardedParameters(nn.Module):
         if all(g is None for g in grads):
             return
         shard = self.shards[bucket]
-        self.reducer.launch(self.layouts[bucket].flatten(grads, like=shard), shard)
+        self.reducer(bucket).launch(self.layouts[bucket].flatten(grads, like=shard), shard)
 
     def _gathered_for_backward(self, bucket: int) -> torch.Tensor:
         flat = self._for_backward.get(bucket)

@@ -1,4 +1,4 @@
-"""ZeRO-3 as graph rewrites: parameters sharded over dp, gathered where they are read.
+"""ZeRO-3 as graph rewrites: parameters sharded over dp (× ep), gathered where they are read.
 
     zero3_shard_pass     buckets of parameters become flat shards, one per rank, held by
                          the stage's `zero3` module (ops/zero3.py); every parameter
@@ -9,7 +9,7 @@
 
 Buckets follow first use in forward: one per repeated block (a transformer layer),
 the parameters between blocks in runs, split at ZERO3_BUCKET_BYTES (policy.py), one
-dtype, device and requires_grad each; parameters the graph never reads go last, in
+dtype, device, requires_grad and expert or not each; parameters the graph never reads go last, in
 buckets of their own. A bucket read again after ZERO3_REGATHER_AFTER others have been
 gathered is gathered again (a tied embedding read by the head), rather than staying
 whole in between.
@@ -17,6 +17,11 @@ whole in between.
 A pipeline stage's parameters that other stages read too (tied weights) stay whole:
 the pipeline keeps their replicas in step through the owner (runtime/shared_params.py),
 and the runtime shards their optimizer state and gradients as ZeRO-2 does.
+
+Under expert parallelism the batch is split over dp × ep: the experts' weights (split
+over ep already) go in buckets of their own, sharded over their dp replicas, and the
+other weights' over dp × ep, as ZeRO-1/2 shard their state. With dp = 1 an expert has
+one replica, and its weights stay whole (stepped as tied weights are).
 """
 
 from __future__ import annotations
@@ -24,13 +29,29 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch import fx, nn
 
 from autopart.degrees import Axis
-from autopart.ops.meta import BLOCK, COLLECTIVE, PARAMS, SHAPE, CollectiveInfo, inherit
+from autopart.ops.groups import MeshGroups
+from autopart.ops.meta import (
+    BLOCK,
+    COLLECTIVE,
+    EP_SHARDED,
+    PARAMS,
+    SHAPE,
+    CollectiveInfo,
+    inherit,
+)
 from autopart.ops.params import parameter_attributes
 from autopart.ops.stage_info import PIPELINE_KEY, pipeline_info
-from autopart.ops.zero3 import ZERO3, ShardedParameters, all_gather_start, all_gather_wait
+from autopart.ops.zero3 import (
+    ZERO3,
+    ShardedParameters,
+    ShardGroup,
+    all_gather_start,
+    all_gather_wait,
+)
 from autopart.passes.runner import PassContext, run_passes
 from autopart.policy import ZERO3_BUCKET_BYTES, ZERO3_REGATHER_AFTER
 
@@ -41,25 +62,35 @@ def zero3_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def zero3_shard_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     groups = ctx.rank.groups
-    if groups.size(Axis.DP) == 1:
+    if groups.batch_size == 1:
         return gm  # nothing to shard over one rank (runtime/data_parallel.py's LocalState)
     if hasattr(gm, ZERO3):
         raise ValueError(f"the stage already has an attribute {ZERO3!r}")
-    reads = _parameter_reads(gm)
-    buckets = _buckets(gm, reads)
+    experts = _experts(gm)
+    # With one replica of each expert, its weights stay whole: the runtime steps them as
+    # it steps tied weights (ZeRO-2, over their dp replicas).
+    reads = _parameter_reads(gm, experts if groups.size(Axis.DP) == 1 else set())
+    buckets = _buckets(gm, reads, experts)
     names = _canonical_names(gm)
-    module = ShardedParameters(
-        [[names[id(p)] for p in bucket] for bucket in buckets],
-        buckets,
+    batch = groups.batch_group()
+    rest = ShardGroup(batch.group_name, dist.get_rank(batch), batch.size(), _axes(groups))
+    replicas = ShardGroup(
         groups.group_name(Axis.DP),
         groups.rank(Axis.DP),
         groups.size(Axis.DP),
+        Axis.DP.value,
+        groups.batch_size,
+    )
+    module = ShardedParameters(
+        [[names[id(p)] for p in bucket] for bucket in buckets],
+        buckets,
+        [replicas if id(bucket[0]) in experts else rest for bucket in buckets],
     )
     _remove_parameters(gm, {id(p) for bucket in buckets for p in bucket})
     gm.add_submodule(ZERO3, module)
     module.install(gm)
     where = {id(p): (b, i) for b, bucket in enumerate(buckets) for i, p in enumerate(bucket)}
-    _Reads(gm, module, groups.group_name(Axis.DP)).rewrite(reads, where)
+    _Reads(gm, module).rewrite(reads, where)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -83,9 +114,22 @@ def zero3_prefetch_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 # Which parameters, in which buckets
 
 
-def _parameter_reads(gm: fx.GraphModule) -> dict[int, tuple[nn.Parameter, list[fx.Node]]]:
-    """id(parameter) -> (parameter, its get_attr nodes), for the parameters to shard."""
-    shared = _shared_with_other_stages(gm)
+def _experts(gm: fx.GraphModule) -> set[int]:
+    """id() of the stage's expert weights that expert parallelism split over ep."""
+    fqns = EP_SHARDED.get(gm, frozenset())
+    return {id(p) for name, p in gm.named_parameters(remove_duplicate=False) if name in fqns}
+
+
+def _axes(groups: MeshGroups) -> str:
+    return "dp×ep" if groups.size(Axis.EP) > 1 else Axis.DP.value
+
+
+def _parameter_reads(
+    gm: fx.GraphModule, whole: set[int]
+) -> dict[int, tuple[nn.Parameter, list[fx.Node]]]:
+    """id(parameter) -> (parameter, its get_attr nodes), for the parameters to shard:
+    all but those other stages read too and those kept `whole`."""
+    shared = _shared_with_other_stages(gm) | whole
     reads: dict[int, tuple[nn.Parameter, list[fx.Node]]] = {}
     for node, p in parameter_attributes(gm):
         if id(p) not in shared:
@@ -104,7 +148,7 @@ def _shared_with_other_stages(gm: fx.GraphModule) -> set[int]:
 
 
 def _buckets(
-    gm: fx.GraphModule, reads: dict[int, tuple[nn.Parameter, list[fx.Node]]]
+    gm: fx.GraphModule, reads: dict[int, tuple[nn.Parameter, list[fx.Node]]], experts: set[int]
 ) -> list[list[nn.Parameter]]:
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     first_use: dict[int, fx.Node | None] = {}
@@ -118,7 +162,7 @@ def _buckets(
         p = reads[k][0]
         # Unread parameters get no gradient: alone in a bucket, the optimizer skips them.
         read = first_use[k] is not None
-        key = (_block(first_use[k]), read, p.dtype, p.device, p.requires_grad)
+        key = (_block(first_use[k]), read, k in experts, p.dtype, p.device, p.requires_grad)
         nbytes = p.numel() * p.element_size()
         if key != last_key or size + nbytes > ZERO3_BUCKET_BYTES:
             buckets.append([])
@@ -164,8 +208,8 @@ class _Gather:
 
 
 class _Reads:
-    def __init__(self, gm: fx.GraphModule, module: ShardedParameters, group: str) -> None:
-        self.gm, self.graph, self.module, self.group = gm, gm.graph, module, group
+    def __init__(self, gm: fx.GraphModule, module: ShardedParameters) -> None:
+        self.gm, self.graph, self.module = gm, gm.graph, module
         first = next(n for n in self.graph.nodes if n.op != "placeholder")
         with self.graph.inserting_before(first):
             self.holder = self.graph.get_attr(ZERO3)
@@ -218,7 +262,8 @@ class _Reads:
                 (self.holder, bucket, start),
                 name=f"zero3_wait_{bucket}",
             )
-        group, axis = self.group, Axis.DP.value
+        over = self.module.over[bucket]
+        group, axis = over.name, over.axes
         info = CollectiveInfo("all_gather", axis, group, layout.shard_numel * itemsize)
         self._annotate(start, user, info)
         info = CollectiveInfo("reduce_scatter (backward)", axis, group, layout.padded * itemsize)

@@ -293,7 +293,7 @@ def build_data_parallel_state(
     dp × ep); `masters_dtype`, with `offload`, keeps the fp32 master weights on the host
     too, the device's copies in that 16-bit dtype.
     """
-    if experts is not None and zero in (1, 2):
+    if experts is not None and zero:
         return zero_state(zero, stages, group, optimizer, accumulation, offload, experts)
     if (context is not None and context.fqns) or experts is not None:
         return ReplicatedState(stages, group, optimizer, accumulation, None, context, experts)

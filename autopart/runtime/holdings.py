@@ -51,7 +51,6 @@ class Holdings:
 
     def __init__(self, pm: ParallelModule) -> None:
         tp = _slices(pm)
-        dp_rank = pm.groups.rank(Axis.DP)
         self.own: list[tuple[torch.Tensor, Held]] = []  # each value written once
         self.copies: list[tuple[torch.Tensor, Held]] = []  # ZeRO-1/2 shards of those
         name_of: dict[int, str] = {}
@@ -64,8 +63,10 @@ class Holdings:
                     self.own.append((p, Held((name,), size, pieces, name not in tp)))
             zero3 = sharded_parameters(gm)
             if zero3 is not None:
-                for shard, names, layout in zip(zero3.shards, zero3.names, zero3.layouts):
-                    self.own.append((shard, _flat(names, layout, dp_rank, tp)))
+                for shard, names, layout, over in zip(
+                    zero3.shards, zero3.names, zero3.layouts, zero3.over
+                ):
+                    self.own.append((shard, _flat(names, layout, over.rank, tp)))
         state = pm.state
         for part in state.parts if isinstance(state, ZeroState) else ():
             if isinstance(part, ReplicaShards):

@@ -126,9 +126,10 @@ def zero_state(
     """ZeRO stage `zero` (1-3) for this rank's `stages` over the data-parallel `group`,
     its optimizer state on the host where `offload` (and the fp32 master weights, the
     device holding `masters_dtype` copies, where that is given). Under expert
-    parallelism (`group` is dp × ep, stages 1 and 2) the experts' shards are another
-    part, over the dp replicas of the same experts (`experts.group`), their summed
-    gradients divided by the batch's shares as the rest are averaged over them."""
+    parallelism (`group` is dp × ep) the experts' shards are another part, over the dp
+    replicas of the same experts (`experts.group`), their summed gradients divided by
+    the batch's shares as the rest are averaged over them; at stage 3 the stages'
+    `ShardedParameters` hold both kinds of bucket, each over its own group."""
     whole = _trained_in_backward_order(stages)
     parts: list[ShardedPart] = []
     if zero == 3:

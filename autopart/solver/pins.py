@@ -261,7 +261,6 @@ def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:
         )
     axes = {"cp": pins.degree(Axis.CP)}
     others = {
-        "zero": pins.zero if pins.zero == 3 else None,
         "offload": pins.offload,
         "sync_every": pins.sync_every,
         "grad_compression": pins.grad_compression,
@@ -271,7 +270,7 @@ def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:
     if clashes:
         raise PlanError(
             f"ep={ep} does not combine with {', '.join(clashes)} yet: expert parallelism runs "
-            "with dp, tp and pp, ZeRO-0/1/2 (without offload), and cp=1"
+            "with dp, tp, pp and ZeRO (without offload), and cp=1"
         )
 
 

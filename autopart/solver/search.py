@@ -3,8 +3,8 @@
 Candidates, every combination the pins allow:
   every factorization of the mesh over the axes of `Degrees` (pp × dp × ep × cp × tp),
     less what `_admissible` rules out for an unpinned axis: dp × ep must divide the
-    batch, ep the experts of every routed layer (with cp = 1, ZeRO-0/1/2 and no
-    offload, compression or local SGD), tp
+    batch, ep the experts of every routed layer (with cp = 1 and no offload,
+    compression or local SGD), tp
     stays within a node (tensor parallelism on the fast links) and, unless pinned, at
     degrees where the model has a tensor-parallel layout; pp no more than the repeated
     blocks; cp where the model attends over a sequence that splits into 2·cp chunks,
@@ -555,8 +555,8 @@ def _choices(
                 # in the same memory, without the ring, the gradient all-reduces per
                 # microbatch and the logits' gather. cp pays only below a sequence.
                 continue
-            # Under ep, ZeRO-1/2 shard over dp x ep (the experts' part over dp).
-            for zero in [z for z in _zero_stages(dp * ep, pins) if ep == 1 or z < 3]:
+            # Under ep, ZeRO shards over dp x ep (the experts' part over dp).
+            for zero in _zero_stages(dp * ep, pins):
                 if offload and offload_refusal(zero, dp, cp, ep):
                     continue
                 for recompute in _recompute_sets(blocks, pins):

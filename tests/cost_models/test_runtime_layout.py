@@ -17,7 +17,7 @@ from autopart.mesh import PRESETS, Mesh
 from autopart.ops.aten import op_name
 from autopart.passes import MODULE_PATH, analyze
 from autopart.solver.pins import Pins, make_plan
-from tests.models import tiny_gpt2, token_batch
+from tests.models import tiny_gpt2, tiny_mixtral, token_batch
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +74,23 @@ def test_zero3_pays_a_gather_per_bucket_in_each_pass_and_the_last_scatter(gpt2):
 
 def _node(gm, path: str, op: str):
     return next(n for n in gm.graph.nodes if MODULE_PATH.get(n) == path and op_name(n, gm) == op)
+
+
+@pytest.mark.parametrize(
+    ("degrees", "seconds"), [(Degrees(dp=2, ep=2), 42), (Degrees(ep=2, tp=2), 12)]
+)
+def test_zero3_under_ep_gathers_the_experts_over_dp_and_the_rest_over_dp_and_ep(degrees, seconds):
+    """Tiny Mixtral's other weights in four buckets (embeddings, two layers, the norm and
+    head), each layer's experts in a bucket of their own (`passes/zero.py`): gathered in
+    each pass and reduce-scattered, the rest over dp × ep (3 ring steps over 4 ranks, 1
+    over 2), the experts over their dp replicas (1 step over 2; with dp = 1 they stay
+    whole). One second a ring step."""
+    captured = capture(tiny_mixtral(), (token_batch(batch=8)[0],))
+    analyze(captured.gm, captured.context())
+    slow = {"alpha": 1.0, "beta": 1e-15}
+    spec = replace(PRESETS["cpu"], collectives={"all_gather": slow, "reduce_scatter": slow})
+    mesh = Mesh.cluster(spec, nodes=1, per_node=4)
+    zero0, zero3 = (
+        predict(captured.gm, mesh, Choices(global_batch=8, zero=z, degrees=degrees)) for z in (0, 3)
+    )
+    assert zero3.exposed_comm_s - zero0.exposed_comm_s == pytest.approx(seconds, abs=0.05)

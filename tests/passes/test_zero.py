@@ -36,7 +36,7 @@ def groups():
         pytest.skip("needs a process group of its own")
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=DP)
     yield MeshGroups(
-        init_device_mesh("cpu", (1, DP, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
+        init_device_mesh("cpu", (1, DP, 1, 1, 1), mesh_dim_names=("pp", "dp", "ep", "cp", "tp"))
     )
     dist.destroy_process_group()
 
@@ -120,7 +120,7 @@ def test_flat_layout_pads_to_the_group_and_round_trips():
 
 def test_a_data_parallel_axis_of_one_keeps_its_parameters(groups):
     alone = MeshGroups(
-        init_device_mesh("cpu", (DP, 1, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
+        init_device_mesh("cpu", (DP, 1, 1, 1, 1), mesh_dim_names=("pp", "dp", "ep", "cp", "tp"))
     )
     model, gm = _rewritten("llama", alone)
     assert sharded_parameters(gm) is None

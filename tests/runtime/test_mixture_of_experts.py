@@ -4,8 +4,9 @@ data-dependent number of tokens, so it cuts into two pipeline stages. It trains 
 one device under dp=2, pp=2 and expert parallelism ep=2 (alone and with ZeRO-1) on 2
 ranks, and ep=2 × dp=2 (alone and with ZeRO-2 over 2 microbatches), ep=2 × pp=2
 (1F1B) and ep=2 × tp=2 (each rank's experts split column then row parallel; alone and
-with ZeRO-1) on 4: 3 steps of SGD with momentum in fp32 on Gloo, every
-rank's losses and parameters within 1e-5. SGD, since Adam's update would hide a
+with ZeRO-1) on 4; with ZeRO-3 at ep=2 on 2, ep=2 × dp=2 and ep=2 × tp=2 on 4: 3
+steps of SGD with momentum in fp32 on Gloo, every rank's losses and parameters within
+1e-5. SGD, since Adam's update would hide a
 gradient off by a constant factor (a wrong divisor in the experts' sync). Under ep each
 layer's rows travel to their experts' ranks and back with two all_to_alls, each rank
 holds half of every layer's experts, and nothing is dropped."""
@@ -21,6 +22,7 @@ import autopart
 from autopart.capture import capture
 from autopart.mesh import Mesh
 from autopart.ops.meta import BLOCK
+from autopart.ops.zero3 import sharded_parameters
 from autopart.passes import analyze
 from autopart.testing import run_world
 from tests.harness import (
@@ -49,6 +51,8 @@ CASES = {
         {"pp": 2, "schedule": "1f1b", "microbatches": 2},
         {"ep": 2, "dp": 1},
         {"ep": 2, "dp": 1, "zero": 1},  # the other weights' shards over ep's 2 ranks
+        # ZeRO-3: the other weights gathered over ep's 2 ranks, each expert held whole
+        {"ep": 2, "dp": 1, "zero": 3},
     ],
     4: [
         {"ep": 2, "dp": 2},
@@ -58,6 +62,9 @@ CASES = {
         # Each ep rank's experts split over tp too (column then row parallel).
         {"ep": 2, "tp": 2, "dp": 1},
         {"ep": 2, "tp": 2, "dp": 1, "zero": 1},
+        # ZeRO-3: the experts' buckets gathered over their dp replicas, the rest over dp x ep
+        {"ep": 2, "dp": 2, "zero": 3},
+        {"ep": 2, "tp": 2, "dp": 1, "zero": 3},
     ],
 }
 
@@ -72,14 +79,22 @@ def test_routed_layers_are_one_block():
 
 def _inspect(pm) -> dict:
     exchanges = [info for _, info in pm.collectives() if info.axis == "ep"]
-    experts = {
-        name: tuple(p.shape)
-        for stage in pm._stage_graphs()
-        for name, p in stage.named_parameters()
-        if name in pm.ep_sharded
+    held = {
+        name: tuple(p.shape) for stage in pm._stage_graphs() for name, p in stage.named_parameters()
     }
+    for stage in pm._stage_graphs():  # ZeRO-3's buckets, by the shapes they gather
+        zero3 = sharded_parameters(stage)
+        for names, layout in zip(zero3.names, zero3.layouts) if zero3 else ():
+            held.update((n, tuple(shape)) for n, shape in zip(names, layout.shapes))
+    experts = {name: shape for name, shape in held.items() if name in pm.ep_sharded}
     shards = [s.numel() for s in getattr(pm.state, "shards", [])]  # ZeRO's, flat
-    return {"exchanges": [i.kind for i in exchanges], "experts": experts, "shards": shards}
+    gathers = [info.axis for _, info in pm.collectives() if info.kind == "all_gather"]
+    return {
+        "exchanges": [i.kind for i in exchanges],
+        "experts": experts,
+        "shards": shards,
+        "gathers": gathers,
+    }
 
 
 def _train(batch, cases) -> dict:
@@ -106,6 +121,9 @@ def test_mixture_of_experts_trains_like_one_device(world):
         results = [r[key] for r in per_rank]
         # Into each layer's experts and back out: two all_to_alls per layer and rank.
         assert sum(len(r["exchanges"]) for r in results) == 2 * LAYERS * pipelines
+        if pins.get("zero") == 3:  # gathered over the groups their shards span
+            expected = {"dp×ep"} | ({"dp"} if pins["dp"] > 1 else set())
+            assert {axis for r in results for axis in r["gathers"]} == expected
         assert {k for r in results for k in r["exchanges"]} == {"all_to_all"}
         # Each rank holds 2 of every layer's 4 experts (gate_up and down, per layer),
         # under tp a 1/tp slice of each.
@@ -138,7 +156,7 @@ TWO_CPUS = Mesh.cluster("cpu", nodes=1, per_node=2)
     [
         (tiny_llama, {"ep": 2}, "no expert layer autopart recognizes.*pin ep=1"),
         (tiny_mixtral, {"ep": 2, "cp": 2}, "ep=2 does not combine with cp=2"),
-        (tiny_mixtral, {"ep": 2, "zero": 3}, "ep=2 does not combine with zero=3"),
+        (tiny_mixtral, {"ep": 2, "offload": True, "zero": 1}, "ep=2 does not combine with offload"),
     ],
 )
 def test_expert_parallelism_it_cannot_run_is_refused_saying_why(model, pins, refusal):
