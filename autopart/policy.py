@@ -148,13 +148,14 @@ def compression_refusal(spec: str | None) -> str | None:
 
 def offload_refusal(zero: int, dp: int, cp: int, ep: int) -> str | None:
     """Why ZeRO offload cannot run on this layout, or None. The runtime steps host
-    copies of ZeRO's shards over dp replicas, or of one replica's whole state; cp and
-    ep sum gradients over groups of their own, which it does not offload."""
-    if (zero == 0 and dp > 1) or cp * ep > 1:
+    copies of ZeRO's shards (under ep, the experts' and the other weights' alike), or
+    of one replica's whole state; cp sums gradients over a group of its own, which it
+    does not offload, and so does ep without ZeRO."""
+    if (zero == 0 and dp * ep > 1) or cp > 1:
         return (
             "offload moves the optimizer state to the host, ZeRO's shards of it or a "
-            "single replica's whole: it needs zero=1, 2 or 3, or dp=1, and neither cp "
-            f"nor ep (got zero={zero}, dp={dp}, cp={cp}, ep={ep})"
+            "single replica's whole: it needs zero=1, 2 or 3, or dp=ep=1, and no cp "
+            f"(got zero={zero}, dp={dp}, cp={cp}, ep={ep})"
         )
     return None
 

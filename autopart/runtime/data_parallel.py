@@ -294,7 +294,9 @@ def build_data_parallel_state(
     too, the device's copies in that 16-bit dtype.
     """
     if experts is not None and zero:
-        return zero_state(zero, stages, group, optimizer, accumulation, offload, experts)
+        return zero_state(
+            zero, stages, group, optimizer, accumulation, offload, experts, masters_dtype
+        )
     if (context is not None and context.fqns) or experts is not None:
         return ReplicatedState(stages, group, optimizer, accumulation, None, context, experts)
     if dist.get_world_size(group) == 1:

@@ -261,7 +261,6 @@ def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:
         )
     axes = {"cp": pins.degree(Axis.CP)}
     others = {
-        "offload": pins.offload,
         "sync_every": pins.sync_every,
         "grad_compression": pins.grad_compression,
     }
@@ -270,7 +269,7 @@ def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:
     if clashes:
         raise PlanError(
             f"ep={ep} does not combine with {', '.join(clashes)} yet: expert parallelism runs "
-            "with dp, tp, pp and ZeRO (without offload), and cp=1"
+            "with dp, tp, pp, ZeRO and its offload, and cp=1"
         )
 
 
