@@ -195,18 +195,35 @@ def test_expert_parallelism_it_cannot_run_is_refused_saying_why(model, pins, ref
         autopart.plan(model(), mesh, (ids,), **pins)
 
 
-def _resume(batch, directory) -> list[float]:
-    """Two steps at ep=2, one at dp=2 from their checkpoint, one at ep=2 with ZeRO-1
-    from its, one at ep=2 from that."""
+# (world, the plans run one after another from the last one's checkpoint: steps, pins)
+RESUMED = {
+    # ep's experts as slices of the whole weights, through ZeRO-1's shards of them and
+    # of the other weights, and back
+    "ep": (
+        2,
+        (
+            (2, {"ep": 2, "dp": 1}),
+            (1, {"ep": 1, "dp": 2}),
+            (1, {"ep": 2, "dp": 1, "zero": 1}),
+            (1, {"ep": 2, "dp": 1}),
+        ),
+    ),
+    # under ep × tp a rank holds its tp slice of its run of experts
+    "ep×tp": (
+        4,
+        (
+            (2, {"ep": 2, "tp": 2, "dp": 1}),
+            (1, {"ep": 1, "tp": 1, "dp": 4}),
+            (1, {"ep": 2, "tp": 2, "dp": 1, "zero": 1}),
+        ),
+    ),
+}
+
+
+def _resume(batch, directory, plans) -> list[float]:
     losses: list[float] = []
-    plans = (
-        (2, {"ep": 2, "dp": 1}),
-        (1, {"ep": 1, "dp": 2}),
-        (1, {"ep": 2, "dp": 1, "zero": 1}),
-        (1, {"ep": 2, "dp": 1}),
-    )
     for i, (steps, pins) in enumerate(plans):
-        pm = parallelize_lm(tiny_mixtral(), batch, "adamw", tp=1, cp=1, pp=1, **pins)
+        pm = parallelize_lm(tiny_mixtral(), batch, "adamw", **{"tp": 1, "cp": 1, "pp": 1, **pins})
         if i:
             autopart.load_checkpoint(pm, directory)
         losses += train_losses(pm, batch, steps)
@@ -216,42 +233,16 @@ def _resume(batch, directory) -> list[float]:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_moves_between_expert_and_data_parallel_plans(tmp_path):
-    """The experts each ep rank holds are saved as their slices of the whole weights,
-    and read back as a dp plan's whole weights, and back, through ZeRO-1's shards of
-    them and of the other weights: the resumed runs follow one device's losses."""
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_checkpoint_moves_between_expert_and_data_parallel_plans(case, tmp_path):
+    """The experts each rank holds are saved as their boxes of the whole weights, and
+    read back as a dp plan's whole weights, and back: the resumed runs follow one
+    device's losses."""
+    world, plans = RESUMED[case]
     batch = token_batch(8)
-    reference = train_reference(tiny_mixtral(), "adamw", 5, (batch[0],), batch[1])
-    for losses in run_world(_resume, 2, batch, str(tmp_path)):
-        assert losses == pytest.approx(reference["losses"], rel=1e-5)
-
-
-def _resume_tp(batch, directory) -> list[float]:
-    """Two steps at ep=2 × tp=2, one at dp=4 from their checkpoint, one at ep=2 × tp=2
-    with ZeRO-1 from its."""
-    losses: list[float] = []
-    plans = (
-        (2, {"ep": 2, "tp": 2, "dp": 1}),
-        (1, {"ep": 1, "tp": 1, "dp": 4}),
-        (1, {"ep": 2, "tp": 2, "dp": 1, "zero": 1}),
-    )
-    for i, (steps, pins) in enumerate(plans):
-        pm = parallelize_lm(tiny_mixtral(), batch, "adamw", cp=1, pp=1, **pins)
-        if i:
-            autopart.load_checkpoint(pm, directory)
-        losses += train_losses(pm, batch, steps)
-        autopart.save_checkpoint(pm, directory)
-        pm.close()
-    return losses
-
-
-@pytest.mark.slow
-def test_a_checkpoint_moves_between_expert_tensor_parallel_and_data_parallel_plans(tmp_path):
-    """Under ep × tp a rank holds its tp slice of its run of experts: saved as its box
-    of the whole weights, read back whole by a dp plan and sliced again."""
-    batch = token_batch(8)
-    reference = train_reference(tiny_mixtral(), "adamw", 4, (batch[0],), batch[1])
-    for losses in run_world(_resume_tp, 4, batch, str(tmp_path)):
+    steps = sum(n for n, _ in plans)
+    reference = train_reference(tiny_mixtral(), "adamw", steps, (batch[0],), batch[1])
+    for losses in run_world(_resume, world, batch, str(tmp_path), plans):
         assert losses == pytest.approx(reference["losses"], rel=1e-5)
 
 
