@@ -169,9 +169,15 @@ def explain_plan(plan: Plan) -> str:
             2: "optimizer state and gradients",
             3: "optimizer state, gradients and parameters",
         }[plan.zero]
-        lines.append(f"ZeRO-{plan.zero} shards the {what} over the {plan.dp} dp ranks.")
+        over = (
+            f"the {plan.degrees.batch_split} dp × ep ranks (each expert's over its "
+            f"{plan.dp} dp replicas)"
+            if plan.ep > 1
+            else f"the {plan.dp} dp ranks"
+        )
+        lines.append(f"ZeRO-{plan.zero} shards the {what} over {over}.")
     if plan.offload:
-        held = "shard of the optimizer state" if plan.dp > 1 else "optimizer state"
+        held = "shard of the optimizer state" if plan.degrees.batch_split > 1 else "optimizer state"
         why = (
             "chosen because no plan keeping the optimizer state on the device fits its "
             f"memory: the smallest {plan.offload_reason}"

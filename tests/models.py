@@ -150,16 +150,17 @@ def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def tiny_mixtral(seed: int = 0, router_loss: bool = False) -> nn.Module:
+def tiny_mixtral(seed: int = 0, router_loss: bool = False, intermediate: int = 128) -> nn.Module:
     """A sparse mixture-of-experts decoder: 4 routed experts, 2 per token, in each of 2
-    layers; with `router_loss`, it also returns the load-balancing loss (`aux_loss`)."""
+    layers, each `intermediate` wide; with `router_loss`, it also returns the
+    load-balancing loss (`aux_loss`)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
     config = MixtralConfig(
         vocab_size=VOCAB,
         hidden_size=64,
-        intermediate_size=128,
+        intermediate_size=intermediate,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

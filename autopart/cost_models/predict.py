@@ -687,13 +687,13 @@ def _optimizer_time(
     if choices.offload:
         # ZeRO-1/2's buckets and a single replica's parameters go down as they become
         # final, during backward; ZeRO-3's shards once it is over.
-        overlapped = choices.zero < 3 or choices.dp == 1
+        overlapped = choices.zero < 3 or choices.degrees.batch_split == 1
         return host_step_time(
             shard,
             _hiding(compute.backward + compute.recompute, models) if overlapped else 0.0,
             choices.state_bytes,
             models.comm.mesh.device,
-            last_bytes=models.memory.bucket_bytes / choices.dp,  # a bucket's shard
+            last_bytes=models.memory.bucket_bytes / choices.degrees.batch_split,  # its shard
             tile_bytes=models.memory.bucket_bytes,
         )
     if choices.zero == 0 or choices.degrees.batch_split == 1:

@@ -12,7 +12,8 @@ through two nodes,
 
 and the second is an autograd Function whose backward flattens the parameters'
 gradients and reduce-scatters them, asynchronously, into the shard's `.grad` (the mean
-over the data-parallel ranks).
+over the data-parallel ranks; an expert's, summed over its dp replicas, divided by the
+batch's dp × ep shares).
 
 Memory in backward. Operators save their inputs for backward, gathered parameters
 among them, which would keep every bucket whole from forward until backward. While the

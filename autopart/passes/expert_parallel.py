@@ -13,10 +13,11 @@ In every layer:
 - the router, the weighting of each expert's output and the load-balancing loss run on
   each rank's own tokens, untouched.
 
-Under tp the tensor-parallel pass has already split every expert on its inner dims
-(`tp_rules._grouped_contraction`: the first grouped multiply column-parallel, the last
-row-parallel): the tp ranks of an ep group route the same rows, and this pass cuts each
-rank's run of experts (dim 0) out of its tp slices.
+Under tp the tensor-parallel pass has already run each expert layer on its tp slices
+with no collective inside it (the plan checks the layout does: `TpLayouts.
+splits_experts`; typically the first grouped multiply column-parallel and the last
+row-parallel, `tp_rules._grouped_contraction`): the tp ranks of an ep group route the
+same rows, and this pass cuts each rank's run of experts (dim 0) out of its tp slices.
 
 Nothing is dropped, so each expert computes the rows one device's would. The gradient
 of an expert's weight on its rank sums the rows of every ep rank's tokens; the

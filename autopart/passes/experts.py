@@ -51,7 +51,8 @@ _CHECKS = frozenset({"_assert_tensor_metadata", "_assert_scalar"})
 class ExpertLayer:
     """One routed layer: its grouped multiplies (`entries` read the routed rows,
     `exits` produce the layer's rows), the `offsets` they share, the FQNs of the stacked
-    expert weights, and the number of experts."""
+    expert weights, the number of experts, and the row-wise operators between the
+    multiplies (`inside`)."""
 
     offsets: fx.Node
     matmuls: tuple[fx.Node, ...]
@@ -59,6 +60,7 @@ class ExpertLayer:
     exits: tuple[fx.Node, ...]
     params: tuple[str, ...]
     experts: int
+    inside: frozenset[fx.Node] = frozenset()
 
 
 def expert_layers(gm: fx.GraphModule, params: Mapping[str, str]) -> list[ExpertLayer]:
@@ -93,7 +95,9 @@ def _layer(
     members = inside | set(matmuls)
     entries = tuple(mm for mm in matmuls if mm.args[0] not in members)
     exits = tuple(mm for mm in matmuls if not any(u in members for u in mm.users))
-    return ExpertLayer(offsets, tuple(matmuls), entries, exits, fqns, experts.pop())
+    return ExpertLayer(
+        offsets, tuple(matmuls), entries, exits, fqns, experts.pop(), frozenset(inside)
+    )
 
 
 def _stacked_weight(

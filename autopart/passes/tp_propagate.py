@@ -26,6 +26,7 @@ from autopart.passes.tp_decision import (
     P,
     R,
     argument_leaves,
+    fallback,
 )
 from autopart.passes.tp_rules import decide
 
@@ -84,6 +85,10 @@ def propagate(
             continue
         ops = operands_of(node, result.places, result.grads, tp, context_parallel)
         decision = decide_node(ops, gm, sequence_parallel, sharded_logits)
+        if decision.fused_split and ops.flat[ops.tensors[0]] not in origin:
+            # The parts of a dim sharded by no product this walk can cut part by part
+            # (a bias added in between, say): the local parts would not pair up.
+            decision = fallback(ops, "a split into parts of a dim no fused weight shards")
         result.decisions[node] = decision
         result.places[node] = decision.output
         result.grads[node] = any(ops.grads[i] for i in ops.tensors)
@@ -223,7 +228,7 @@ def _track_origins(
 
 
 # Products whose column-parallel output may be split into the parts of a fused weight.
-_PRODUCTS = frozenset({"linear", "addmm", "mm"}) | GROUPED_MM_OPS
+_PRODUCTS = frozenset({"linear", "addmm", "mm", "matmul"}) | GROUPED_MM_OPS
 
 
 def _requires_grad(gm: fx.GraphModule, target: str) -> bool:

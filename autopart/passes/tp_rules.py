@@ -439,7 +439,7 @@ def _split(ops: Operands) -> Decision:
         total = _shape(ops, 0)[d]
         if total == node.args[1] * parts:
             return Decision(output=outputs, updates={1: node.args[1] // ops.tp}, fused_split=parts)
-    if name == "chunk":
+    if name == "chunk" and _splits(ops, sympy.sympify(_shape(ops, 0)[d]) / parts):
         return Decision(output=outputs, fused_split=parts)
     return fallback(ops, "uneven split of the sharded dim")
 
@@ -648,10 +648,12 @@ def _grouped_contraction(ops: Operands) -> Decision:
     gives partial sums, reduced right after (row parallel, its last). The rows are
     never split: every rank routes the same rows, so the offsets hold for each."""
     a_i, b_i, *rest = ops.tensors
+    ra, rb = _rank(ops, a_i), _rank(ops, b_i)
+    if (ra, rb) != (2, 3) or not rest:  # grouped by offsets into the rows, not by a dim
+        return fallback(ops, f"grouped multiply of {ra}-d by {rb}-d operands")
     if any(ops.places[i] != R for i in rest):
         return fallback(ops, "grouped multiply with sharded offsets")
     a, b = ops.places[a_i], ops.places[b_i]
-    ra, rb = _rank(ops, a_i), _rank(ops, b_i)
     da = _norm_dim(a.dim, ra) if isinstance(a, Shard) else None
     db = _norm_dim(b.dim, rb) if isinstance(b, Shard) else None
     decision = Decision(output=R)

@@ -6,7 +6,7 @@ the cost models recorded, with the cost models' own rules (`cost_models.predict`
 the largest peak):
 
     its parameters     the breakdown's "parameters" over the bytes per parameter
-                       (times dp under ZeRO-3, which shards them)
+                       (times dp, or dp × ep, under ZeRO-3, which shards them)
     dp gradient sync   ZeRO-0 all-reduces the gradients once per step; ZeRO-1/2
                        reduce-scatter them and all-gather the updated parameters;
                        ZeRO-3 gathers the parameters in forward and again in backward and
@@ -112,7 +112,7 @@ def _comm_model(plan: Plan) -> CommModel | None:
 def _parameters(plan: Plan, predicted: Predicted) -> float:
     """Parameters on the recorded rank: its tensor-parallel share of its stage's."""
     param_bytes = state_bytes(plan.precision, plan.master_weights)[0]
-    sharded = plan.dp if plan.zero == 3 else 1
+    sharded = plan.degrees.batch_split if plan.zero == 3 else 1
     return predicted.memory.get("parameters", 0) * sharded / param_bytes
 
 
@@ -143,6 +143,7 @@ def _dp_sync(plan: Plan, params: float, comm: CommModel | None) -> list[Collecti
         return []
     param_bytes, grad_bytes = state_bytes(plan.precision, plan.master_weights)[:2]
     grads, weights = params * grad_bytes, params * param_bytes
+    axis, ranks = ("dp×ep", plan.degrees.batch_split) if plan.ep > 1 else ("dp", plan.dp)
     if plan.zero == 3:
         m = plan.microbatches
         gather = _time(comm, ALL_GATHER, weights, plan, Axis.DP)
@@ -155,8 +156,8 @@ def _dp_sync(plan: Plan, params: float, comm: CommModel | None) -> list[Collecti
             Collective(
                 "ZeRO-3 parameter gather",
                 ALL_GATHER,
-                "dp",
-                plan.dp,
+                axis,
+                ranks,
                 2 * m,
                 2 * m * weights,
                 _scaled(gather, 2 * m),
@@ -165,8 +166,8 @@ def _dp_sync(plan: Plan, params: float, comm: CommModel | None) -> list[Collecti
             Collective(
                 "ZeRO-3 gradient reduce-scatter",
                 REDUCE_SCATTER,
-                "dp",
-                plan.dp,
+                axis,
+                ranks,
                 m,
                 m * grads,
                 _scaled(scatter, m),
@@ -180,12 +181,11 @@ def _dp_sync(plan: Plan, params: float, comm: CommModel | None) -> list[Collecti
         if plan.grad_compression
         else ""
     )
-    axis, ranks = ("dp×ep", plan.degrees.batch_split) if plan.ep > 1 else ("dp", plan.dp)
     out = [Collective("gradient sync", op, axis, ranks, calls, grads, seconds, note)]
     if plan.zero in (1, 2):
         gather = _time(comm, ALL_GATHER, weights, plan, Axis.DP)
         out.append(
-            Collective("updated parameter gather", ALL_GATHER, "dp", plan.dp, 1, weights, gather)
+            Collective("updated parameter gather", ALL_GATHER, axis, ranks, 1, weights, gather)
         )
     return out
 

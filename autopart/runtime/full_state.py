@@ -1,7 +1,8 @@
 """Reassembling whole parameters from this rank's pieces (for checkpoints and checks).
 
-Each layer of sharding is undone in the reverse order it was applied: ZeRO-3 over dp,
-then tensor parallelism over tp, then expert parallelism over ep, then the pipeline
+Each layer of sharding is undone in the reverse order it was applied: ZeRO-3 over each
+bucket's group (dp, or dp × ep), then expert parallelism over ep (each rank's run of
+experts, cut from its tp slices), then tensor parallelism over tp, then the pipeline
 over pp (each stage holds its own parameters, exchanged as objects). Where the master
 weights live on the host, the device's 16-bit copies are then overwritten by them,
 every rank's pieces exchanged as objects.
@@ -28,7 +29,7 @@ def full_state_dict(pm: ParallelModule) -> dict[str, torch.Tensor]:
     full: dict[str, torch.Tensor] = {}
     for stage in pm.stages:
         full.update(zero3.full_state_dict(stage))
-    full = _undo_expert_parallel(pm, _undo_tensor_parallel(pm, full))
+    full = _undo_tensor_parallel(pm, _undo_expert_parallel(pm, full))
     return _with_masters(pm, _gather_pipeline_stages(pm, full))
 
 

@@ -259,6 +259,15 @@ def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:
             f"ep={ep} splits each layer's {experts} experts in equal runs: pin an ep that "
             f"divides {experts}"
         )
+    tp = pins.degree(Axis.TP) or 1
+    if tp > 1 and not layouts.splits_experts(
+        tp, layouts.sequence_parallel(tp, pins.sequence_parallel)
+    ):
+        raise PlanError(
+            f"ep={ep} cuts each rank's experts from tp={tp}'s slices of them, but the layout at "
+            f"tp={tp} gathers an expert weight before its grouped multiply (its inner dims do "
+            "not split evenly): pin tp=1, or ep=1"
+        )
     axes = {"cp": pins.degree(Axis.CP)}
     others = {
         "sync_every": pins.sync_every,

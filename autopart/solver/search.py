@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 
 from ortools.sat.python import cp_model
 from torch import fx
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Placement, Shard
 
 from autopart.batch import BATCH
 from autopart.cost_models import (
@@ -72,7 +72,9 @@ from autopart.cost_models.work import ATTENTION
 from autopart.degrees import Axis, Degrees
 from autopart.mesh import Mesh
 from autopart.passes.context_parallel import sequence_length
-from autopart.passes.experts import expert_layers
+from autopart.passes.experts import ExpertLayer, expert_layers
+from autopart.passes.tp_decision import R, argument_leaves
+from autopart.passes.tp_propagate import propagate
 from autopart.plan import Predicted
 from autopart.plan_format import format_bytes
 from autopart.policy import (
@@ -237,6 +239,7 @@ class TpLayouts:
         self.mesh, self.dims, self.precision = mesh, {**dims, BATCH: 1}, precision
         self._solutions: dict[tuple[int, bool], TpSolution] = {}
         self._summaries: dict[tuple[int, bool], GraphSummary] = {}
+        self._splits_experts: dict[tuple[int, bool], bool] = {}
 
     def placements(self, tp: int, sp: bool = False) -> dict[str, Placement]:
         """The layout at `tp` ranks, with sequence parallelism where `sp`."""
@@ -261,11 +264,42 @@ class TpLayouts:
         return self._solutions[tp, sp]
 
     @functools.cached_property
+    def _expert_layers(self) -> list[ExpertLayer]:
+        return expert_layers(self.gm, self.param_names)
+
+    @property
     def experts(self) -> int | None:
         """The number of experts every routed layer of the model has (the largest that
         divides them all), or None where it has no layer expert parallelism splits."""
-        layers = expert_layers(self.gm, self.param_names)
+        layers = self._expert_layers
         return math.gcd(*(layer.experts for layer in layers)) if layers else None
+
+    def splits_experts(self, tp: int, sp: bool = False) -> bool:
+        """Whether the layout at `tp` runs every expert layer as expert parallelism can
+        split it: no collective from its first grouped multiply to its last (a weight
+        gathered, a partial sum reduced, a split of parts gathered), so that the layer
+        stays one segment of row-wise operators and ep cuts each rank's run of experts
+        from the tp slices (`passes/expert_parallel.py`)."""
+        if tp == 1 or not self._expert_layers:
+            return True
+        if (tp, sp) not in self._splits_experts:
+            self._splits_experts[tp, sp] = self._no_collective_in_expert_layers(tp, sp)
+        return self._splits_experts[tp, sp]
+
+    def _no_collective_in_expert_layers(self, tp: int, sp: bool) -> bool:
+        result = propagate(
+            self.gm, self.param_names, self.placements(tp, sp), tp, sp, self.sharded_logits
+        )
+        for layer in self._expert_layers:
+            for node in layer.inside | set(layer.matmuls):
+                decision = result.decisions[node]
+                if decision.fallback or (decision.reduce_to and node not in layer.exits):
+                    return False
+                leaves = argument_leaves(node)
+                for i, target in decision.inputs.items():
+                    if not (result.operand_place(leaves[i]) == R and isinstance(target, Shard)):
+                        return False  # not a local slice of a replicated operand
+        return True
 
     def ring_sequence(self) -> int | None:
         """The sequence length context parallelism splits: the dynamic sequence's size
@@ -547,6 +581,8 @@ def _choices(
         sp = layouts.sequence_parallel(tp, pins.sequence_parallel)
         if tp > 1 and not layouts.placements(tp) and pins.degree(Axis.TP) is None:
             continue  # no layout shards anything at this tp (a pinned tp may replicate all)
+        if ep > 1 and tp > 1 and not layouts.splits_experts(tp, sp):
+            continue  # the layout gathers an expert weight: ep cannot cut its experts
         cp = degrees[Axis.CP]
         for schedule, virtual, m in _pipelines(pp, batch // (dp * ep), pins, len(blocks)):
             if cp > 1 and pins.degree(Axis.CP) is None and (batch // (dp * m)) % cp == 0:

@@ -57,6 +57,43 @@ def test_gpt2_gets_megatron_layout_with_fused_qkv():
     assert result.fallbacks == []
 
 
+class _Gated(nn.Module):
+    """A fused gate and up projection, its bias (if any) added after the product, as
+    expert layers add theirs after a grouped multiply."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(16, 8))
+        self.bias = nn.Parameter(torch.randn(16)) if bias else None
+        self.down = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        h = x @ self.gate_up.t()
+        gate, up = (h if self.bias is None else h + self.bias).chunk(2, dim=-1)
+        return self.down(torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_split_into_parts_is_local_only_where_its_weight_is_cut_part_by_part(bias):
+    """A column-parallel product split into parts (gate, up) runs locally only where the
+    weight is known to be fused, and is cut part by part; a bias added in between hides
+    which weight made the dim, so the split gathers it rather than pair wrong parts."""
+    captured = capture(_Gated(bias), (torch.randn(4, 8),))
+    analyze(captured.gm, captured.context())
+    places = {"gate_up": Shard(0), "down.weight": Shard(1)}
+    if bias:
+        places["bias"] = Shard(0)
+    result = propagate(captured.gm, captured.parameter_names, places, 2)
+    splits = [n for n in captured.gm.graph.nodes if op_name(n) in ("chunk", "split")]
+    assert splits
+    if bias:
+        assert "gate_up" not in result.fused
+        assert all(result.decisions[n].fallback for n in splits)
+    else:
+        assert result.fused == {"gate_up": 2}
+        assert not any(result.decisions[n].fallback for n in splits)
+
+
 def test_llama_attention_stays_whole_when_kv_heads_do_not_divide():
     places, result = _placements(tiny_llama(), 4)  # 2 kv heads cannot split 4 ways
     assert places["model.layers.0.mlp.gate_proj.weight"] == Shard(0)

@@ -13,6 +13,7 @@ holds half of every layer's experts, and nothing is dropped."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -178,6 +179,7 @@ def test_expert_parallelism_with_offload_trains_like_one_device():
 
 
 TWO_CPUS = Mesh.cluster("cpu", nodes=1, per_node=2)
+FOUR_CPUS = Mesh.cluster("cpu", nodes=1, per_node=4)
 
 
 @pytest.mark.parametrize(
@@ -186,11 +188,17 @@ TWO_CPUS = Mesh.cluster("cpu", nodes=1, per_node=2)
         (tiny_llama, {"ep": 2}, "no expert layer autopart recognizes.*pin ep=1"),
         (tiny_mixtral, {"ep": 2, "cp": 2}, "ep=2 does not combine with cp=2"),
         (tiny_mixtral, {"ep": 2, "grad_compression": "bf16"}, "ep=2 does not combine with grad"),
+        # experts 127 wide: tp=2 cannot split them, its layout gathers one
+        (
+            functools.partial(tiny_mixtral, intermediate=127),
+            {"ep": 2, "tp": 2},
+            "the layout at tp=2 gathers an expert weight",
+        ),
     ],
 )
 def test_expert_parallelism_it_cannot_run_is_refused_saying_why(model, pins, refusal):
     ids, _ = token_batch(4)
-    mesh = TWO_CPUS if pins.get("cp", 1) == 1 else Mesh.cluster("cpu", nodes=1, per_node=4)
+    mesh = TWO_CPUS if pins.get("cp", 1) * pins.get("tp", 1) == 1 else FOUR_CPUS
     with pytest.raises(autopart.PlanError, match=refusal):
         autopart.plan(model(), mesh, (ids,), **pins)
 
