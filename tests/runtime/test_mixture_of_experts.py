@@ -223,6 +223,10 @@ RESUMED = {
             (2, {"ep": 2, "tp": 2, "dp": 1}),
             (1, {"ep": 1, "tp": 1, "dp": 4}),
             (1, {"ep": 2, "tp": 2, "dp": 1, "zero": 1}),
+            # ZeRO-3's buckets over their own groups: the experts' over dp, the rest's
+            # over dp × ep
+            (1, {"ep": 2, "dp": 2, "zero": 3}),
+            (1, {"ep": 2, "tp": 2, "dp": 1, "zero": 3}),
         ),
     ),
 }
