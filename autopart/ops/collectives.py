@@ -38,7 +38,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group))
+    return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
 
 
 def _own_slice(x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
