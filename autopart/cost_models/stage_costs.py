@@ -199,10 +199,8 @@ def stage_problem(
     again = segment_times(segments, models.compute, [s.is_block for s in segments])
 
     def states(seg: SegmentWork) -> float:
-        params, experts = (
-            seg.param_numel(choices.tp, choices.ep),
-            seg.expert_numel(choices.ep, choices.tp),
-        )
+        params = seg.param_numel(choices.tp, choices.ep)
+        experts = seg.expert_numel(choices.ep, choices.tp)
         per_param = choices.state_bytes
         parts = sharded_state_bytes(
             params, experts, choices.dp, choices.ep, choices.zero, per_param, choices.offload

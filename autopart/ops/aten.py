@@ -146,6 +146,8 @@ MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "ei
 # Products of rows sorted by expert with weights stacked by expert, [E, in, out]: each
 # run of rows (ending at cumulative offsets) by its own expert's matrix.
 GROUPED_MM_OPS = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
+# Products of activations by a weight, whose output dim a column-parallel layout shards.
+WEIGHT_PRODUCTS = frozenset({"linear", "addmm", "mm", "matmul"}) | GROUPED_MM_OPS
 ATTENTION_OPS = frozenset(
     {
         "scaled_dot_product_attention",

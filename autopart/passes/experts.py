@@ -60,7 +60,7 @@ class ExpertLayer:
     exits: tuple[fx.Node, ...]
     params: tuple[str, ...]
     experts: int
-    inside: frozenset[fx.Node] = frozenset()
+    inside: frozenset[fx.Node]
 
 
 def expert_layers(gm: fx.GraphModule, params: Mapping[str, str]) -> list[ExpertLayer]:

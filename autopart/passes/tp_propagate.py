@@ -17,7 +17,7 @@ from torch import fx
 from torch.distributed.tensor import Placement, Shard
 
 from autopart.batch import SEQ
-from autopart.ops.aten import GROUPED_MM_OPS, VIEW_OPS, op_name
+from autopart.ops.aten import VIEW_OPS, WEIGHT_PRODUCTS, op_name
 from autopart.ops.meta import SHAPE, TensorInfo
 from autopart.passes.tp_decision import (
     Decision,
@@ -207,7 +207,7 @@ def _track_origins(
     so a split of the sharded dim can mark those weights as fused."""
     name = op_name(node, gm)
     sources = [ops.flat[i] for i in ops.tensors]
-    if name in _PRODUCTS and isinstance(decision.output, Shard):
+    if name in WEIGHT_PRODUCTS and isinstance(decision.output, Shard):
         origin[node] = tuple(fqn for s in sources if s in origin for fqn in origin[s])
     elif name in VIEW_OPS | {"view", "_unsafe_view"} and sources and sources[0] in origin:
         origin[node] = origin[sources[0]]
@@ -225,10 +225,6 @@ def _track_origins(
             and leaf in origin
         ):
             result.wants_row[origin[leaf][0]] = target.dim
-
-
-# Products whose column-parallel output may be split into the parts of a fused weight.
-_PRODUCTS = frozenset({"linear", "addmm", "mm", "matmul"}) | GROUPED_MM_OPS
 
 
 def _requires_grad(gm: fx.GraphModule, target: str) -> bool:

@@ -51,7 +51,7 @@ from torch import fx
 from torch.distributed.tensor import Placement, Shard
 
 from autopart.cost_models.tp_costs import DecisionCost, TpCosts
-from autopart.ops.aten import GROUPED_MM_OPS, op_name
+from autopart.ops.aten import WEIGHT_PRODUCTS, op_name
 from autopart.ops.meta import BLOCK, SHAPE, TensorInfo
 from autopart.passes.blocks import block_counterparts
 from autopart.passes.tp_decision import Decision, NodePlacement, R, argument_leaves
@@ -413,8 +413,6 @@ def parameter_roles(
     return roles
 
 
-# Products whose weight sharded on their output dim is column-parallel.
-_PRODUCTS = frozenset({"linear", "mm", "addmm", "matmul"}) | GROUPED_MM_OPS
 ROLES = (
     "vocabulary-parallel",
     "row-parallel",
@@ -424,15 +422,15 @@ ROLES = (
 )
 
 
-def _readers(param: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
-    """(operator, the operand it reads) for each operator reading `param`, through
-    transposes (an expert's stacked weights are read as [E, in, out])."""
+def _readers(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """(operator, the operand it reads) for each operator reading `node`, a parameter,
+    through transposes (an expert's stacked weights are read as [E, in, out])."""
     out = []
-    for user in param.users:
+    for user in node.users:
         if op_name(user) in ("transpose", "t", "permute"):
             out += _readers(user)
         else:
-            out.append((user, param))
+            out.append((user, node))
     return out
 
 
@@ -444,6 +442,6 @@ def _role(user: fx.Node, param: fx.Node, decision: Decision) -> str:
         return ROLES[3]
     if decision.reduce_to is not None:
         return ROLES[1]
-    if op_name(user) in _PRODUCTS and isinstance(decision.output, Shard):
+    if op_name(user) in WEIGHT_PRODUCTS and isinstance(decision.output, Shard):
         return ROLES[2]
     return ROLES[4]
