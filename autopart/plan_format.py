@@ -212,10 +212,15 @@ def explain_plan(plan: Plan) -> str:
             "Megatron-LM does. This changes the math: one device takes them over the "
             "whole batch."
         )
-    if plan.grad_compression is not None and plan.dp > 1:
+    if plan.grad_compression is not None and plan.degrees.batch_split > 1:
+        who = (
+            f"the {plan.dp * plan.ep} ranks of dp × ep all-reduce the other weights' "
+            "gradients" + (f", and the experts' {plan.dp} replicas theirs," if plan.dp > 1 else "")
+            if plan.ep > 1
+            else f"the {plan.dp} data-parallel replicas all-reduce their gradients"
+        )
         lines.append(
-            f"Gradient compression, as asked ({plan.grad_compression}): the {plan.dp} "
-            "data-parallel replicas all-reduce their gradients "
+            f"Gradient compression, as asked ({plan.grad_compression}): {who} "
             + COMPRESSION_WHAT[plan.grad_compression.split(":")[0]]
             + ". This changes the math: results differ from one device beyond rounding."
         )
@@ -370,9 +375,15 @@ def _local_sgd_lines(plan: Plan) -> list[str]:
     start = (
         f"after {plan.sync_warmup} steps of plain data parallelism, " if plan.sync_warmup else ""
     )
+    replicas = (
+        f"replicas (each an ep group of {plan.ep} ranks, which average the other weights' "
+        "gradients every step)"
+        if plan.ep > 1
+        else "replicas"
+    )
     return [
         f"Local SGD, as asked (sync_every={plan.sync_every}): {start}the {plan.dp} "
-        "data-parallel replicas step on their own gradients and average their parameters "
+        f"data-parallel {replicas} step on their own gradients and average their parameters "
         f"every {plan.sync_every} steps. This changes the math (only sync_every=1 with SGD "
         "matches one device); the predicted step time prices the steady state, one "
         f"all-reduce of the parameters every {plan.sync_every} steps."

@@ -320,6 +320,64 @@ def train_reference(
     return {"losses": losses, "params": snapshot(model)}
 
 
+def train_replicas_apart(
+    factory,
+    optimizer: str,
+    steps: int,
+    inputs: tuple,
+    target,
+    replicas: int,
+    every: int,
+    warmup: int,
+    outer: dict | None = None,
+    loss_fn=None,
+) -> dict:
+    """Local SGD as separate models give it: `replicas` copies of `factory()`, each on
+    its contiguous share of the batch, their gradients averaged for `warmup` steps, then
+    their own, their parameters averaged after every `every`-th local step; with an
+    `outer` SGD (its arguments), the parameters held since the last averaging step by
+    their difference from the mean, and the replicas go on from them. The losses are
+    the replicas' mean; the parameters, the first replica's."""
+    loss_fn = loss_fn or lm_loss
+    shares = list(zip(*(t.chunk(replicas) for t in (*inputs, target))))
+    models = [factory() for _ in range(replicas)]
+    optimizers = [make_optimizer(optimizer)(m.parameters()) for m in models]
+    anchor: list[torch.Tensor] = []
+    losses = []
+    for step in range(1, steps + 1):
+        if outer is not None and step == warmup + 1:
+            anchor = [p.detach().clone() for p in models[0].parameters()]
+            outer_sgd = torch.optim.SGD(anchor, **outer)
+        local = []
+        for model, opt, (*xs, ts) in zip(models, optimizers, shares):
+            opt.zero_grad()
+            loss = loss_fn(model(*xs), ts)
+            loss.backward()
+            local.append(loss.item())
+        if step <= warmup:
+            for params in zip(*(m.parameters() for m in models)):
+                mean = torch.stack([p.grad for p in params]).mean(0)
+                for p in params:
+                    p.grad = mean.clone()
+        for opt in optimizers:
+            opt.step()
+        if step > warmup and (step - warmup) % every == 0:
+            with torch.no_grad():
+                for params in zip(*(m.parameters() for m in models)):
+                    mean = torch.stack(list(params)).mean(0)
+                    for p in params:
+                        p.copy_(mean)
+                if outer is not None:
+                    for a, p in zip(anchor, models[0].parameters()):
+                        a.grad = a - p
+                    outer_sgd.step()
+                    for model in models:
+                        for a, p in zip(anchor, model.parameters()):
+                            p.copy_(a)
+        losses.append(sum(local) / replicas)
+    return {"losses": losses, "params": snapshot(models[0])}
+
+
 def train_autocast_reference(name: str, precision: str, steps: int, batch) -> list[float]:
     """The losses of `name`'s model trained on one CPU under autocast in `precision`
     ("bf16-mixed" or "fp16-mixed"), with SGD and momentum, on the whole batch."""

@@ -606,7 +606,7 @@ def _dp_sync(
     if choices.zero == 3:
         return 0.0
     if choices.sync_every is not None:
-        return _parameter_averaging(own, choices, models, size, stride)
+        return _local_sgd_sync(own, compute, choices, models)
     ep = choices.ep
     experts = sum(s.expert_numel(ep, choices.tp) for s in own) if ep > 1 else 0.0
     params = sum(s.param_numel(choices.tp, ep) for s in own) - experts
@@ -628,15 +628,31 @@ def _dp_sync(
     return exposed
 
 
-def _parameter_averaging(
-    own: list[SegmentWork], choices: Choices, models: CostModels, size: int, stride: int
+def _local_sgd_sync(
+    own: list[SegmentWork], compute: PhaseCost, choices: Choices, models: CostModels
 ) -> float:
     """Local SGD, per step: one all-reduce of every parameter's value (as the optimizer
-    holds it) every `sync_every` steps, after the optimizer step (nothing to hide it)."""
-    params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
-    nbytes = params * choices.state_bytes[0]
-    sync_every = choices.sync_every or 1
-    return models.comm.time(ALL_REDUCE, nbytes, size, stride) / sync_every
+    holds it) over the replicas every `sync_every` steps, after the optimizer step
+    (nothing to hide it). Under expert parallelism a replica spans ep, whose ranks
+    average the other weights' gradients every step (hidden behind backward but for
+    the last bucket), and the replicas are the dp ranks that hold the same experts."""
+    ep = choices.ep
+    params = sum(s.param_numel(choices.tp, ep) for s in own)
+    param_bytes, grad_bytes = choices.state_bytes[:2]
+    replicas = _expert_group(choices) if ep > 1 else _sync_group(choices)
+    averaging = (
+        models.comm.time(ALL_REDUCE, params * param_bytes, *replicas) / (choices.sync_every or 1)
+        if replicas[0] > 1
+        else 0.0
+    )
+    if ep == 1:
+        return averaging
+    others = params - sum(s.expert_numel(ep, choices.tp) for s in own)
+    sync, last = _bucketed(
+        ALL_REDUCE, others * grad_bytes, ep, choices.degrees.stride(Axis.EP), models
+    )
+    hiding = _hiding(compute.backward + compute.recompute, models)
+    return averaging + exposed_sync(sync, hiding, last)
 
 
 def _sync_group(choices: Choices) -> tuple[int, int]:

@@ -126,18 +126,18 @@ class ExpertShards:
     """Stacked expert weights split over ep (`fqns`, `RankProgram.ep_sharded`): each
     rank's gradient already sums every ep rank's tokens, so it is summed over `group`
     (the dp replicas of the same experts) and divided by `shares`, the batch's shares
-    (dp × ep), as the other weights' are averaged over them."""
+    (dp × ep), as the other weights' are averaged over them. `replica` is the ep group:
+    the ranks of one replica of the model, each with its share of the replica's batch."""
 
     group: dist.ProcessGroup
     fqns: frozenset[str]
     shares: int
+    replica: dist.ProcessGroup
 
 
 class ReplicatedState:
-    """ZeRO stage 0: plain data parallelism (its gradients compressed, if asked). Under
-    context parallelism the gradients of `context.fqns` are summed over dp × cp, the
-    others averaged over dp (whole on every cp rank already). Under expert parallelism
-    (`group` is dp × ep) the experts' gradients are summed over their dp replicas."""
+    """ZeRO stage 0: plain data parallelism (its gradients compressed, if asked), its
+    gradients synchronized as `exact_syncs` says."""
 
     offloaded: HostOptimizer | None = None
 
@@ -151,20 +151,7 @@ class ReplicatedState:
         context: ContextSums | None = None,
         experts: ExpertShards | None = None,
     ) -> None:
-        params = params_in_backward_order(stages)
-        summed = parameters_named(stages, context.fqns) if context else set()
-        split = parameters_named(stages, experts.fqns) if experts else set()
-        rest = [p for p in params if id(p) not in summed | split]
-        dp = dist.get_world_size(group)
-        self.syncs = [GradientSync(rest, group, accumulation, compression=compression)]
-        if context is not None:
-            parts = [p for p in params if id(p) in summed]
-            self.syncs.append(GradientSync(parts, context.group, accumulation, divisor=dp))
-        if experts is not None:
-            shards = [p for p in params if id(p) in split]
-            self.syncs.append(
-                GradientSync(shards, experts.group, accumulation, divisor=experts.shares)
-            )
+        self.syncs = exact_syncs(stages, group, accumulation, compression, context, experts)
         self.optimizer = optimizer([p for gm in stages for p in gm.parameters()])
 
     def begin(self) -> None:
@@ -183,6 +170,39 @@ class ReplicatedState:
             sync.close()
 
 
+def exact_syncs(
+    stages: list[fx.GraphModule],
+    group: dist.ProcessGroup,
+    accumulation: int,
+    compression: str | None = None,
+    context: ContextSums | None = None,
+    experts: ExpertShards | None = None,
+) -> list[GradientSync]:
+    """Every gradient of `stages` made the mean over the global batch: averaged over
+    `group`, but, under context parallelism, those of `context.fqns` summed over dp × cp
+    and divided by the dp replicas (each cp rank holds a part); under expert parallelism
+    (`group` is then dp × ep), the experts' summed over their dp replicas and divided by
+    the batch's shares. `compression` compresses every all-reduce (cp sums its parts
+    in the graph when it is set: `policy.cp_gradients_in_sync`)."""
+    params = params_in_backward_order(stages)
+    summed = parameters_named(stages, context.fqns) if context else set()
+    split = parameters_named(stages, experts.fqns) if experts else set()
+    rest = [p for p in params if id(p) not in summed | split]
+    syncs = [GradientSync(rest, group, accumulation, compression=compression)]
+    if context is not None:
+        parts = [p for p in params if id(p) in summed]
+        dp = dist.get_world_size(group)
+        syncs.append(GradientSync(parts, context.group, accumulation, divisor=dp))
+    if experts is not None:
+        shards = [p for p in params if id(p) in split]
+        syncs.append(
+            GradientSync(
+                shards, experts.group, accumulation, compression=compression, divisor=experts.shares
+            )
+        )
+    return syncs
+
+
 class LocalSgdState:
     """Local SGD, after a warm-up of plain data parallelism (post-local-SGD): for
     `warmup` steps the gradients are all-reduced; from then on every replica steps on
@@ -190,6 +210,12 @@ class LocalSgdState:
     local step. With `every` = 1 and SGD (with or without momentum: both are linear in
     the gradients) it is plain data parallelism, up to reduction order; otherwise the
     math differs from one device, as the user asked.
+
+    Under expert parallelism a replica is an ep group (`experts.replica`), whose ranks
+    split its batch and its experts: each local step averages the other weights'
+    gradients over those ranks and divides the experts' (which already sum every ep
+    rank's tokens) by their count, as one replica's loss on its whole batch gives them;
+    the replicas (`experts.group`, the dp ranks that hold the same experts) average.
 
     With an `outer` optimizer (DiLoCo's form), the parameters held since the last
     averaging (the anchor, the same on every replica) take an SGD step on their
@@ -206,41 +232,58 @@ class LocalSgdState:
         every: int,
         warmup: int,
         outer: OuterOptimizer | None = None,
+        experts: ExpertShards | None = None,
     ) -> None:
+        self.stages, self.accumulation, self.experts = stages, accumulation, experts
         self.params = list(dict.fromkeys(p for gm in stages for p in gm.parameters()))
+        split = parameters_named(stages, experts.fqns) if experts is not None else set()
+        self.expert_params = [p for p in self.params if id(p) in split]
         self.optimizer = optimizer(self.params)
-        self.group, self.every, self.warmup = group, every, warmup
+        self.replicas = experts.group if experts is not None else group
+        self.every, self.warmup = every, warmup
         self.outer = outer
         self.anchor: list[torch.Tensor] = []
         self.outer_step: torch.optim.Optimizer | None = None
-        self.sync: GradientSync | None = (
-            GradientSync(params_in_backward_order(stages), group, accumulation) if warmup else None
-        )
+        self.syncs = exact_syncs(stages, group, accumulation, experts=experts) if warmup else []
         self.steps = 0
 
     def begin(self) -> None:
-        if self.sync is not None and self.steps == self.warmup:
-            self.sync.close()  # the warm-up is over: local steps from here on
-            self.sync = None
-        if self.outer is not None and self.steps == self.warmup:
-            self._hold_anchor()
-        if self.sync is not None:
-            self.sync.begin()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        if self.steps == self.warmup:  # the warm-up is over: local steps from here on
+            for sync in self.syncs:
+                sync.close()
+            self.syncs = self._replica_syncs()
+            if self.outer is not None:
+                self._hold_anchor()
+        self.optimizer.zero_grad(set_to_none=True)
+        for sync in self.syncs:
+            sync.begin()
 
     def finish(self) -> None:
-        if self.sync is not None:
-            self.sync.finish()
+        for sync in self.syncs:
+            sync.finish()
+        if self.experts is not None and self.steps >= self.warmup:
+            ep = dist.get_world_size(self.experts.replica)
+            for p in self.expert_params:
+                if p.grad is not None:
+                    p.grad.div_(ep)
 
     def step(self) -> None:
         self.optimizer.step()
         self.steps += 1
         local = self.steps - self.warmup
         if local > 0 and local % self.every == 0:
-            average_parameters(iter(self.params), self.group)
+            average_parameters(iter(self.params), self.replicas)
             if self.outer_step is not None:
                 self._step_anchor()
+
+    def _replica_syncs(self) -> list[GradientSync]:
+        """A local step's gradient sync: within an ep replica, the other weights' mean
+        over its ranks; without ep, none."""
+        if self.experts is None:
+            return []
+        split = {id(p) for p in self.expert_params}
+        rest = [p for p in params_in_backward_order(self.stages) if id(p) not in split]
+        return [GradientSync(rest, self.experts.replica, self.accumulation)]
 
     def _hold_anchor(self) -> None:
         """The parameters every replica starts its local steps from, and the outer
@@ -264,8 +307,8 @@ class LocalSgdState:
             p.copy_(anchor)
 
     def close(self) -> None:
-        if self.sync is not None:
-            self.sync.close()
+        for sync in self.syncs:
+            sync.close()
 
 
 def build_data_parallel_state(
@@ -297,12 +340,16 @@ def build_data_parallel_state(
         return zero_state(
             zero, stages, group, optimizer, accumulation, offload, experts, masters_dtype
         )
-    if (context is not None and context.fqns) or experts is not None:
+    if context is not None and context.fqns:  # plain data parallelism (cp_gradients_in_sync)
         return ReplicatedState(stages, group, optimizer, accumulation, None, context, experts)
     if dist.get_world_size(group) == 1:
         return LocalState(stages, optimizer, offload, accumulation, masters_dtype)
     if sync_every is not None:
-        return LocalSgdState(stages, group, optimizer, accumulation, sync_every, sync_warmup, outer)
+        return LocalSgdState(
+            stages, group, optimizer, accumulation, sync_every, sync_warmup, outer, experts
+        )
     if zero == 0:
-        return ReplicatedState(stages, group, optimizer, accumulation, grad_compression)
+        return ReplicatedState(
+            stages, group, optimizer, accumulation, grad_compression, None, experts
+        )
     return zero_state(zero, stages, group, optimizer, accumulation, offload, None, masters_dtype)

@@ -59,10 +59,11 @@ class Uncompressed:
 
 
 class Bf16:
-    """The mean over the group, summed in bfloat16."""
+    """The sum over the group divided by `divisor` (the group's size: the mean), summed
+    in bfloat16."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group, self.size = group, dist.get_world_size(group)
+    def __init__(self, group: dist.ProcessGroup, divisor: int | None = None) -> None:
+        self.group, self.size = group, divisor or dist.get_world_size(group)
         self.pending: tuple[torch.Tensor, torch.Tensor, dist.Work] | None = None
 
     def launch(self, buffer: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) -> None:
@@ -84,11 +85,13 @@ class _Factors:
 
 @dataclass
 class PowerSgd:
-    """Rank-`rank` PowerSGD with error feedback over `group`; its state per parameter
+    """Rank-`rank` PowerSGD with error feedback over `group`, the sum of the factors'
+    product divided by `divisor` (the group's size: the mean); its state per parameter
     lives as long as the training (one instance per bucket)."""
 
     group: dist.ProcessGroup
     rank: int
+    divisor: int | None = None
     factors: dict[int, _Factors] = field(default_factory=dict)
     pending: tuple[torch.Tensor, list[nn.Parameter], list[int]] | None = None
 
@@ -98,7 +101,7 @@ class PowerSgd:
     def wait(self) -> None:
         assert self.pending is not None, "launched first"
         buffer, params, offsets = self.pending
-        size = dist.get_world_size(self.group)
+        size = self.divisor or dist.get_world_size(self.group)
         views = [buffer[o : o + p.numel()].view(p.shape) for p, o in zip(params, offsets)]
         low = [i for i, v in enumerate(views) if powersgd_compresses(v.shape, self.rank)]
         whole = [views[i] for i in range(len(views)) if i not in low]
@@ -134,13 +137,13 @@ def make_compression(
     spec: str | None, group: dist.ProcessGroup, divisor: int | None = None
 ) -> Compression:
     """A new reducer for one bucket: the sum over `group` divided by `divisor`, where
-    given (exactly; compression always takes the mean)."""
-    if spec is None:
+    given (the group's size otherwise), compressed as `spec` says. A group of one rank
+    sends nothing, and is not compressed."""
+    if spec is None or dist.get_world_size(group) == 1:
         return Uncompressed(group, divisor)
-    assert divisor is None, "compressed reductions take the mean"
     if spec == "bf16":
-        return Bf16(group)
-    return PowerSgd(group, powersgd_rank(spec))
+        return Bf16(group, divisor)
+    return PowerSgd(group, powersgd_rank(spec), divisor)
 
 
 def _all_reduce_together(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:

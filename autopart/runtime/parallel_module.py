@@ -106,7 +106,12 @@ class ParallelModule(nn.Module):
                 ContextSums(groups.group(Axis.DP, Axis.CP), program.cp_summed)
                 if program.cp_summed
                 else None,
-                ExpertShards(groups.group(Axis.DP), program.ep_sharded, groups.batch_size)
+                ExpertShards(
+                    groups.group(Axis.DP),
+                    program.ep_sharded,
+                    groups.batch_size,
+                    groups.group(Axis.EP),
+                )
                 if program.ep_sharded
                 else None,
                 self.precision.dtype if plan.master_weights == MasterWeights.HOST else None,

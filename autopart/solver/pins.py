@@ -243,7 +243,7 @@ def _check_context_pin(pins: Pins, layouts: TpLayouts) -> None:
 
 def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:
     """Refuse a pinned ep > 1 that cannot split the model's experts, or that asks for
-    what expert parallelism does not combine with yet."""
+    what expert parallelism does not combine with yet (cp)."""
     ep = pins.degree(Axis.EP) or 1
     if ep == 1:
         return
@@ -268,17 +268,11 @@ def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:
             f"tp={tp} gathers an expert weight before its grouped multiply (its inner dims do "
             "not split evenly): pin tp=1, or ep=1"
         )
-    axes = {"cp": pins.degree(Axis.CP)}
-    others = {
-        "sync_every": pins.sync_every,
-        "grad_compression": pins.grad_compression,
-    }
-    clashes = [f"{name}={n}" for name, n in axes.items() if n is not None and n > 1]
-    clashes += [f"{name}={value}" for name, value in others.items() if value]
-    if clashes:
+    cp = pins.degree(Axis.CP) or 1
+    if cp > 1:
         raise PlanError(
-            f"ep={ep} does not combine with {', '.join(clashes)} yet: expert parallelism runs "
-            "with dp, tp, pp, ZeRO and its offload, and cp=1"
+            f"ep={ep} does not combine with cp={cp} yet: expert parallelism runs with dp, "
+            "tp, pp, ZeRO and its offload, local SGD and gradient compression, and cp=1"
         )
 
 

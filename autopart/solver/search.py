@@ -3,9 +3,8 @@
 Candidates, every combination the pins allow:
   every factorization of the mesh over the axes of `Degrees` (pp × dp × ep × cp × tp),
     less what `_admissible` rules out for an unpinned axis: dp × ep must divide the
-    batch, ep the experts of every routed layer (with cp = 1 and no compression or
-    local SGD), tp
-    stays within a node (tensor parallelism on the fast links) and, unless pinned, at
+    batch, ep the experts of every routed layer (with cp = 1), tp stays within a node
+    (tensor parallelism on the fast links) and, unless pinned, at
     degrees where the model has a tensor-parallel layout; pp no more than the repeated
     blocks; cp where the model attends over a sequence that splits into 2·cp chunks,
     and where a microbatch holds fewer sequences per replica than cp (otherwise dp·cp
@@ -635,9 +634,8 @@ def _admissible(
     return not (
         # the sequence's 2·cp chunks, whole tokens each
         (free(Axis.CP) and cp > 1 and (not sequence or sequence % (2 * cp)))
-        # equal runs of every layer's experts; not with cp, nor with what changes the sync
+        # equal runs of every layer's experts; not with cp
         or (ep > 1 and (not experts or experts % ep or cp > 1))
-        or (ep > 1 and (pins.sync_every or pins.grad_compression))
         or batch % degrees.batch_split  # each rank of dp × ep takes an equal share
         or (free(Axis.TP) and tp > mesh.per_node)  # tensor parallelism on a node's links
         or (pins.sequence_parallel and tp == 1)

@@ -94,3 +94,25 @@ def test_zero3_under_ep_gathers_the_experts_over_dp_and_the_rest_over_dp_and_ep(
         predict(captured.gm, mesh, Choices(global_batch=8, zero=z, degrees=degrees)) for z in (0, 3)
     )
     assert zero3.exposed_comm_s - zero0.exposed_comm_s == pytest.approx(seconds, abs=0.05)
+
+
+def test_local_sgd_under_ep_syncs_each_replica_every_step_and_averages_replicas_every_h():
+    """A local SGD replica is an ep group: every step its ranks all-reduce the other
+    weights' gradients, as plain ep=2 does with one replica; every h steps the dp
+    replicas average every parameter (one all-reduce over 2 ranks: 2 ring steps of one
+    second, amortized over h steps)."""
+    captured = capture(tiny_mixtral(), (token_batch(batch=8)[0],))
+    analyze(captured.gm, captured.context())
+    spec = replace(PRESETS["cpu"], collectives={"all_reduce": {"alpha": 1.0, "beta": 1e-15}})
+
+    def exposed(per_node: int, dp: int, sync_every: int | None) -> float:
+        choices = Choices(global_batch=8, degrees=Degrees(dp=dp, ep=2), sync_every=sync_every)
+        mesh = Mesh.cluster(spec, nodes=1, per_node=per_node)
+        return predict(captured.gm, mesh, choices).exposed_comm_s
+
+    # One replica: its ranks' sync every step is plain ep's (a bucket of 2 ring steps).
+    assert exposed(2, 1, 2) == pytest.approx(exposed(2, 1, None), abs=0.05)
+    # Over dp's 2 ranks, not dp × ep's 4 (6 ring steps, which would make this 3).
+    assert exposed(4, 2, 1) - exposed(4, 2, 2) == pytest.approx(1, abs=0.05)
+    # Every 2 steps, what plain dp × ep syncs every step (and the experts over dp).
+    assert exposed(4, 2, 2) < exposed(4, 2, None)

@@ -17,7 +17,7 @@ from torch import nn
 import autopart
 from autopart.plan import PlanError
 from autopart.testing import run_world
-from tests.models import assert_matches, make_optimizer, snapshot
+from tests.models import assert_matches, make_optimizer, snapshot, train_replicas_apart
 
 STEPS = 5
 DP = 2
@@ -55,48 +55,10 @@ def _train_all(cases: dict[str, dict]) -> dict[str, dict]:
 
 
 def _replicas_apart(every: int, warmup: int, outer: dict | None = None) -> dict:
-    """Two replicas, each on its half of the batch: gradients averaged during the
-    warm-up, then their own, with parameters averaged after every `every`-th local step;
-    with an `outer` SGD (its arguments), the parameters held since the last averaging
-    step by their difference from the mean, and the replicas go on from them."""
     x, target = _batch()
-    halves = list(zip(x.chunk(DP), target.chunk(DP)))
-    replicas = [_model() for _ in range(DP)]
-    optimizers = [make_optimizer("sgd")(m.parameters()) for m in replicas]
-    anchor: list[torch.Tensor] = []
-    losses = []
-    for step in range(1, STEPS + 1):
-        if outer is not None and step == warmup + 1:
-            anchor = [p.detach().clone() for p in replicas[0].parameters()]
-            outer_sgd = torch.optim.SGD(anchor, **outer)
-        local = []
-        for model, opt, (xs, ts) in zip(replicas, optimizers, halves):
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(xs), ts)
-            loss.backward()
-            local.append(loss.item())
-        if step <= warmup:
-            for params in zip(*(m.parameters() for m in replicas)):
-                mean = torch.stack([p.grad for p in params]).mean(0)
-                for p in params:
-                    p.grad = mean.clone()
-        for opt in optimizers:
-            opt.step()
-        if step > warmup and (step - warmup) % every == 0:
-            with torch.no_grad():
-                for params in zip(*(m.parameters() for m in replicas)):
-                    mean = torch.stack(list(params)).mean(0)
-                    for p in params:
-                        p.copy_(mean)
-                if outer is not None:
-                    for a, p in zip(anchor, replicas[0].parameters()):
-                        a.grad = a - p
-                    outer_sgd.step()
-                    for model in replicas:
-                        for a, p in zip(anchor, model.parameters()):
-                            p.copy_(a)
-        losses.append(sum(local) / DP)
-    return {"losses": losses, "params": snapshot(replicas[0])}
+    return train_replicas_apart(
+        _model, "sgd", STEPS, (x,), target, DP, every, warmup, outer, nn.functional.mse_loss
+    )
 
 
 def _one_device() -> dict:

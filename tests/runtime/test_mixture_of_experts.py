@@ -4,10 +4,13 @@ data-dependent number of tokens, so it cuts into two pipeline stages. It trains 
 one device under dp=2, pp=2 and expert parallelism ep=2 (alone and with ZeRO-1) on 2
 ranks, and ep=2 × dp=2 (alone and with ZeRO-2 over 2 microbatches), ep=2 × pp=2
 (1F1B) and ep=2 × tp=2 (each rank's experts split column then row parallel; alone and
-with ZeRO-1) on 4; with ZeRO-3 at ep=2 on 2, ep=2 × dp=2 and ep=2 × tp=2 on 4: 3
+with ZeRO-1) on 4; with ZeRO-3 at ep=2 on 2, ep=2 × dp=2 and ep=2 × tp=2 on 4; with
+local SGD at ep=2 (one replica) on 2 and averaging every step at ep=2 × dp=2 on 4: 3
 steps of SGD with momentum in fp32 on Gloo, every rank's losses and parameters within
-1e-5. SGD, since Adam's update would hide a
-gradient off by a constant factor (a wrong divisor in the experts' sync). Under ep each
+1e-5. Local SGD every 2 steps and gradient compression at ep=2 × dp=2 change the math,
+as asked: they match two replicas trained apart and bf16's rounding of one device.
+SGD, since Adam's update would hide a gradient off by a constant factor (a wrong
+divisor in the experts' sync). Under ep each
 layer's rows travel to their experts' ranks and back with two all_to_alls, each rank
 holds half of every layer's experts, and nothing is dropped."""
 
@@ -42,6 +45,7 @@ from tests.models import (
     tiny_mixtral,
     token_batch,
     train_reference,
+    train_replicas_apart,
 )
 
 STEPS = 3
@@ -54,6 +58,9 @@ CASES = {
         {"ep": 2, "dp": 1, "zero": 1},  # the other weights' shards over ep's 2 ranks
         # ZeRO-3: the other weights gathered over ep's 2 ranks, each expert held whole
         {"ep": 2, "dp": 1, "zero": 3},
+        # Local SGD with one replica: each local step averages the other weights'
+        # gradients over the replica's ep ranks and divides the experts' by ep.
+        {"ep": 2, "dp": 1, "sync_every": 2, "sync_warmup": 1},
     ],
     4: [
         {"ep": 2, "dp": 2},
@@ -66,6 +73,7 @@ CASES = {
         # ZeRO-3: the experts' buckets gathered over their dp replicas, the rest over dp x ep
         {"ep": 2, "dp": 2, "zero": 3},
         {"ep": 2, "tp": 2, "dp": 1, "zero": 3},
+        {"ep": 2, "dp": 2, "sync_every": 1},  # local SGD averaging every step: plain dp
     ],
 }
 
@@ -178,8 +186,65 @@ def test_expert_parallelism_with_offload_trains_like_one_device():
             assert_matches(result, reference)
 
 
+# Opt-ins that change the math, at ep=2 × dp=2 (SGD): local SGD's two replicas (each an
+# ep group over its half of the batch) averaged every 2 steps after 1; compression of
+# the other weights' all-reduce over dp × ep and of the experts' over their replicas.
+OPT_INS = {
+    "apart": {"sync_every": 2, "sync_warmup": 1},
+    "bf16": {"grad_compression": "bf16"},
+    # at a rank no matrix's smaller side reaches, every gradient goes whole
+    "powersgd_whole": {"grad_compression": "powersgd:rank=128"},
+    # the experts' [2, 64·128] gradients as exact rank-2 factors, the rest lossy
+    "powersgd_2": {"grad_compression": "powersgd:rank=2"},
+}
+
+
+def _train_opt_ins(batch) -> dict:
+    return {
+        name: train_case(tiny_mixtral(), batch, STEPS, "sgd", tp=1, cp=1, pp=1, ep=2, dp=2, **pins)
+        for name, pins in OPT_INS.items()
+    }
+
+
+@pytest.mark.slow
+def test_local_sgd_and_gradient_compression_under_expert_parallelism():
+    batch = token_batch(8)
+    start = snapshot(tiny_mixtral())
+    one = train_reference(tiny_mixtral(), "sgd", STEPS, (batch[0],), batch[1])
+    apart = train_replicas_apart(
+        tiny_mixtral, "sgd", STEPS, (batch[0],), batch[1], replicas=2, every=2, warmup=1
+    )
+    for results in run_world(_train_opt_ins, 4, batch):
+        assert_matches(results["apart"], apart)
+        with pytest.raises(AssertionError):  # ... which is not one device's training
+            assert_matches(results["apart"], one)
+        # Every tensor's update within bf16's rounding (measured: 0.3%) of one device's:
+        # a wrong divisor of the experts' sum would scale theirs by 2.
+        assert_matches(results["bf16"], one, rtol=2e-2)
+        for name, want in one["params"].items():
+            update, wanted = results["bf16"]["params"][name] - start[name], want - start[name]
+            assert (update - wanted).norm() <= 2e-2 * wanted.norm(), name
+        with pytest.raises(AssertionError):
+            assert_matches(results["bf16"], one, rtol=1e-6)
+        assert_matches(results["powersgd_whole"], one)
+        assert results["powersgd_2"]["losses"][0] == pytest.approx(one["losses"][0], rel=1e-6)
+        with pytest.raises(AssertionError):
+            assert_matches(results["powersgd_2"], one, rtol=1e-3)
+
+
 TWO_CPUS = Mesh.cluster("cpu", nodes=1, per_node=2)
 FOUR_CPUS = Mesh.cluster("cpu", nodes=1, per_node=4)
+
+
+def test_compression_over_ep_alone_says_it_changes_the_math():
+    """At dp=1 the ep ranks still all-reduce the other weights' gradients, compressed."""
+    ids, _ = token_batch(4)
+    plan = autopart.plan(tiny_mixtral(), TWO_CPUS, (ids,), ep=2, grad_compression="bf16")
+    assert plan.dp == 1
+    assert "the 2 ranks of dp × ep all-reduce the other weights' gradients in bfloat16" in (
+        plan.explain()
+    )
+    assert "This changes the math" in plan.explain()
 
 
 @pytest.mark.parametrize(
@@ -187,7 +252,6 @@ FOUR_CPUS = Mesh.cluster("cpu", nodes=1, per_node=4)
     [
         (tiny_llama, {"ep": 2}, "no expert layer autopart recognizes.*pin ep=1"),
         (tiny_mixtral, {"ep": 2, "cp": 2}, "ep=2 does not combine with cp=2"),
-        (tiny_mixtral, {"ep": 2, "grad_compression": "bf16"}, "ep=2 does not combine with grad"),
         # experts 127 wide: tp=2 cannot split them, its layout gathers one
         (
             functools.partial(tiny_mixtral, intermediate=127),
