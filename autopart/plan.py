@@ -166,6 +166,9 @@ class Plan(AxisAttributes):
     placements: Mapping[str, tuple[Placement, ...]] = field(default_factory=dict)
     # What each tp-sharded parameter does under the layout ("column-parallel", ...).
     tp_roles: Mapping[str, str] = field(default_factory=dict)
+    # The stacked expert weights ep splits, each rank holding a run of the experts (dim
+    # 0) of every routed layer, as the rewrite finds them (`passes/experts.py`).
+    ep_params: tuple[str, ...] = ()
     stage_cuts: tuple[str, ...] = ()  # module paths where stages 1, 2, ... begin
     predicted: Predicted | None = None
     alternatives: tuple[Alternative, ...] = ()
@@ -297,7 +300,7 @@ class Plan(AxisAttributes):
         d.pop("strategies", None)  # an always-empty field that earlier plan files carry
         d["predicted"] = _predicted(d["predicted"]) if d.get("predicted") else None
         d["alternatives"] = tuple(_alternative(a) for a in d.get("alternatives", []))
-        for key in ("recompute", "recompute_attention", "stage_cuts"):
+        for key in ("recompute", "recompute_attention", "stage_cuts", "ep_params"):
             d[key] = tuple(d.get(key, ()))
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known

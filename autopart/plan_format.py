@@ -89,9 +89,10 @@ def format_plan(plan: Plan) -> str:
             f"{p.model_flops_per_device / 1e12:.3f} model TFLOP/s per device"
         )
     if plan.placements:
-        rows = _collapse_layers(plan)
+        axes, placed = _shown_placements(plan)
+        rows = _collapse_layers(placed)
         width = max(len("parameter"), *(len(name) for name, _ in rows)) + 2
-        header = "parameter".ljust(width) + "".join(str(a).ljust(6) for a in PLACEMENT_AXES)
+        header = "parameter".ljust(width) + "".join(str(a).ljust(6) for a in axes)
         lines += ["", "  " + header, "  " + "-" * len(header)]
         for name, ps in rows:
             lines.append("  " + name.ljust(width) + "".join(p.ljust(6) for p in ps))
@@ -112,13 +113,28 @@ def _folded(names: list[str]) -> str:
     return ", ".join(p if n == 1 else f"{p} (×{n})" for p, n in patterns.items())
 
 
-def _collapse_layers(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
+def _shown_placements(plan: Plan) -> tuple[tuple[Axis, ...], dict[str, tuple[str, ...]]]:
+    """The axes a parameter's placements are shown on, and each parameter's, as text:
+    the plan's (dp, tp), with ep between them where ep > 1. ep splits the stacked
+    expert weights on dim 0 (`Plan.ep_params`); the other weights are whole on every ep
+    rank, but for ZeRO-3's shards, which span dp × ep."""
+    shown = {fqn: tuple(placement_to_str(p) for p in ps) for fqn, ps in plan.placements.items()}
+    if plan.ep == 1:
+        return PLACEMENT_AXES, shown
+    experts = set(plan.ep_params)
+    other = "S(0)" if plan.zero == 3 else "R"
+    return (Axis.DP, Axis.EP, Axis.TP), {
+        fqn: (dp, "S(0)" if fqn in experts else other, tp) for fqn, (dp, tp) in shown.items()
+    }
+
+
+def _collapse_layers(placed: dict[str, tuple[str, ...]]) -> list[tuple[str, tuple[str, ...]]]:
     """One row per parameter, with repeated layers folded: `layers.*.mlp.w (×32)` stands
     for every layer whose copy of the parameter is placed alike."""
     groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
-    for fqn, ps in plan.placements.items():
+    for fqn, names in placed.items():
         pattern = re.sub(r"\.\d+\.", ".*.", fqn)
-        groups.setdefault((pattern, tuple(placement_to_str(p) for p in ps)), []).append(fqn)
+        groups.setdefault((pattern, names), []).append(fqn)
     rows: list[tuple[str, tuple[str, ...]]] = []
     for (pattern, names), members in groups.items():
         rows.append((members[0] if len(members) == 1 else f"{pattern} (×{len(members)})", names))
@@ -126,9 +142,10 @@ def _collapse_layers(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def explain_plan(plan: Plan) -> str:
-    counts = Counter(tuple(placement_to_str(x) for x in ps) for ps in plan.placements.values())
+    axes, placed = _shown_placements(plan)
+    counts = Counter(placed.values())
     layout = ", ".join(
-        f"{n} parameters {'/'.join(f'{a}:{x}' for a, x in zip(PLACEMENT_AXES, k))}"
+        f"{n} parameters {'/'.join(f'{a}:{x}' for a, x in zip(axes, k))}"
         for k, n in counts.most_common()
     )
     lines = [

@@ -12,7 +12,7 @@ import autopart
 from autopart.degrees import Degrees
 from autopart.mesh import Mesh
 from autopart.plan import MeshSpec, Plan, PlanError, Predicted, StageFigures
-from tests.models import tiny_gpt2, tiny_llama, token_batch
+from tests.models import tiny_gpt2, tiny_llama, tiny_mixtral, token_batch
 
 
 def _plan(**changes) -> Plan:
@@ -141,3 +141,23 @@ def test_explain_says_which_sums_change_order():
         stage_cuts=(),
     )
     assert "Every sum runs in the order it runs on one device" in alone.explain()
+
+
+def test_an_expert_parallel_plan_shows_the_experts_split_over_ep(tmp_path):
+    """ep's column: the stacked expert weights on dim 0, the other weights whole on every
+    ep rank but for ZeRO-3's shards, which span dp × ep; kept through the plan file."""
+    ids, _ = token_batch(8)
+    mesh = Mesh.cluster("cpu", nodes=1, per_node=4)
+    plan = autopart.plan(tiny_mixtral(), mesh, (ids,), ep=2, dp=2, tp=1, pp=1, cp=1, zero=1)
+    experts = "model.layers.*.mlp.experts.gate_up_proj (×2)"
+    rows = {line.split("  ")[1]: line.split()[-3:] for line in str(plan).splitlines()[6:]}
+    assert rows[experts] == ["R", "S(0)", "R"]
+    assert rows["lm_head.weight"] == ["R", "R", "R"]
+    assert "parameters dp:R/ep:S(0)/tp:R" in plan.explain()
+    zero3 = autopart.plan(tiny_mixtral(), mesh, (ids,), ep=2, dp=2, tp=1, pp=1, cp=1, zero=3)
+    assert "parameters dp:S(0)/ep:S(0)/tp:R" in zero3.explain()
+    assert "dp:S(0)/ep:R" not in zero3.explain()
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path).ep_params == plan.ep_params
+    assert len(plan.ep_params) == 4  # two layers' gate_up and down

@@ -316,6 +316,7 @@ def _plan_of(
         recompute_attention=choices.recompute_attention,
         placements=_placements(captured, layouts.placements(choices.tp), choices.zero),
         tp_roles=layouts.roles(choices.tp, choices.sequence_parallel),
+        ep_params=layouts.expert_params if choices.ep > 1 else (),
     )
 
 

@@ -267,6 +267,11 @@ class TpLayouts:
         return expert_layers(self.gm, self.param_names)
 
     @property
+    def expert_params(self) -> tuple[str, ...]:
+        """The FQNs of every routed layer's stacked expert weights."""
+        return tuple(fqn for layer in self._expert_layers for fqn in layer.params)
+
+    @property
     def experts(self) -> int | None:
         """The number of experts every routed layer of the model has (the largest that
         divides them all), or None where it has no layer expert parallelism splits."""
