@@ -19,13 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-import sympy
 import torch
 from torch import fx
 
-from autopart.batch import SEQ
 from autopart.ops.aten import GROUPED_MM_OPS, VIEW_OPS, op_name
-from autopart.ops.meta import SHAPE, TensorInfo
 
 # Operators between two grouped multiplies that act on each row alone.
 _ROW_WISE = frozenset(
@@ -161,103 +158,3 @@ def _splits_last_dim(node: fx.Node) -> bool:
     value = source.meta.get("val") if isinstance(source, fx.Node) else None
     last = value.dim() - 1 if isinstance(value, torch.Tensor) else -1
     return isinstance(dim, int) and dim in (-1, last)
-
-
-@dataclass(frozen=True)
-class TokenRegion:
-    """A routed layer from its tokens to its output: `flattens` view [batch, seq, ...]
-    values as rows, `exits` view rows back as [batch, seq, ...], and `nodes` (both
-    included) is every node computed from the rows on the way, with the tensors built
-    from sizes alone that they read (a range over the rows). Routing is dropless and
-    each row's output is its own token's, whatever other rows there are, so the
-    region runs as it is on any subset of the tokens: context parallelism runs it on
-    each rank's (`passes/context_parallel.py`), as expert parallelism does on each
-    batch share's."""
-
-    flattens: frozenset[fx.Node]
-    nodes: frozenset[fx.Node]
-
-
-def token_region(layer: ExpertLayer) -> TokenRegion | None:
-    """`layer`'s region, or None where it reads a tensor from outside other than its
-    weights (and views of them), or a value computed in it is read outside but through
-    its exits (the router's logits, for a load-balancing loss over every token)."""
-    starts = [mm.args[0] for mm in layer.entries] + [layer.offsets]
-    up = {n for n in _walk_until(starts, lambda n: n.all_input_nodes, _sequence_shaped)}
-    up |= {n for n in starts if isinstance(n, fx.Node)}
-    flattens = {
-        n
-        for n in up
-        if not _sequence_shaped(n) and any(_sequence_shaped(a) for a in n.all_input_nodes)
-    }
-    exits = _walk_until(list(layer.exits), lambda n: n.users, _sequence_shaped)
-    exits = {n for n in exits if _sequence_shaped(n)}
-    if not flattens or not exits:
-        return None
-    below = _walk(list(flattens), lambda n: n.users) | flattens
-    above = _walk(list(exits), lambda n: n.all_input_nodes) | exits
-    nodes = below & above
-    built: set[fx.Node] = set()
-    for node in nodes:
-        for source in node.all_input_nodes:
-            if source in nodes or _is_size(source) or _weight_view(source):
-                continue
-            if source.op == "call_function" and all(_is_size(a) for a in source.all_input_nodes):
-                built.add(source)  # a tensor built from sizes alone
-                continue
-            if not (source in flattens or any(source in f.all_input_nodes for f in flattens)):
-                return None
-    nodes |= built
-    for node in nodes - exits:
-        if any(u not in nodes and op_name(u) not in _CHECKS for u in node.users):
-            return None
-    first = min(_position(f) for f in flattens)
-    if any(_position(b) < first for b in built):
-        return None
-    return TokenRegion(frozenset(flattens), frozenset(nodes))
-
-
-def _sequence_shaped(node: fx.Node) -> bool:
-    """A [batch, seq, ...] value: a tensor of 3 dims or more whose dim 1 is the
-    (symbolic) sequence."""
-    info = SHAPE.get(node, None)
-    if not isinstance(info, TensorInfo) or len(info.shape) < 3:
-        return False
-    seq = info.shape[1]
-    return isinstance(seq, sympy.Symbol) and seq.name == SEQ
-
-
-def _walk_until(
-    starts: list, step: Callable[[fx.Node], Iterable[fx.Node]], stop: Callable[[fx.Node], bool]
-) -> set[fx.Node]:
-    """The nodes reachable from `starts` along `step`, not going on past a node `stop`
-    accepts (which is included) nor past parameters and sizes."""
-    seen: set[fx.Node] = set()
-    frontier = [n for s in starts if isinstance(s, fx.Node) for n in step(s)]
-    while frontier:
-        node = frontier.pop()
-        if node in seen or node.op in ("get_attr", "placeholder") or _is_size(node):
-            continue
-        seen.add(node)
-        if not stop(node):
-            frontier.extend(step(node))
-    return seen
-
-
-def _is_size(node: fx.Node) -> bool:
-    """A symbolic size (or an expression of sizes), not a tensor."""
-    return isinstance(node.meta.get("val"), torch.SymInt)
-
-
-def _weight_view(node: fx.Node) -> bool:
-    """A parameter, or a view or cast of one."""
-    while node.op == "call_function" and op_name(node) in VIEW_OPS | {"to", "_to_copy"}:
-        source = node.args[0]
-        if not isinstance(source, fx.Node):
-            return False
-        node = source
-    return node.op == "get_attr"
-
-
-def _position(node: fx.Node) -> int:
-    return next(i for i, n in enumerate(node.graph.nodes) if n is node)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import sympy
@@ -63,15 +63,12 @@ def propagate(
     sharded_logits: int | None = None,
     input_places: Mapping[str, Placement] | None = None,
     context_parallel: bool = False,
-    decide_first: Callable[[Operands], Decision | None] | None = None,
 ) -> Propagation:
     """Walk `gm` with parameters placed as `param_places` (FQN -> tp placement) and
     inputs as `input_places` (placeholder name -> placement; replicated where absent). Under
     `sequence_parallel`, row-parallel outputs of shape [batch, seq, ...] are
     reduce-scattered along the sequence instead of all-reduced. `sharded_logits`: the
-    graph output leaf a vocabulary-parallel cross-entropy reads (`decide_node`).
-    `decide_first`: a walk's own decisions for some nodes (None for the others), taken
-    before the rules'."""
+    graph output leaf a vocabulary-parallel cross-entropy reads (`decide_node`)."""
     result = Propagation()
     origin: dict[fx.Node, tuple[str, ...]] = {}  # column outputs -> weight (and bias) FQNs
     for node in gm.graph.nodes:
@@ -87,9 +84,7 @@ def propagate(
             result.grads[node] = False
             continue
         ops = operands_of(node, result.places, result.grads, tp, context_parallel)
-        decision = (decide_first and decide_first(ops)) or decide_node(
-            ops, gm, sequence_parallel, sharded_logits
-        )
+        decision = decide_node(ops, gm, sequence_parallel, sharded_logits)
         if decision.fused_split and ops.flat[ops.tensors[0]] not in origin:
             # The parts of a dim sharded by no product this walk can cut part by part
             # (a bias added in between, say): the local parts would not pair up.
