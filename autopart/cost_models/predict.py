@@ -672,8 +672,7 @@ def _expert_group(choices: Choices) -> tuple[int, int]:
 
 
 def _cp_in_sync(choices: Choices) -> bool:
-    # Choices carries no local SGD: it is priced as plain data parallelism.
-    return cp_gradients_in_sync(choices.zero, None, choices.grad_compression)
+    return cp_gradients_in_sync(choices.zero, choices.sync_every, choices.grad_compression)
 
 
 def _bucketed(
