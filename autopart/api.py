@@ -202,11 +202,23 @@ def captured_for_planning(
     batch to any microbatch, and torch.export traces it in half the time."""
     params = list(model.parameters())
     on_meta = bool(params) and all(p.is_meta for p in params)
+    if params and not on_meta:  # example inputs on another device (a GPU's, a CPU
+        # model's) trace as the model's own: planning reads their shapes alone
+        example_inputs, example_kwargs = _on_device(
+            (example_inputs, example_kwargs), params[0].device
+        )
     captured = capture(
         model, example_inputs, example_kwargs, autocast=autocast, dynamic_batch=not on_meta
     )
     analyze(captured.gm, captured.context())
     return captured
+
+
+def _on_device(tree: Any, device: torch.device) -> Any:
+    """`tree` with its tensors on `device` (meta tensors stay: they hold no values)."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t if t.is_meta or t.device == device else t.to(device), tree
+    )
 
 
 def _program_capture(
@@ -226,7 +238,7 @@ def _program_capture(
     on_device = device.type != "cpu" and not any(p.is_meta for p in model.parameters())
     if on_device:
         model.to(device)
-        inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), inputs)
+        inputs = _on_device(inputs, device)
     if specialized or autocast is not None or on_device:
         return captured_for_planning(model, inputs, example_kwargs, autocast=autocast)
     return captured

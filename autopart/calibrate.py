@@ -9,7 +9,8 @@
                   multiplication of two scalars, 3 µs; a graph operator, which may run
                   several (a linear layer: a transpose and a matmul, in backward two
                   matmuls and a sum), about 9 µs on a 2-core x86 host.
-    matmul        n×n @ n×n for each size and dtype, median time t(n). The compute
+    matmul        n×n @ n×n for each size and dtype (128 to 2048 on a CPU, 256 to 8192 on
+                  a GPU), median time t(n). The compute
                   model's curve, efficiency n/(n + n½) of a peak P plus a call's
                   overhead c (a 1×1 matmul), says t(n) − c = 2n³/P + 2n²·n½/P: linear in
                   1/P and n½/P, fitted by least squares on relative error over the sizes
@@ -79,6 +80,9 @@ from autopart.mesh import PRESETS, DeviceSpec, Mesh
 from autopart.passes import analyze
 
 DEFAULT_SIZES = (128, 256, 512, 1024, 2048)
+# A GPU's matmuls saturate only at thousands (an H100's bf16 rate at 2048 is about half
+# its rate at 8192): sizes that stop short would cap the fitted peak (MAX_EXTRAPOLATION).
+GPU_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 QUICK_SIZES = (64, 128, 256)
 MESSAGE_SIZES = tuple(1024 * 4**i for i in range(9))  # 1 KiB ... 64 MiB
 QUICK_MESSAGES = (1024, 64 * 1024, 1024**2)
@@ -120,7 +124,7 @@ class Progress:
 
 def calibrate(
     output_path: str | os.PathLike,
-    sizes: Sequence[int] = DEFAULT_SIZES,
+    sizes: Sequence[int] | None = None,
     dtypes: Sequence[str] | None = None,
     messages: Sequence[int] = MESSAGE_SIZES,
     copy_bytes: int = COPY_BYTES,
@@ -138,6 +142,7 @@ def calibrate(
         else (torch.device("cpu"))
     )
     dtypes = tuple(dtypes or (("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32",)))
+    sizes = sizes or (GPU_SIZES if device.type == "cuda" else DEFAULT_SIZES)
     ops = ops if world > 1 else ()
     progress = Progress(len(dtypes) * len(sizes) + 5 + len(ops) * len(messages), rank == 0)
 

@@ -28,7 +28,8 @@ class Precision:
     def __init__(self, precision: str, device_type: str = "cpu") -> None:
         self.dtype = LOW_DTYPES.get(precision)
         self.device_type = device_type
-        self.scaler = LossScaler() if precision == PrecisionName.FP16_MIXED else None
+        fp16 = precision == PrecisionName.FP16_MIXED
+        self.scaler = LossScaler(collective_device=torch.device(device_type)) if fp16 else None
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -51,9 +52,16 @@ class Precision:
 
 class LossScaler:
     def __init__(
-        self, initial: float = 2.0**16, growth_interval: int = 2000, backoff: float = 0.5
+        self,
+        initial: float = 2.0**16,
+        growth_interval: int = 2000,
+        backoff: float = 0.5,
+        collective_device: torch.device | None = None,
     ) -> None:
         self.value = initial
+        # Where the backend's collectives read from (a GPU under NCCL), which need not be
+        # where the gradients are (the host, under offload).
+        self.collective_device = collective_device or torch.device("cpu")
         self.growth_interval = growth_interval
         self.backoff = backoff
         self._clean_steps = 0
@@ -63,11 +71,13 @@ class LossScaler:
 
     def unscale(self, params: list[torch.nn.Parameter]) -> bool:
         grads = [p.grad for p in params if p.grad is not None]
-        found_inf = torch.zeros(1)
+        device = grads[0].device if grads else self.collective_device
+        found_inf = torch.zeros(1, device=device)
         if grads:
-            inverse = torch.tensor(1.0 / self.value)
+            inverse = torch.full((1,), 1.0 / self.value, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inverse)
         if dist.is_initialized():
+            found_inf = found_inf.to(self.collective_device)
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         finite = found_inf.item() == 0
         self._update(finite)
