@@ -56,10 +56,6 @@ ATTENTIONS = ("causal", "full", "masked", "eager", "rotary")  # see `Case.attent
 ROUTINGS = ("token", "token", "capacity", "expert")  # see `Case.routing`; token mostly
 # Cases that fail for a reason diagnosed and not fixed yet, which `cases()` draws only
 # when asked (the sweep does; the quick test does not):
-# - "attention" under cp: attention that runs as ring attention (no mask, or a causal
-#   mask turned into is_causal) over keys and values that are views (transposed heads)
-#   crashes: `ops.context_parallel._Ring.start` receives into `torch.empty_like`
-#   buffers, with the views' strides, and Gloo's irecv wants contiguous ones.
 # - "routing" where the batch or the sequence is split (dp, ep, pp's microbatches, cp):
 #   routing that mixes the batch's tokens (an expert's capacity, expert choice) trains
 #   otherwise than on one device, unrefused: `passes.batch_mixing` does not see a top-k
@@ -70,7 +66,7 @@ ROUTINGS = ("token", "token", "capacity", "expert")  # see `Case.routing`; token
 #   none of its own, and its rank alone fails to build its optimizer ("optimizer got an
 #   empty parameter list", `runtime/data_parallel.py`) while the others train and lose it.
 KNOWN_FAILURES = {
-    "attention": ("full", "masked", "rotary"),
+    "attention": (),
     "routing": ("capacity", "expert"),
     "tied": (True,),
 }

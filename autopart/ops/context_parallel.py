@@ -30,6 +30,7 @@ plain tensor operations, which run on every device and dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -104,6 +105,9 @@ def cp_gather(x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
 
 # -- ring attention -------------------------------------------------------------------
 
+# A ring step in flight: its works, the buffers it sends and those it receives into.
+_Pending = tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]
+
 
 class _Ring:
     """Passing tensors to the next rank of the group while receiving the previous one's."""
@@ -113,15 +117,21 @@ class _Ring:
         self.next = dist.get_global_rank(self.pg, (rank + 1) % self.size)
         self.prev = dist.get_global_rank(self.pg, (rank - 1) % self.size)
 
-    def start(self, tensors: list[torch.Tensor]) -> tuple[list[Any], list[torch.Tensor]]:
-        received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.pg) for t in tensors]
+    def start(self, tensors: list[torch.Tensor]) -> _Pending:
+        """Send `tensors` on and receive the previous rank's. The collectives take
+        contiguous buffers: keys and values are often views (heads transposed out of
+        [batch, seq, heads, head_dim]), so what is sent is made contiguous and what is
+        received lands in fresh contiguous tensors of the same shapes, not `empty_like`'s
+        copies of the views' strides."""
+        sent = [t.contiguous() for t in tensors]
+        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.pg) for t in sent]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.pg) for r in received]
-        return dist.batch_isend_irecv(ops), received
+        return dist.batch_isend_irecv(ops), sent, received
 
     @staticmethod
-    def finish(pending: tuple[list[Any], list[torch.Tensor]]) -> list[torch.Tensor]:
-        works, received = pending
+    def finish(pending: _Pending) -> list[torch.Tensor]:
+        works, _sent, received = pending  # the sent buffers live until their sends end
         for work in works:
             work.wait()
         return received
@@ -217,25 +227,70 @@ class _RingAttention(Function):
         return dq_all, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
+# scaled_dot_product_attention's arguments after q, k and v, in their positional order.
+ATTENTION_ARGUMENTS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_ATTENTION_DEFAULTS = {
+    "attn_mask": None,
+    "dropout_p": 0.0,
+    "is_causal": False,
+    "scale": None,
+    "enable_gqa": False,
+}
+
+
+def attention_arguments(
+    positional: Sequence[Any], keywords: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """`scaled_dot_product_attention`'s arguments after q, k and v by name, defaults
+    filled in, from those given positionally after v (torch.export writes `is_causal=True`
+    as the positional (None, 0.0, True)) and by keyword; None where they do not bind."""
+    if len(positional) > len(ATTENTION_ARGUMENTS):
+        return None
+    named = dict(zip(ATTENTION_ARGUMENTS, positional))
+    if any(key in named or key not in _ATTENTION_DEFAULTS for key in keywords):
+        return None
+    return {**_ATTENTION_DEFAULTS, **named, **keywords}
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def ring_refusal(named: dict[str, Any] | None) -> str:
+    """Why ring attention cannot compute an attention of these arguments
+    (`attention_arguments`), or "" where it can: it takes no mask and no dropout, and a
+    causal flag, scale and grouped-query flag known when the graph is rewritten."""
+    if named is None:
+        return "arguments that do not bind to scaled_dot_product_attention's"
+    if named["attn_mask"] is not None:
+        return "a mask"
+    if not _number(named["dropout_p"]) or named["dropout_p"] != 0.0:
+        return "dropout"
+    if not isinstance(named["is_causal"], bool) or not isinstance(named["enable_gqa"], bool):
+        return "a causal or grouped-query flag that is not a constant"
+    if named["scale"] is not None and not _number(named["scale"]):
+        return "a scale that is not a constant"
+    return ""
+
+
 def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    group: GroupName,
-    *,
-    attn_mask: None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any
 ) -> torch.Tensor:
-    """`scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)` of [batch,
-    heads, seq, head_dim] tensors sharded over the sequence in the mirrored layout of
-    the cp `group`. Masks and dropout are not taken (the rewrite keeps such attention
-    whole)."""
-    assert attn_mask is None and dropout_p == 0.0, "ring attention takes no mask or dropout"
-    if enable_gqa and k.shape[-3] != q.shape[-3]:
+    """`scaled_dot_product_attention(q, k, v, ...)` of [batch, heads, seq, head_dim]
+    tensors sharded over the sequence in the mirrored layout of the cp group, causal or
+    not, with its scale and grouped-query flag. Called as the rewrite leaves the
+    attention's node: its own arguments after v, positional (`attention_arguments`) and
+    keyword, with the cp group appended as the last positional one. Masks and dropout
+    are not taken (`ring_refusal`: the rewrite gathers the sequence for such
+    attention)."""
+    *positional, group = args
+    named = attention_arguments(positional, kwargs)
+    refusal = ring_refusal(named)
+    if refusal or named is None:
+        raise ValueError(f"ring attention cannot compute attention with {refusal}")
+    if named["enable_gqa"] and k.shape[-3] != q.shape[-3]:
         repeats = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(repeats, -3), v.repeat_interleave(repeats, -3)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, is_causal, scale)
+    scale = named["scale"]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _RingAttention.apply(q, k, v, group, named["is_causal"], scale)

@@ -34,6 +34,7 @@ from torch.distributed.tensor import Placement, Shard
 from autopart.batch import SEQ
 from autopart.ops.aten import ATTENTION_OPS, GROUPED_MM_OPS, VIEW_OPS, op_name
 from autopart.ops.collectives import COLLECTIVES
+from autopart.ops.context_parallel import attention_arguments, ring_refusal
 from autopart.ops.meta import SHAPE, TensorInfo, tensor_info
 from autopart.ops.vocab_parallel import vocab_parallel_embedding
 from autopart.passes.tp_decision import (
@@ -568,17 +569,23 @@ def _attention(ops: Operands) -> Decision:
 
 def _ring_attention(ops: Operands, qkv: list[NodePlacement | None]) -> Decision:
     """Under context parallelism, attention of q, k and v sharded over the sequence (dim
-    2) runs as ring attention (`ops.context_parallel.ring_attention`): without a mask
-    or dropout, which it does not take."""
+    2) runs as ring attention (`ops.context_parallel.ring_attention`), causal or not,
+    whichever way its arguments are written (`is_causal` by keyword, or positionally
+    after a None mask and 0.0 dropout as torch.export writes it): without a mask or
+    dropout, which it does not take (`ring_refusal`), and, causal, over as many keys as
+    queries (its causal pairs of chunks are by position)."""
     node = ops.node
-    plain = (
-        op_name(node) == "scaled_dot_product_attention"
-        and len(node.args) == 3
-        and node.kwargs.get("attn_mask") is None
-        and node.kwargs.get("dropout_p", 0.0) == 0.0
-    )
-    if not plain or any(p != Shard(2) for p in qkv) or len(ops.tensors) != 3:
-        return fallback(ops, "ring attention takes q, k and v sharded on the sequence, no mask")
+    reason = "ring attention takes q, k and v sharded on the sequence"
+    if op_name(node) != "scaled_dot_product_attention":
+        return fallback(ops, f"{reason}, through scaled_dot_product_attention")
+    if any(p != Shard(2) for p in qkv) or ops.tensors != [0, 1, 2] or len(node.args) < 3:
+        return fallback(ops, f"{reason} and no other tensor")
+    named = attention_arguments(node.args[3:], node.kwargs)
+    refusal = ring_refusal(named)
+    if refusal or named is None:
+        return fallback(ops, f"{reason}, not attention with {refusal}")
+    if named["is_causal"] and _shape(ops, 0)[2] != _shape(ops, 1)[2]:
+        return fallback(ops, f"{reason}, causal over as many keys as queries")
     return Decision(output=Shard(2), local_op="ring_attention")
 
 

@@ -11,8 +11,17 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Shard
 
 import autopart
+from autopart.capture import capture
+from autopart.ops.aten import op_name
+from autopart.passes import analyze
+from autopart.passes.context_parallel import sequence_inputs
+from autopart.passes.tp_propagate import propagate
 from autopart.testing import run_world
 from tests.harness import (
     assert_every_rank_matches,
@@ -21,7 +30,7 @@ from tests.harness import (
     train_case,
     train_losses,
 )
-from tests.models import tiny_llama, token_batch, train_reference
+from tests.models import VOCAB, tiny_llama, token_batch, train_reference
 
 STEPS = 3
 SEQ = 64
@@ -96,3 +105,118 @@ def test_a_checkpoint_of_a_context_parallel_plan_resumes_under_data_parallelism(
     reference = train_reference(tiny_llama(), "adamw", STEPS, (batch[0],), batch[1])
     for losses in run_world(_resume, 4, batch, str(tmp_path)):
         assert losses == pytest.approx(reference["losses"], rel=1e-5)
+
+
+# -- attention written as models write it ---------------------------------------------
+
+# How `ViewsAttentionLM` calls scaled_dot_product_attention: `is_causal=True` (captured
+# as the positional (q, k, v, None, 0.0, True)), the positional form written out, with
+# a scale, and unmasked (every token attends to every other).
+ATTENTION_FORMS = ("causal", "positional", "scaled", "unmasked")
+
+
+class ViewsAttentionLM(nn.Module):
+    """A Llama-like causal language model whose q, k and v are views: heads transposed
+    out of [batch, seq, heads, head_dim], never made contiguous (ring attention passes
+    such keys and values round the ring)."""
+
+    def __init__(self, form: str, width: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.form, self.heads = form, heads
+        self.embed = nn.Embedding(VOCAB, width)
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
+        self.qkv = nn.ModuleList(nn.Linear(width, 3 * width) for _ in range(layers))
+        self.out = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.head = nn.Linear(width, VOCAB)
+
+    def _attend(self, q, k, v):
+        if self.form == "causal":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.form == "positional":
+            return F.scaled_dot_product_attention(q, k, v, None, 0.0, True)
+        if self.form == "scaled":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+        return F.scaled_dot_product_attention(q, k, v)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        b, s, w = x.shape
+        for norm, qkv, out in zip(self.norms, self.qkv, self.out):
+            parts = qkv(norm(x)).split(w, dim=-1)
+            q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in parts)
+            x = x + out(self._attend(q, k, v).transpose(1, 2).reshape(b, s, w))
+        return self.head(x)
+
+
+def test_every_form_of_causal_or_unmasked_attention_is_planned_as_a_ring():
+    """The cp walk (the plan's and the rewrite's) runs each form as ring attention, the
+    positional (q, k, v, None, 0.0, True) included, and gathers the sequence for a mask
+    or dropout, which the ring does not take."""
+    for form in ATTENTION_FORMS:
+        captured = capture(ViewsAttentionLM(form), (token_batch(2, SEQ)[0],))
+        analyze(captured.gm, captured.context())
+        gm = captured.gm
+        seeds = {node.name: Shard(1) for node in sequence_inputs(gm)}
+        result = propagate(
+            gm, captured.parameter_names, {}, 2, input_places=seeds, context_parallel=True
+        )
+        attention = [n for n in gm.graph.nodes if op_name(n) == "scaled_dot_product_attention"]
+        assert len(attention) == 2
+        for node in attention:
+            decision = result.decisions[node]
+            assert decision.local_op == "ring_attention", (form, node.args, decision.fallback)
+            assert result.places[node] == Shard(2)
+
+
+class _Refused(nn.Module):
+    """Attention that ring attention does not take: with dropout, or a mask input."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embed = nn.Embedding(VOCAB, 16)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        q = k = v = x.view(b, s, 2, 8).transpose(1, 2)
+        if self.kind == "dropout":
+            return F.scaled_dot_product_attention(q, k, v, None, 0.1, True)
+        return F.scaled_dot_product_attention(q, k, v, mask)
+
+
+@pytest.mark.parametrize("kind", ["dropout", "mask"])
+def test_attention_the_ring_does_not_take_gathers_the_sequence(kind):
+    ids = token_batch(2, SEQ)[0]
+    mask = torch.rand(SEQ, SEQ) > 0.5
+    captured = capture(_Refused(kind), (ids, mask))
+    analyze(captured.gm, captured.context())
+    gm = captured.gm
+    seeds = {node.name: Shard(1) for node in sequence_inputs(gm)}
+    result = propagate(
+        gm, captured.parameter_names, {}, 2, input_places=seeds, context_parallel=True
+    )
+    (node,) = [n for n in gm.graph.nodes if op_name(n) == "scaled_dot_product_attention"]
+    decision = result.decisions[node]
+    assert decision.local_op == "" and decision.fallback, decision
+
+
+def _train_forms(batch) -> dict:
+    return {
+        form: train_case(ViewsAttentionLM(form), batch, STEPS, inspect=_graph_of, cp=2)
+        for form in ATTENTION_FORMS
+    }
+
+
+def test_ring_attention_over_views_trains_like_one_device():
+    """cp=2 on 2 Gloo ranks over keys and values that are transposed views, for each
+    form of the call: every rank's losses and parameters are one device's, each layer's
+    attention runs as a ring, and the only gather of the sequence is the logits'."""
+    batch = token_batch(4, SEQ)
+    per_rank = run_world(_train_forms, 2, batch)
+    for form in ATTENTION_FORMS:
+        reference = train_reference(ViewsAttentionLM(form), "adamw", STEPS, (batch[0],), batch[1])
+        assert_every_rank_matches(per_rank, form, reference)
+        assert [r[form]["rings"] for r in per_rank] == [2, 2], form
+        assert [r[form]["kinds"][("cp", "all_gather")] for r in per_rank] == [1, 1], form
