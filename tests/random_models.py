@@ -61,14 +61,10 @@ ROUTINGS = ("token", "token", "capacity", "expert")  # see `Case.routing`; token
 #   otherwise than on one device, unrefused: `passes.batch_mixing` does not see a top-k
 #   or a capacity over the tokens as mixing the examples, and under cp
 #   `passes.experts.token_region` runs a capacity-routed layer on each rank's tokens.
-# - "tied" under pp with an "again" block: a pipeline stage whose weights are all shared
-#   with an earlier stage's (the block it repeats, the head tied to the embedding) has
-#   none of its own, and its rank alone fails to build its optimizer ("optimizer got an
-#   empty parameter list", `runtime/data_parallel.py`) while the others train and lose it.
 KNOWN_FAILURES = {
     "attention": (),
     "routing": ("capacity", "expert"),
-    "tied": (True,),
+    "tied": (),
 }
 STEPS = 3
 TIMEOUT_S = 120  # a case that hangs fails the sweep instead of stalling it

@@ -271,7 +271,10 @@ class LocalSgdState:
         self.optimizer.step()
         self.steps += 1
         local = self.steps - self.warmup
-        if local > 0 and local % self.every == 0:
+        # A stage without parameters of its own (its weights all tied to an earlier
+        # stage's, whose owner averages them) has nothing to average, nor have its
+        # replicas, which run the same stage.
+        if local > 0 and local % self.every == 0 and self.params:
             average_parameters(iter(self.params), self.replicas)
             if self.outer_step is not None:
                 self._step_anchor()
@@ -289,6 +292,8 @@ class LocalSgdState:
         """The parameters every replica starts its local steps from, and the outer
         optimizer over them."""
         assert self.outer is not None
+        if not self.params:  # nothing to average (see `step`): no outer step either
+            return
         self.anchor = [p.detach().clone() for p in self.params]
         outer = self.outer
         self.outer_step = torch.optim.SGD(
@@ -336,6 +341,7 @@ def build_data_parallel_state(
     dp × ep); `masters_dtype`, with `offload`, keeps the fp32 master weights on the host
     too, the device's copies in that 16-bit dtype.
     """
+    optimizer = _allowing_no_parameters(optimizer, _device_of(stages))
     if experts is not None and zero:
         return zero_state(
             zero, stages, group, optimizer, accumulation, offload, experts, masters_dtype
@@ -353,3 +359,34 @@ def build_data_parallel_state(
             stages, group, optimizer, accumulation, grad_compression, None, experts
         )
     return zero_state(zero, stages, group, optimizer, accumulation, offload, None, masters_dtype)
+
+
+def _allowing_no_parameters(optimizer: OptimizerFactory, device: torch.device) -> OptimizerFactory:
+    """`optimizer`, also over no parameters, which torch's optimizers refuse: a pipeline
+    stage whose weights are all tied to an earlier stage's (a tied head alone in the
+    last stage) holds replicas of them (buffers, `runtime/shared_params.py`) and no
+    parameters of its own. It gets the user's optimizer built over a placeholder, then
+    emptied: its parameter groups' settings are every other rank's (for schedulers and
+    checkpoints), and its step changes nothing. The rank still takes part in every
+    collective of the step: its replicas' gradients go to their owner, and the state's
+    syncs, the loss's all-reduce and the loss scaler's check run over empty lists."""
+
+    def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        params = list(params)
+        if params:
+            return optimizer(params)
+        built = optimizer([nn.Parameter(torch.zeros((), device=device))])
+        for group in built.param_groups:
+            group["params"] = []
+        built.state.clear()
+        return built
+
+    return build
+
+
+def _device_of(stages: list[fx.GraphModule]) -> torch.device:
+    """Where `stages` hold their tensors (the placeholder parameter's device)."""
+    for gm in stages:
+        for t in (*gm.parameters(), *gm.buffers()):
+            return t.device
+    return torch.device("cpu")

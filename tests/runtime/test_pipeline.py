@@ -10,11 +10,14 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 import autopart
 from autopart.testing import run_world
 from tests.harness import assert_every_rank_matches, parallelize_lm, train_case
-from tests.models import LM_FACTORIES, token_batch, train_single_device
+from tests.models import LM_FACTORIES, VOCAB, token_batch, train_reference, train_single_device
 
 STEPS = 5
 
@@ -173,3 +176,68 @@ def test_a_batch_of_another_shape_fails_on_every_rank_at_once():
     for message in per_rank[0].values():
         assert "input 0 of train_step has shape (8, 80)" in message, message
         assert "dim 1 (seq) is 80, outside the 2..64 the model allows" in message, message
+
+
+class _TiedLastStage(nn.Module):
+    """A residual MLP applied twice with the same weights, and a head tied to the
+    embedding: cut in two, the second stage holds the repeated block and the head,
+    every weight of it shared with the first stage's, none of its own."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        block = _Residual(width)
+        self.layers = nn.ModuleList([block, block])
+        self.head = nn.Linear(width, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+TIED_LAST_STAGE = {  # name -> pins
+    "PP2 GPipe": dict(pp=2, schedule="gpipe", microbatches=1),
+    "PP2 1F1B": dict(pp=2, schedule="1f1b", microbatches=2),
+}
+
+
+def _own_parameters(pm) -> dict:
+    return {"parameters": len(list(pm.parameters()))}
+
+
+def _train_tied_last_stage(batch) -> dict:
+    return {
+        name: train_case(_seeded(_TiedLastStage), batch, STEPS, inspect=_own_parameters, **pins)
+        for name, pins in TIED_LAST_STAGE.items()
+    }
+
+
+def _seeded(factory):
+    torch.manual_seed(0)
+    return factory()
+
+
+def test_a_stage_whose_weights_are_all_tied_to_an_earlier_stage_trains_like_one_device():
+    """The last stage has no parameters of its own: it steps nothing, and its replicas'
+    gradients still reach their owners in the first stage, which trains them as one
+    device does."""
+    batch = token_batch(batch=8)
+    per_rank = run_world(_train_tied_last_stage, 2, batch)
+    reference = train_reference(_seeded(_TiedLastStage), "adamw", STEPS, (batch[0],), batch[1])
+    for name in TIED_LAST_STAGE:
+        assert_every_rank_matches(per_rank, name, reference)
+        assert [r[name]["parameters"] for r in per_rank] == [7, 0], name
