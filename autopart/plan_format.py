@@ -225,9 +225,10 @@ def explain_plan(plan: Plan) -> str:
         lines.append(
             "As asked (per_part_statistics=True), each of the batch's "
             f"{parts} parts takes the model's statistics over the batch (a load-balancing "
-            "loss's token fractions and router probabilities) over its own examples, as "
-            "Megatron-LM does. This changes the math: one device takes them over the "
-            "whole batch."
+            "loss's token fractions and router probabilities) and its routing over the "
+            "batch's tokens (an expert's capacity, expert choice), if any, over its own "
+            "examples, as Megatron-LM does. This changes the math: one device takes them "
+            "over the whole batch."
         )
     if plan.grad_compression is not None and plan.degrees.batch_split > 1:
         who = (

@@ -2,7 +2,7 @@
 into microbatches) changes what the model computes: each part would see only its own
 examples, where one device sees them all.
 
-Three kinds are recognized, from the shapes in the named dims (the shape analysis):
+Four kinds are recognized, from the shapes in the named dims (the shape analysis):
 
 - batch normalization in training mode, whose mean and variance run over the batch;
 - an output with two dims sized by the batch, such as CLIP's image × caption scores,
@@ -11,7 +11,15 @@ Three kinds are recognized, from the shapes in the named dims (the shape analysi
   quotient of two values each reduced over the batch (or a nonlinear function of one),
   such as a mixture-of-experts load-balancing loss, the fraction of tokens routed to
   each expert times their mean router probability. The parts' products averaged are
-  not the product of the whole batch's statistics.
+  not the product of the whole batch's statistics;
+- routing that ranks or counts the batch's rows: a top-k along a dim sized by the batch
+  (expert-choice routing: each expert takes the tokens it scores highest among all of
+  them), a running sum of floats along one, or a row's position among the batch's
+  rows compared with a bound (an expert's capacity: it keeps its first C rows and drops
+  the rest). A position (an index of `arange` over the rows, a sort's or `nonzero`'s
+  indices, an integer running count) is free to move rows, as dropless routing does to
+  group them by expert and back: only a comparison makes a row's fate depend on the
+  rows before it.
 
 Found only where the capture keeps the batch dynamic (the default; not a model captured
 on the meta device, whose batch is static). A reduction over the batch that only feeds
@@ -44,14 +52,19 @@ def batch_mixing(gm: fx.GraphModule, statistics: bool = True) -> list[str]:
     """How and where `gm` mixes the examples of its batch, one line per kind ("batch_norm
     in training mode normalizes over the batch, at blocks.0.1, blocks.1.1"); empty
     where the examples are computed apart. Without `statistics`, statistics combined
-    over the batch are not counted (the user accepts them per part). Needs the shape
-    and module-path analyses."""
+    over the batch and routing over its rows are not counted (the user accepts them per
+    part). Needs the shape and module-path analyses."""
     found: dict[str, dict[str, None]] = {}  # kind -> module paths, ordered, no repeats
     seen: set[fx.Node] = set()  # values reduced over the batch, and what they feed
+    positions: set[fx.Node] = set()  # positions among the batch's rows
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        why = _mixes(node) or (_combines_statistics(node, seen) if statistics else "")
+        why = _mixes(node) or (
+            (_combines_statistics(node, seen) or _routes_rows(node, positions))
+            if statistics
+            else ""
+        )
         if why:
             found.setdefault(why, {})[MODULE_PATH.get(node) or "the top level"] = None
     return [f"{why}, at {', '.join(paths)}" for why, paths in found.items()]
@@ -89,6 +102,94 @@ def _combines_statistics(node: fx.Node, statistics: set[fx.Node]) -> str:
     return ""
 
 
+# Ranking along a dim: which rows come out depends on all of them.
+_RANKINGS = frozenset({"topk", "kthvalue"})
+# Running values along a dim: a row's depends on the rows before it.
+_SCANS = frozenset({"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"})
+_SORTS = frozenset({"sort", "argsort"})
+_COMPARISONS = frozenset(
+    {"lt", "le", "gt", "ge", "eq", "ne", "clamp", "clamp_min", "clamp_max", "minimum", "maximum"}
+)
+# Operators that read some operands as indices into another (by the schema's argument
+# name): what they give carries a position only through the operands they do not index
+# with.
+_INDEX_ARGUMENTS = frozenset({"indices", "index"})
+
+
+def _routes_rows(node: fx.Node, positions: set[fx.Node]) -> str:
+    """Whether `node` ranks the batch's rows or compares a row's position among them
+    with a bound; records in `positions` the values that carry such a position."""
+    name = op_name(node)
+    along = _along(node)
+    if name in _RANKINGS and along:
+        return (
+            f"{name} ranks the batch's rows (expert-choice routing, say: each expert "
+            "takes the tokens it scores highest among all of them)"
+        )
+    if name in _SCANS and along:
+        out = _info(node)
+        if out is not None and out.dtype.is_floating_point:
+            return f"{name} runs over the batch's rows, each row's value taking the rows before it"
+        positions.add(node)  # a running count: a row's position among those before it
+        return ""
+    if _is_position_source(node, along):
+        positions.add(node)
+        return ""
+    carried = [a for a in _data_operands(node) if a in positions]
+    if not carried:
+        return ""
+    if name in _COMPARISONS:
+        return (
+            f"{name} compares a row's position among the batch's rows with a bound (an "
+            "expert's capacity, say: it keeps its first rows and drops the rest)"
+        )
+    positions.add(node)
+    return ""
+
+
+def _is_position_source(node: fx.Node, along: bool) -> bool:
+    name = op_name(node)
+    if name == "arange":
+        out = _info(node)
+        return out is not None and any(map(batched, out.shape))
+    if name in ("nonzero", "argwhere"):
+        rows = _info(node.args[0])
+        return rows is not None and any(map(batched, rows.shape))
+    if name == "argsort":
+        return along
+    if name == "getitem" and node.args[1] == 1:  # a sort's indices
+        sort = node.args[0]
+        return isinstance(sort, fx.Node) and op_name(sort) == "sort" and _along(sort)
+    return False
+
+
+def _along(node: fx.Node) -> bool:
+    """Whether `node` (a ranking, scan or sort) runs along a dim sized by the batch."""
+    source = _info(node.args[0]) if node.args else None
+    if source is None or not source.shape:
+        return False
+    dim = _argument(node, "dim", -1)
+    if not isinstance(dim, int):
+        return False
+    return batched(source.shape[dim % len(source.shape)])
+
+
+def _data_operands(node: fx.Node) -> list[fx.Node]:
+    """The operands of `node` that it reads as values, not as indices into another."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return node.all_input_nodes
+    names = [a.name for a in schema.arguments]
+    values = [
+        value
+        for i, value in enumerate(node.args)
+        if i >= len(names) or names[i] not in _INDEX_ARGUMENTS
+    ] + [value for key, value in node.kwargs.items() if key not in _INDEX_ARGUMENTS]
+    found: list[fx.Node] = []
+    fx.node.map_arg(values, found.append)
+    return found
+
+
 def _mixes(node: fx.Node) -> str:
     name = op_name(node)
     if name in _BATCH_NORMS and _training(node):
@@ -114,13 +215,23 @@ def _batch_by_batch(info: TensorInfo | None) -> bool:
 
 
 def _training(node: fx.Node) -> bool:
-    """The op's `training` argument (by its schema); true for an op without one."""
+    """The op's `training` argument; true for an op without one."""
+    return bool(_argument(node, "training", True))
+
+
+def _argument(node: fx.Node, name: str, default: object) -> object:
+    """The op's argument `name` as the call gives it (by its schema), else `default`."""
+    if name in node.kwargs:
+        return node.kwargs[name]
     schema = getattr(node.target, "_schema", None)
     names = [a.name for a in schema.arguments] if schema is not None else []
-    if "training" not in names:
-        return True
-    i = names.index("training")
-    return bool(node.args[i] if i < len(node.args) else node.kwargs.get("training", True))
+    if name not in names:
+        return default
+    i = names.index(name)
+    if i < len(node.args):
+        return node.args[i]
+    default_value = schema.arguments[i].default_value if schema is not None else None
+    return default if default_value is None else default_value
 
 
 def batched(size: sympy.Expr | int) -> bool:

@@ -55,8 +55,9 @@ class Pins:
     sync_every: int | None = None  # local SGD: the user's choice only (it changes the math)
     sync_warmup: int = 0
     outer_optimizer: str | None = None  # local SGD's, the user's choice only
-    # The model's statistics over its batch (a load-balancing loss) taken over each
-    # part's examples: the user's choice only (it changes the math).
+    # The model's statistics over its batch (a load-balancing loss) and its routing over
+    # the batch's rows (capacity, expert choice) taken over each part's examples: the
+    # user's choice only (it changes the math).
     per_part_statistics: bool = False
     grad_compression: str | None = None  # the user's choice only (it changes the math)
     offload: bool | None = None  # None: only where no plan fits without it
@@ -187,8 +188,9 @@ def _whole_batch(pins: Pins, mixing: list[str], mesh: Mesh) -> Pins:
             "else than one device does on the whole batch. Pin dp=1 and microbatches=1 "
             "(tensor or pipeline parallelism), or keep the examples apart (for BatchNorm: "
             "GroupNorm or LayerNorm, or BatchNorm in eval mode, its statistics frozen; for "
-            "a load-balancing loss, per_part_statistics=True takes it over each part's "
-            "examples, as Megatron-LM does, which changes the math)"
+            "a load-balancing loss or routing over the batch's tokens (capacity, expert "
+            "choice), per_part_statistics=True takes it over each part's examples, as "
+            "Megatron-LM does, which changes the math)"
         )
     whole = {str(Axis.DP): 1, str(Axis.EP): 1}
     return replace(pins, degrees={**pins.degrees, **whole}, microbatches=1)

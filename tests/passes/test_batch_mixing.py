@@ -1,8 +1,11 @@
 """Operators that mix the examples of a batch are found (BatchNorm in training mode, a
-batch × batch product); the ones that keep them apart are not. Found by the model zoo:
-a BatchNorm CNN trained under dp=2 drifted from one device (each rank normalized by its
-half's statistics), and CLIP's image × caption scores under dp=2 crashed in its loss.
-The plans of such models keep the batch whole (tests/solver/test_search.py)."""
+batch × batch product, routing that ranks or counts the batch's tokens); the ones that
+keep them apart are not. Found by the model zoo: a BatchNorm CNN trained under dp=2
+drifted from one device (each rank normalized by its half's statistics), and CLIP's
+image × caption scores under dp=2 crashed in its loss; and by the equivalence sweep:
+expert-choice routing at dp=2 trained to 2.8686 where one device gave 2.8648, and a
+capacity-limited layer likewise, unrefused. The plans of such models keep the batch
+whole (tests/solver/test_search.py, and below)."""
 
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import autopart
 from autopart.capture import capture
 from autopart.passes import analyze
 from autopart.passes.batch_mixing import batch_mixing
-from tests.models import MLP
+from tests.models import MLP, tiny_mixtral, token_batch
+from tests.random_models import Case, RandomLM, batch_of
 
 
 def _mixing(model: nn.Module, *inputs: torch.Tensor) -> list[str]:
@@ -71,3 +76,67 @@ def test_a_batch_by_batch_product_is_found_where_it_arises_only():
 
 def test_a_model_that_keeps_the_examples_apart_mixes_nothing():
     assert _mixing(MLP(), torch.randn(4, 32)) == []
+
+
+def _routed(
+    routing: str, kernel: str = "fallback", top_k: int = 2
+) -> tuple[nn.Module, torch.Tensor]:
+    """The equivalence sweep's mixture-of-experts block (tests/random_models.py) routing
+    as asked: "token" (dropless: sorted by expert and back), "capacity" (each expert
+    keeps its first rows in token order), "expert" (each expert takes its top tokens)."""
+    case = Case(
+        width=8, vocab=32, blocks=("moe",), tied=False, pins=(), seed=0,
+        routing=routing, kernel=kernel, top_k=top_k,
+    )  # fmt: skip
+    return RandomLM(case), batch_of(case)[0]
+
+
+class SwitchCapacity(nn.Module):
+    """Switch Transformer's top-1 routing with a capacity: a token's place in its
+    expert's queue is a running count of the tokens before it (cumsum over the rows),
+    and the tokens past the capacity are dropped."""
+
+    def __init__(self, experts: int = 4, width: int = 8) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.Parameter(torch.randn(experts, width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.router(tokens), dim=-1)
+        weight, expert = probs.max(dim=-1)
+        one_hot = F.one_hot(expert, self.experts.shape[0])
+        place = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1)  # 1-based, in token order
+        kept = place <= tokens.shape[0] // self.experts.shape[0]
+        out = torch.einsum("tw,twv->tv", tokens, self.experts[expert])
+        return (out * (weight * kept).unsqueeze(-1)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kernel", ["fallback", "grouped_mm"])
+def test_routing_that_ranks_or_counts_the_batch_s_tokens_mixes_it(kernel):
+    (capacity,) = _mixing(*_routed("capacity", kernel))
+    assert capacity.startswith("lt compares a row's position among the batch's rows")
+    (chosen,) = _mixing(*_routed("expert", kernel))
+    assert chosen.startswith("topk ranks the batch's rows")
+    (switch,) = _mixing(SwitchCapacity(), torch.randn(2, 6, 8))
+    assert "position among the batch's rows" in switch
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("kernel", ["fallback", "grouped_mm"])
+def test_dropless_routing_moves_rows_by_their_positions_and_mixes_nothing(kernel, top_k):
+    """Sorting the rows by expert and back (the sort's indices, an arange scattered into
+    the inverse permutation, offsets from a histogram) keeps each token's result its own;
+    so do Hugging Face's Mixtral layers."""
+    assert _mixing(*_routed("token", kernel, top_k)) == []
+    assert _mixing(tiny_mixtral(), token_batch(8)[0]) == []
+
+
+def test_routing_over_the_batch_keeps_it_whole_unless_asked():
+    model, ids = _routed("expert")
+    mesh = autopart.Mesh.cluster("cpu", nodes=1, per_node=2)
+    assert autopart.plan(model, mesh, (ids,)).dp == 1
+    with pytest.raises(autopart.PlanError, match="topk ranks the batch's rows"):
+        autopart.plan(model, mesh, (ids,), dp=2)
+    accepted = autopart.plan(model, mesh, (ids,), dp=2, per_part_statistics=True)
+    assert accepted.dp == 2 and "routing over the batch's tokens" in accepted.explain()
