@@ -14,12 +14,13 @@ Four kinds are recognized, from the shapes in the named dims (the shape analysis
   not the product of the whole batch's statistics;
 - routing that ranks or counts the batch's rows: a top-k along a dim sized by the batch
   (expert-choice routing: each expert takes the tokens it scores highest among all of
-  them), a running sum of floats along one, or a row's position among the batch's
-  rows compared with a bound (an expert's capacity: it keeps its first C rows and drops
-  the rest). A position (an index of `arange` over the rows, a sort's or `nonzero`'s
-  indices, an integer running count) is free to move rows, as dropless routing does to
-  group them by expert and back: only a comparison makes a row's fate depend on the
-  rows before it.
+  them), or the first rows of a sort along one, a running sum of floats along one, or
+  a row's position among the batch's rows compared with a bound (an expert's
+  capacity: it keeps its first C rows and drops the rest). A position (an index of
+  `arange` over the rows, a sort's or `nonzero`'s indices, an integer running count)
+  is free to move rows, as dropless routing does to group them by expert and back:
+  only a comparison, or a slice that keeps the first, makes a row's fate depend on
+  the rows before it.
 
 Found only where the capture keeps the batch dynamic (the default; not a model captured
 on the meta device, whose batch is static). A reduction over the batch that only feeds
@@ -56,14 +57,12 @@ def batch_mixing(gm: fx.GraphModule, statistics: bool = True) -> list[str]:
     part). Needs the shape and module-path analyses."""
     found: dict[str, dict[str, None]] = {}  # kind -> module paths, ordered, no repeats
     seen: set[fx.Node] = set()  # values reduced over the batch, and what they feed
-    positions: set[fx.Node] = set()  # positions among the batch's rows
+    ordered: dict[fx.Node, str] = {}  # positions among the batch's rows, sorted rows
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         why = _mixes(node) or (
-            (_combines_statistics(node, seen) or _routes_rows(node, positions))
-            if statistics
-            else ""
+            (_combines_statistics(node, seen) or _routes_rows(node, ordered)) if statistics else ""
         )
         if why:
             found.setdefault(why, {})[MODULE_PATH.get(node) or "the top level"] = None
@@ -106,19 +105,22 @@ def _combines_statistics(node: fx.Node, statistics: set[fx.Node]) -> str:
 _RANKINGS = frozenset({"topk", "kthvalue"})
 # Running values along a dim: a row's depends on the rows before it.
 _SCANS = frozenset({"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"})
-_SORTS = frozenset({"sort", "argsort"})
 _COMPARISONS = frozenset(
     {"lt", "le", "gt", "ge", "eq", "ne", "clamp", "clamp_min", "clamp_max", "minimum", "maximum"}
 )
+_SLICES = frozenset({"slice", "narrow"})
 # Operators that read some operands as indices into another (by the schema's argument
 # name): what they give carries a position only through the operands they do not index
 # with.
 _INDEX_ARGUMENTS = frozenset({"indices", "index"})
+POSITION, SORTED = "position", "sorted"  # what an `_routes_rows` value carries
 
 
-def _routes_rows(node: fx.Node, positions: set[fx.Node]) -> str:
-    """Whether `node` ranks the batch's rows or compares a row's position among them
-    with a bound; records in `positions` the values that carry such a position."""
+def _routes_rows(node: fx.Node, ordered: dict[fx.Node, str]) -> str:
+    """Whether `node` ranks the batch's rows, compares a row's position among them with
+    a bound, or keeps the first rows of a sort over them; records in `ordered` the
+    values that carry a position among the rows (POSITION) or their sorted values
+    (SORTED)."""
     name = op_name(node)
     along = _along(node)
     if name in _RANKINGS and along:
@@ -130,37 +132,56 @@ def _routes_rows(node: fx.Node, positions: set[fx.Node]) -> str:
         out = _info(node)
         if out is not None and out.dtype.is_floating_point:
             return f"{name} runs over the batch's rows, each row's value taking the rows before it"
-        positions.add(node)  # a running count: a row's position among those before it
+        ordered[node] = POSITION  # a running count: a row's place among those before it
         return ""
-    if _is_position_source(node, along):
-        positions.add(node)
+    source = _source_kind(node, along)
+    if source:
+        ordered[node] = source
         return ""
-    carried = [a for a in _data_operands(node) if a in positions]
-    if not carried:
+    kinds = {ordered[a] for a in _data_operands(node) if a in ordered}
+    if not kinds:
         return ""
-    if name in _COMPARISONS:
+    if name in _COMPARISONS and POSITION in kinds:
         return (
             f"{name} compares a row's position among the batch's rows with a bound (an "
             "expert's capacity, say: it keeps its first rows and drops the rest)"
         )
-    positions.add(node)
+    if name in _SLICES and _shrinks(node):
+        return (
+            f"{name} keeps the first rows of a sort over the batch's rows (expert-choice "
+            "routing by sorting, say)"
+        )
+    ordered[node] = POSITION if POSITION in kinds else SORTED
     return ""
 
 
-def _is_position_source(node: fx.Node, along: bool) -> bool:
+def _source_kind(node: fx.Node, along: bool) -> str:
+    """POSITION or SORTED where `node` gives the positions or the sorted values of the
+    batch's rows, else ""."""
     name = op_name(node)
     if name == "arange":
         out = _info(node)
-        return out is not None and any(map(batched, out.shape))
+        return POSITION if out is not None and any(map(batched, out.shape)) else ""
     if name in ("nonzero", "argwhere"):
         rows = _info(node.args[0])
-        return rows is not None and any(map(batched, rows.shape))
+        return POSITION if rows is not None and any(map(batched, rows.shape)) else ""
     if name == "argsort":
-        return along
-    if name == "getitem" and node.args[1] == 1:  # a sort's indices
+        return POSITION if along else ""
+    if name == "getitem":  # a sort's values (0) or indices (1)
         sort = node.args[0]
-        return isinstance(sort, fx.Node) and op_name(sort) == "sort" and _along(sort)
-    return False
+        if isinstance(sort, fx.Node) and op_name(sort) == "sort" and _along(sort):
+            return POSITION if node.args[1] == 1 else SORTED
+    return ""
+
+
+def _shrinks(node: fx.Node) -> bool:
+    """Whether a slice keeps fewer rows than its operand has along its dim."""
+    operand, out = _info(node.args[0]), _info(node)
+    dim = _argument(node, "dim", 0)
+    if operand is None or out is None or not isinstance(dim, int) or not operand.shape:
+        return False
+    dim %= len(operand.shape)
+    return batched(operand.shape[dim]) and operand.shape[dim] != out.shape[dim]
 
 
 def _along(node: fx.Node) -> bool:

@@ -112,6 +112,24 @@ class SwitchCapacity(nn.Module):
         return (out * (weight * kept).unsqueeze(-1)).reshape(x.shape)
 
 
+class ExpertChoiceBySort(nn.Module):
+    """Expert choice written with a sort: each expert keeps the first rows of its scores
+    over the tokens, sorted."""
+
+    def __init__(self, experts: int = 4, width: int = 8) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        scores = F.softmax(self.router(tokens), dim=-1).t()
+        ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
+        keep = tokens.shape[0] // scores.shape[0]
+        chosen, weight = ranked.indices[:, :keep], ranked.values[:, :keep]
+        out = torch.zeros_like(tokens).index_add(0, chosen.reshape(-1), tokens[chosen.reshape(-1)])
+        return (out * weight.sum()).reshape(x.shape)
+
+
 @pytest.mark.parametrize("kernel", ["fallback", "grouped_mm"])
 def test_routing_that_ranks_or_counts_the_batch_s_tokens_mixes_it(kernel):
     (capacity,) = _mixing(*_routed("capacity", kernel))
@@ -120,6 +138,8 @@ def test_routing_that_ranks_or_counts_the_batch_s_tokens_mixes_it(kernel):
     assert chosen.startswith("topk ranks the batch's rows")
     (switch,) = _mixing(SwitchCapacity(), torch.randn(2, 6, 8))
     assert "position among the batch's rows" in switch
+    (by_sort,) = _mixing(ExpertChoiceBySort(), torch.randn(2, 6, 8))
+    assert by_sort.startswith("slice keeps the first rows of a sort over the batch's rows")
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
