@@ -21,6 +21,7 @@ from autopart.cost_models.resharding import resharding
 from autopart.degrees import Axis, Degrees, MeshError, axis_names
 from autopart.mesh import Mesh
 from autopart.passes.batch_mixing import batch_mixing
+from autopart.passes.context_parallel import sequence_length
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
 from autopart.policy import (
@@ -230,11 +231,17 @@ def _check_context_pin(pins: Pins, layouts: TpLayouts) -> None:
         return
     sequence = layouts.ring_sequence()
     if sequence is None:
-        raise PlanError(
-            f"cp={cp} splits sequences over context-parallel ranks, but the model has no "
-            "token input (an integer input of shape [batch, seq, ...]) that attention "
-            "reads: pin cp=1"
+        why = (
+            "its attention does not call scaled_dot_product_attention, which ring "
+            "attention replaces (eager attention, a matmul, a softmax and a matmul, would "
+            "run on the whole sequence on every cp rank): compute attention with "
+            "F.scaled_dot_product_attention (attn_implementation='sdpa' for a Hugging "
+            "Face model), or pin cp=1"
+            if sequence_length(layouts.gm, layouts.dims) is not None
+            else "the model has no token input (an integer input of shape [batch, seq, "
+            "...]) that attention reads: pin cp=1"
         )
+        raise PlanError(f"cp={cp} splits sequences over context-parallel ranks, but {why}")
     if sequence % (2 * cp):
         raise PlanError(
             f"cp={cp} cuts each sequence into 2·cp = {2 * cp} chunks, but the sequence "

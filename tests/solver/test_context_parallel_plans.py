@@ -47,11 +47,17 @@ def test_context_parallelism_is_chosen_where_the_model_predicts_it_faster():
 
 @pytest.mark.slow
 def test_pinned_context_parallelism_needs_a_sequence_it_can_split():
-    """A model with no token input, and a sequence that does not cut into 2·cp
-    chunks, are refused before any search."""
+    """A model with no token input, a sequence that does not cut into 2·cp chunks, and
+    attention that ring attention cannot replace (eager), are refused before any
+    search, each saying what to change."""
     two_cpus = Mesh.cluster("cpu", nodes=1, per_node=2)
     with pytest.raises(PlanError, match="no token input"):
         make_plan(captured_for_planning(MLP(), (torch.randn(4, 32),)), two_cpus, Pins.of(cp=2))
     ids, _ = token_batch(4, 6)
     with pytest.raises(PlanError, match="2·cp = 4 chunks, but the sequence has 6 tokens"):
         make_plan(captured_for_planning(tiny_llama(), (ids,)), two_cpus, Pins.of(cp=2))
+    ids, _ = token_batch(4, 8)
+    eager = tiny_llama()
+    eager.config._attn_implementation = "eager"  # a matmul, a softmax and a matmul
+    with pytest.raises(PlanError, match="does not call scaled_dot_product_attention"):
+        make_plan(captured_for_planning(eager, (ids,)), two_cpus, Pins.of(cp=2))
