@@ -3,16 +3,25 @@
 Work. Each cp rank computes its 2 chunks of every sequence: 1/cp of the work of every
 operator that acts on tokens alone. Ring attention attends the rank's seq/cp queries
 over all seq keys, half of them skipped under causality as in one device's kernel:
-1/cp of the whole attention's work too. So a rank's work is priced as the graph's on
-1/cp of the microbatch (`predict.rank_segments`), which holds for a sequence captured
-static as for a dynamic one.
+1/cp of the whole attention's work too. So those operators are priced as the graph's
+on 1/cp of the microbatch, which holds for a sequence captured static as for a dynamic
+one. What the rewrite runs on the whole sequence (`cp_layout.py`: a mixture-of-experts
+layer that flattens the tokens into rows, attention the ring does not take, what
+follows either up to the next operator that takes the sequence's shards) is priced on
+the whole microbatch, on every cp rank, and so is what it saves for backward
+(`GraphSummary.context_parallel`).
 
 Communication, per microbatch, over the cp axis (stride tp):
-  ring attention: the keys and values pass to the next rank cp−1 times in forward
+  ring attention (of the attentions that run as rings): the keys and values pass to
+    the next rank cp−1 times in forward
     (and again in a recomputation), cp−1 times in backward with the key and value
     gradients travelling cp times beside them (in fp32). Each pass is issued before
     the rank computes its pairs for that step, so on NCCL it hides behind them while
     they last; on Gloo nothing hides;
+  the conversions to and from what runs whole: the sequence all-gathered before it
+    in forward; where it meets the sequence's shards again each rank keeps its chunks
+    (a slice), and the gradient is all-gathered in backward; a sum over the sequence
+    all-reduced. Forward ones again in a recomputation; exposed, as tp's are;
   the parameters' gradients: under plain data parallelism the sync sums each rank's
     part over dp × cp once per step (`predict._dp_sync`, as for dp); otherwise every
     replicated weight applied to the local tokens is all-reduced over cp in backward,
@@ -27,7 +36,7 @@ from collections.abc import Sequence
 
 from autopart.cost_models.comm import ALL_GATHER, ALL_REDUCE, CommModel
 from autopart.cost_models.compute import ComputeModel
-from autopart.cost_models.precision import bytes_scale
+from autopart.cost_models.precision import bytes_scale, is_mixed
 from autopart.cost_models.summary import SegmentWork
 from autopart.cost_models.work import ATTENTION, NodeWork
 
@@ -49,7 +58,7 @@ def ring_comm(
     total = 0.0
     for segment, again in zip(segments, recomputed):
         for work in segment.nodes:
-            if work.kind != ATTENTION:
+            if work.kind != ATTENTION or work.cp_whole:  # gathered, not a ring
                 continue
             kv = _key_value_bytes(work) * bytes_scale(work, precision)
             itemsize = 4 * bytes_scale(work, precision)
@@ -62,6 +71,29 @@ def ring_comm(
             backward = cp * max(0.0, back - (cost.backward / cp if hide else 0.0))
             total += forward * (1 + again) + backward
     return total
+
+
+def conversion_comm(
+    segments: Sequence[SegmentWork],
+    cp: int,
+    tp: int,
+    precision: str,
+    recomputed: Sequence[bool],
+    comm: CommModel,
+) -> float:
+    """Seconds per microbatch of the collectives of `segments`' conversions over cp
+    (`SegmentWork.cp_traffic`): forward ones again where recomputed; activations
+    captured in fp32 travel in 16 bits under mixed precision."""
+    if cp == 1:
+        return 0.0
+    mixed = is_mixed(precision)
+    return sum(
+        comm.time(op, nbytes * (mixed_scale if mixed else 1.0), cp, tp)
+        * count
+        * (1 if backward else 1 + again)
+        for segment, again in zip(segments, recomputed)
+        for op, nbytes, backward, mixed_scale, count in segment.cp_traffic
+    )
 
 
 def _key_value_bytes(work: NodeWork) -> float:

@@ -54,6 +54,7 @@ from autopart.cost_models.comm import (
 from autopart.cost_models.compression import gradient_fraction
 from autopart.cost_models.compute import ComputeModel, PhaseCost
 from autopart.cost_models.context import (
+    conversion_comm,
     gradient_all_reduces,
     output_gather,
     ring_comm,
@@ -345,11 +346,10 @@ def step_time_lower_bound(
 def rank_segments(
     summary: GraphSummary, at: Mapping[str, int], choices: Choices
 ) -> list[SegmentWork]:
-    """Every segment's work on one rank, per microbatch: its tp share, of its 1/cp of
-    the tokens under context parallelism (`context.py`: priced as 1/cp of the batch)."""
-    cp = choices.cp
-    local = {**at, BATCH: at[BATCH] / cp} if cp > 1 else at
-    return list(summary.sharded(local, choices.tp))
+    """Every segment's work on one rank, per microbatch: its tp share, under context
+    parallelism of its 1/cp of the tokens (priced as 1/cp of the batch) but for what
+    the rewrite runs on the whole sequence (`GraphSummary.context_parallel`)."""
+    return list(summary.context_parallel(at, choices.tp, choices.cp))
 
 
 def _segment_times(
@@ -470,19 +470,21 @@ def _cp_comm(
     choices: Choices,
     models: CostModels,
 ) -> float:
-    """Per microbatch under context parallelism: the rings of attention, the gradient
-    all-reduces over cp, the logits' gather (`context.py`)."""
+    """Per microbatch under context parallelism: the rings of attention, the
+    conversions to and from what runs on the whole sequence, the gradient all-reduces
+    over cp, the logits' gather (`context.py`)."""
     cp, tp = choices.cp, choices.tp
     if cp == 1:
         return 0.0
     comm = models.comm
     recomputed = [choices.recomputes(s) for s in own]
     rings = ring_comm(own, cp, tp, choices.precision, recomputed, comm, models.compute)
+    conversions = conversion_comm(own, cp, tp, choices.precision, recomputed, comm)
     grad_bytes = choices.state_bytes[1]
     in_sync = _cp_in_sync(choices)
     gradients = 0.0 if in_sync else gradient_all_reduces(params, cp, tp, grad_bytes, comm)
     logits = output_gather(last.output_bytes, cp, tp, comm) if last else 0.0
-    return rings + gradients + logits
+    return rings + conversions + gradients + logits
 
 
 def _tp_comm(own: list[SegmentWork], choices: Choices, comm: CommModel) -> float:

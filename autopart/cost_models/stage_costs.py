@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from autopart.cost_models.context import conversion_comm, ring_comm
 from autopart.cost_models.experts import segment_all_to_all
 from autopart.cost_models.memory import (
     OUTPUT_GRADIENTS,
@@ -46,6 +47,7 @@ from autopart.cost_models.predict import (
     CostModels,
     attention_recompute_cost,
     p2p_comm,
+    rank_segments,
     segment_times,
     tp_comm,
     zero3_gathered,
@@ -163,6 +165,18 @@ def evaluate(
     return StageAssignment(tuple(starts), recomputed, pace, added, peaks, attention - recomputed)
 
 
+def _cp_comm(seg: SegmentWork, choices: Choices, models: CostModels, recomputed: bool) -> float:
+    """A segment's context-parallel communication per microbatch, as `predict` charges
+    it: its rings and its conversions (the gradients' all-reduces and the logits'
+    gather are the rank's, not the segment's)."""
+    if choices.cp == 1:
+        return 0.0
+    cp, tp, precision, comm = choices.cp, choices.tp, choices.precision, models.comm
+    again = [recomputed]
+    rings = ring_comm([seg], cp, tp, precision, again, comm, models.compute)
+    return rings + conversion_comm([seg], cp, tp, precision, again, comm)
+
+
 def _memory(
     problem: StageProblem, rank: int, states: int, grads: int, kept: int, largest: int
 ) -> int:
@@ -180,8 +194,8 @@ def stage_problem_of(
     recomputable: bool,
 ) -> StageProblem:
     """`stage_problem` of a graph's summary at the plan's microbatch size (`dims`: the
-    other named dims)."""
-    segments = list(summary.sharded({**dims, BATCH: choices.microbatch_size}, choices.tp))
+    other named dims), on one rank's share of it (`predict.rank_segments`)."""
+    segments = rank_segments(summary, {**dims, BATCH: choices.microbatch_size}, choices)
     return stage_problem(segments, choices, models, memory, recomputable)
 
 
@@ -221,6 +235,8 @@ def stage_problem(
         comm1 = tp_comm(seg, choices, models.comm, recomputed=True)
         comm0 += segment_all_to_all(seg, choices, models.comm, recomputed=False)
         comm1 += segment_all_to_all(seg, choices, models.comm, recomputed=True)
+        comm0 += _cp_comm(seg, choices, models, recomputed=False)
+        comm1 += _cp_comm(seg, choices, models, recomputed=True)
         saved = seg.saved_bytes(choices.precision)
         core = attention_recompute_cost(seg, models.compute).total if seg.is_block else 0.0
         frees = seg.core_frees_bytes(choices.precision) if seg.is_block else 0.0
@@ -253,7 +269,7 @@ def stage_problem(
     gathered = max((zero3_gathered(s, choices) for s in blocks), default=0.0)
     zero3 = 2 * gathered * param_bytes if choices.zero == 3 else 0.0
     pipeline = 2 * boundary if pp > 1 else 0.0
-    loss = OUTPUT_GRADIENTS * segments[-1].output_bytes
+    loss = OUTPUT_GRADIENTS * segments[-1].output_bytes * choices.cp  # gathered over cp
     last_rank = (chunks - 1) % pp
     starts = [i for i, s in enumerate(segments) if s.is_block][1:]
     return StageProblem(

@@ -23,12 +23,17 @@ a block, an operator is sharded if it lies in a sublayer (a direct child of the 
 such as the attention or the MLP) that holds a contraction; outside blocks the
 contractions (a vocabulary-parallel LM head) are sharded and the rest replicated; a
 parameter is sharded if a contraction or an embedding reads it.
+
+Context parallelism (`context_parallel`): an operator the cp rewrite runs on the
+sequence's shards is priced on 1/cp of the tokens (1/cp of the batch), one it runs on
+the whole sequence (`cp_layout.py`) on all of them, and a segment carries the
+collectives of the rewrite's conversions (`cp_traffic`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import sympy
@@ -36,6 +41,7 @@ from torch import fx
 from torch.distributed.tensor import Placement
 
 from autopart.batch import BATCH
+from autopart.cost_models.cp_layout import CpLayout, CpLayouts
 from autopart.cost_models.precision import bytes_scale, is_mixed
 from autopart.cost_models.tp_costs import TpCollective, collectives_of, distributed, split_by
 from autopart.cost_models.work import OTHER, NodeWork, evaluate, node_work, op_kind
@@ -56,6 +62,11 @@ from autopart.passes.tp_propagate import operands_of, propagate
 from autopart.policy import Precision
 
 _NO_WORK = ("placeholder", "get_attr", "output")
+# Collectives priced together: (collective, bytes, in backward, bytes under mixed
+# precision over the captured ones, how many).
+Traffic = tuple[tuple[str, float, bool, float, int], ...]
+# A collective's bytes, given the operator it serves (`GraphSummary._collective_bytes`).
+_Bytes = Callable[[TpCollective, fx.Node | None], float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +108,12 @@ class SegmentWork:
     output_bytes: float  # the activation handed to the next segment (as captured)
     # (collective, bytes as captured, in backward, bytes under mixed precision over
     # the captured ones, how many): its tp collectives (`_traffic`)
-    tp_traffic: tuple[tuple[str, float, bool, float, int], ...] | None = None
+    tp_traffic: Traffic | None = None
     # Bytes of the routed rows, summed over its expert layers' all_to_alls (as captured).
     expert_rows_bytes: float = 0.0
+    # Under context parallelism, the collectives of the cp rewrite's conversions
+    # (`cp_layout.py`: the sequence gathered for what runs whole), as `tp_traffic`.
+    cp_traffic: Traffic = ()
     # Bytes saved for backward, and those recomputing the attention core frees, in fp32
     # and under mixed precision, summed once: the search reads them for every plan.
     _saved: tuple[float, float] = field(init=False, repr=False, compare=False)
@@ -220,9 +234,15 @@ class TpLayout:
 
 class GraphSummary:
     """Segments of an analyzed graph, evaluated (and cached) per set of dim sizes, under
-    a plan's tensor-parallel layout (None: the Megatron layout)."""
+    a plan's tensor-parallel layout (None: the Megatron layout). `cp_layouts`: the
+    graph's context-parallel layouts, where summaries of one graph share them."""
 
-    def __init__(self, gm: fx.GraphModule, layout: TpLayout | None = None) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        layout: TpLayout | None = None,
+        cp_layouts: CpLayouts | None = None,
+    ) -> None:
         self.gm = gm
         params = dict(gm.named_parameters())
         self.param_bytes = {k: p.numel() * p.element_size() for k, p in params.items()}
@@ -231,6 +251,8 @@ class GraphSummary:
         self.example_dims = EXAMPLE_DIMS.get(gm, {})
         self._cache: dict[tuple, tuple[SegmentWork, ...]] = {}
         self._sharded: dict[tuple, tuple[SegmentWork, ...]] = {}
+        self.cp_layouts = cp_layouts or CpLayouts(gm)
+        self._cp_sharded: dict[tuple, tuple[SegmentWork, ...]] = {}
 
     def sharded(self, dims: Mapping[str, float], tp: int) -> tuple[SegmentWork, ...]:
         """`evaluate(dims)` on one rank of a `tp`-way tensor-parallel group (cached)."""
@@ -238,6 +260,59 @@ class GraphSummary:
         if key not in self._sharded:
             self._sharded[key] = tuple(s.sharded(tp) for s in self.evaluate(dims))
         return self._sharded[key]
+
+    def context_parallel(
+        self, dims: Mapping[str, float], tp: int, cp: int
+    ) -> tuple[SegmentWork, ...]:
+        """`sharded(dims, tp)` on one rank of a `cp`-way context-parallel group (cached),
+        `dims` holding the microbatch: the operators the cp rewrite runs on the
+        sequence's shards on this rank's 1/cp of the tokens (priced as 1/cp of the
+        batch), those it runs whole (`cp_layout(cp).whole`) on the whole microbatch;
+        each segment with the collectives of its conversions (`cp_traffic`)."""
+        if cp == 1:
+            return self.sharded(dims, tp)
+        key = (tuple(sorted(dims.items())), tp, cp)
+        if key not in self._cp_sharded:
+            works = self._context_parallel(dims, cp)
+            self._cp_sharded[key] = tuple(s.sharded(tp) for s in works)
+        return self._cp_sharded[key]
+
+    def cp_layout(self, cp: int) -> CpLayout:
+        """What the cp rewrite runs whole, and gathers for it, at `cp` ranks (cached)."""
+        return self.cp_layouts.at(cp)
+
+    def _context_parallel(self, dims: Mapping[str, float], cp: int) -> list[SegmentWork]:
+        layout = self.cp_layout(cp)
+        local_dims = {**dims, BATCH: dims[BATCH] / cp}
+        local, full = self.evaluate(local_dims), self.evaluate(dims)
+        local_bytes, full_bytes = self._collective_bytes(local_dims), self._collective_bytes(dims)
+        segment_of = {n: i for i, seg in enumerate(self.segments) for n in seg.nodes}
+        conversions: list[list[TpCollective]] = [[] for _ in self.segments]
+        for c, site in layout.collectives:
+            i = segment_of.get(c.source) if c.source is not None else None
+            conversions[segment_of[site] if i is None else i].append(c)
+
+        def size(c: TpCollective, site: fx.Node | None) -> float:
+            # A tp collective moves its tensor (an operator's own: its output) as the cp
+            # rewrite leaves it: whole where that runs whole.
+            whole = (c.source if c.source is not None else site) in layout.whole
+            return (full_bytes if whole else local_bytes)(c, site)
+
+        out = []
+        for seg, mine, all_of, found in zip(self.segments, local, full, conversions):
+            whole = [n in layout.whole for n in seg.nodes]
+            if not any(whole) and not found:
+                out.append(mine)
+                continue
+            nodes = tuple(
+                replace(w, cp_whole=True) if at_full else m
+                for m, w, at_full in zip(mine.nodes, all_of.nodes, whole)
+            )
+            cp_traffic = _alike(((c, None) for c in found), full_bytes)
+            out.append(
+                replace(mine, nodes=nodes, tp_traffic=_traffic(seg, size), cp_traffic=cp_traffic)
+            )
+        return out
 
     def evaluate(self, dims: Mapping[str, float]) -> tuple[SegmentWork, ...]:
         """Every segment's work at `dims` ({"batch": microbatch, "seq": ...}). A graph
@@ -254,21 +329,29 @@ class GraphSummary:
     ) -> list[tuple[Segment, fx.Node, TpCollective, float]]:
         """Every tp collective of the layout with the operator it serves and its bytes
         at `dims` (as `evaluate` scales them), segment by segment."""
-        dims = {**self.example_dims, **dims}
-        scale = 1.0
-        if self.captured_batch is not None and BATCH in dims:
-            scale = dims[BATCH] / self.captured_batch
+        size = self._collective_bytes(dims)
         return [
-            (seg, site, c, evaluate(c.nbytes, dims) * (scale if c.activation else 1))
+            (seg, site, c, size(c, site))
             for seg in self.segments
             if seg.tp_collectives is not None
             for c, site in zip(seg.tp_collectives, seg.tp_collective_sites)
         ]
 
-    def _evaluate(self, dims: Mapping[str, float]) -> tuple[SegmentWork, ...]:
-        scale = 1.0
+    def _collective_bytes(self, dims: Mapping[str, float]) -> _Bytes:
+        """A collective's bytes at `dims`, as `evaluate` scales them."""
+        dims = {**self.example_dims, **dims}
+        scale = self._scale(dims)
+        return lambda c, _: evaluate(c.nbytes, dims) * (scale if c.activation else 1)
+
+    def _scale(self, dims: Mapping[str, float]) -> float:
+        """A static batch's factor to `dims`' batch (1 where the batch is dynamic)."""
         if self.captured_batch is not None and BATCH in dims:
-            scale = dims[BATCH] / self.captured_batch
+            return dims[BATCH] / self.captured_batch
+        return 1.0
+
+    def _evaluate(self, dims: Mapping[str, float]) -> tuple[SegmentWork, ...]:
+        scale = self._scale(dims)
+        size = self._collective_bytes(dims)
         by_block: dict[str, tuple] = {}
         out = []
         for seg in self.segments:
@@ -281,13 +364,13 @@ class GraphSummary:
                 )
                 output = _output_bytes(seg.nodes, dims) * scale
                 rows = sum(evaluate(r, dims) for r in seg.expert_rows) * scale
-                evaluated = (works, output, _traffic(seg, dims, scale), rows)
+                evaluated = (works, output, _traffic(seg, size), rows)
                 if seg.block_id is not None:
                     by_block[seg.block_id] = (evaluated, _signature(seg))
             else:
                 evaluated, signature = by_block[seg.block_id]
                 if _signature(seg) != signature:  # a copy with other collectives
-                    evaluated = (*evaluated[:2], _traffic(seg, dims, scale), evaluated[3])
+                    evaluated = (*evaluated[:2], _traffic(seg, size), evaluated[3])
             out.append(SegmentWork(seg, *evaluated))
         return tuple(out)
 
@@ -441,23 +524,17 @@ def _is_sharded_param(
     return False
 
 
-def _traffic(
-    seg: Segment, dims: Mapping[str, float], scale: float
-) -> tuple[tuple[str, float, bool, float, int], ...] | None:
-    """The segment's tp collectives at `dims` (activations scaled to the batch), alike
-    ones counted together: (collective, bytes, in backward, bytes under mixed precision
-    over the captured ones, how many)."""
+def _traffic(seg: Segment, size: _Bytes) -> Traffic | None:
+    """The segment's tp collectives, each of `size(collective, site)` bytes."""
     if seg.tp_collectives is None:
         return None
-    alike = Counter(
-        (
-            c.op,
-            evaluate(c.nbytes, dims) * (scale if c.activation else 1),
-            c.backward,
-            c.mixed_scale,
-        )
-        for c in seg.tp_collectives
-    )
+    return _alike(zip(seg.tp_collectives, seg.tp_collective_sites), size)
+
+
+def _alike(collectives: Iterable[tuple[TpCollective, fx.Node | None]], size: _Bytes) -> Traffic:
+    """Alike collectives counted together: (collective, bytes, in backward, bytes under
+    mixed precision over the captured ones, how many)."""
+    alike = Counter((c.op, size(c, site), c.backward, c.mixed_scale) for c, site in collectives)
     return tuple((*k, n) for k, n in alike.items())
 
 

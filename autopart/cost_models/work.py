@@ -105,6 +105,9 @@ class NodeWork:
     # Captured in 16 bits (a model built in fp16 or bf16): autocast has nothing to cast
     # and its bytes are already what a mixed-precision step moves (`precision.py`).
     low_precision: bool = False
+    # Under context parallelism, run on the whole sequence on every cp rank (gathered
+    # for it, `cp_layout.py`), not on the rank's share of the tokens.
+    cp_whole: bool = False
 
     @property
     def bytes(self) -> float:

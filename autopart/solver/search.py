@@ -64,6 +64,7 @@ from autopart.cost_models import (
     predict,
     step_time_lower_bound,
 )
+from autopart.cost_models.cp_layout import CpLayouts
 from autopart.cost_models.stage_costs import stage_problem_of
 from autopart.cost_models.summary import TpLayout
 from autopart.cost_models.tp_costs import TpCosts
@@ -238,6 +239,7 @@ class TpLayouts:
         self.mesh, self.dims, self.precision = mesh, {**dims, BATCH: 1}, precision
         self._solutions: dict[tuple[int, bool], TpSolution] = {}
         self._summaries: dict[tuple[int, bool], GraphSummary] = {}
+        self._cp_layouts = CpLayouts(gm)  # shared by the summaries: the graph's alone
         self._splits_experts: dict[tuple[int, bool], bool] = {}
 
     def placements(self, tp: int, sp: bool = False) -> dict[str, Placement]:
@@ -326,7 +328,7 @@ class TpLayouts:
                 if tp > 1
                 else None
             )
-            self._summaries[key] = GraphSummary(self.gm, layout)
+            self._summaries[key] = GraphSummary(self.gm, layout, self._cp_layouts)
         return self._summaries[key]
 
 

@@ -174,12 +174,21 @@ def test_tiny_models_match_brute_force_at_several_memory_limits(
         _assert_optimal(problem)
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2])
-def test_the_inner_memory_agrees_with_predict(tiny_summary, zero):
+@pytest.mark.parametrize(
+    "degrees,zero",
+    [
+        (Degrees(dp=2, pp=2), 0),
+        (Degrees(dp=2, pp=2), 1),
+        (Degrees(dp=2, pp=2), 2),
+        (Degrees(cp=2, pp=2), 0),
+    ],
+)
+def test_the_inner_memory_agrees_with_predict(tiny_summary, degrees, zero):
     """The inner model's linear memory (stage_costs) is `predict`'s, rank by rank, for
-    the assignment it chooses: the two must not drift apart."""
+    the assignment it chooses: the two must not drift apart (under context parallelism
+    too, where a rank holds its share of the tokens but for what runs whole)."""
     mesh = Mesh.cluster("h100-80g", nodes=1, per_node=4)
-    choices = Choices(8, Degrees(dp=2, pp=2), zero, 4, "1f1b")
+    choices = Choices(8, degrees, zero, 4, "1f1b")
     models = CostModels.of(mesh, choices.precision)
     plain = predict(tiny_summary, mesh, choices, models=models).peak_memory_bytes
     # The roomiest limit at which the inner model recomputes blocks to fit.

@@ -1,0 +1,190 @@
+"""Which operators context parallelism runs on the whole sequence, and the collectives
+its rewrite inserts for them, as `passes/context_parallel.py` decides.
+
+The cp rewrite walks the graph with the sharding rules from the sequence-sharded
+inputs (`tp_propagate.propagate(..., context_parallel=True)`); `CpLayout.of` runs the
+same walk. An operator with an operand or its output sharded over the sequence (or
+the partial sums of a reduction over it) runs on this rank's tokens (`tp_costs.split_by`,
+tp's own test); any other runs on the whole sequence, as one device runs it:
+
+- where a rule falls back, the operands sharded over the sequence are gathered over cp
+  and what they feed runs whole on every rank, until an operator meets a sequence
+  shard again and takes this rank's chunks of it (a slice; in backward, its gradient
+  gathered). A mixture-of-experts layer that flattens [batch, seq] into rows for its
+  router runs whole from that view to the residual add after it (router, routing,
+  every expert's rows); so does attention that the ring does not take
+  (`tp_rules._ring_attention`: a mask, dropout, causal attention over unequal query
+  and key lengths), with the projection after it;
+- values computed from shapes alone (positions, rotary tables) are whole on every
+  rank, as they are.
+
+Causal masks. Traced, a Hugging Face decoder hands attention an explicit causal mask
+built from aranges; the rewrite's first pass (`passes/causal_attention.py`) evaluates
+it on the example inputs and, where it is lower-triangular, replaces it by
+`is_causal=True`, which the ring takes. The cost models cannot evaluate a mask (on the
+meta device, or over a long sequence), so they take a mask that pass would evaluate
+(attention's plain (q, k, v, mask) form) and that is a function of the shapes alone
+(its ancestry reads no parameter and no input but for its sizes) as causal: the walk
+runs on a copy of the graph with those masks dropped, and what only they read, as the
+rewrite drops them. A mask passed in as an input, or computed from the data or from
+weights, stays, and its attention gathers. A shape-only mask that is not causal (a
+sliding window) is priced as a ring, which the runtime would gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+from torch import fx
+from torch.distributed.tensor import Shard
+
+from autopart.cost_models.tp_costs import COPY, TpCollective, collectives_of, split_by
+from autopart.ops.aten import ATTENTION_OPS, op_name
+from autopart.ops.params import parameter_names
+from autopart.passes.context_parallel import sequence_inputs
+from autopart.passes.tp_propagate import operands_of, propagate
+
+_MASK = 3  # attention's mask, positionally (the form `causal_attention_pass` rewrites)
+# Readers of a tensor that read its shape, dtype or device alone, not its values.
+_SHAPE_READS = frozenset(
+    {
+        "sym_size",
+        "sym_numel",
+        "sym_stride",
+        "size",
+        "dim",
+        "numel",
+        "new_ones",
+        "new_zeros",
+        "new_empty",
+        "new_full",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+    }
+)
+
+
+@dataclass(frozen=True)
+class CpLayout:
+    """The cp rewrite's layout of a graph at some number of cp ranks: the operators
+    (of the graph given) that run on the whole sequence, and the collectives its
+    conversions insert, each with the operator it serves, once (a conversion of an
+    activation is shared by its consumers, as the rewrite shares it). Left out are
+    those `context.py` prices apart: the weights' gradient all-reduces
+    (`gradient_all_reduces`) and the outputs' gather (`output_gather`); ring attention
+    is a local operator, with no conversion."""
+
+    whole: frozenset[fx.Node]
+    collectives: tuple[tuple[TpCollective, fx.Node], ...]
+
+
+class CpLayouts:
+    """The `CpLayout`s of one graph, made once per number of cp ranks, on one copy of
+    the graph as the rewrite sees it: the search prices many plans of a graph, under
+    several tp layouts, at a few cp degrees."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self._layouts: dict[int, CpLayout] = {}
+        # The graph as the rewrite sees it, its nodes' originals, the parameters' FQNs.
+        self._rewritten: tuple[fx.GraphModule, dict[fx.Node, fx.Node], dict[str, str]] | None
+        self._rewritten = None
+
+    def at(self, cp: int) -> CpLayout:
+        if cp not in self._layouts:
+            if self._rewritten is None:
+                params = parameter_names(self.gm)
+                self._rewritten = (*_as_rewritten(self.gm, params), params)
+            self._layouts[cp] = _walk(*self._rewritten, cp)
+        return self._layouts[cp]
+
+
+def _walk(
+    walked: fx.GraphModule,
+    original: Mapping[fx.Node, fx.Node],
+    params: Mapping[str, str],
+    cp: int,
+) -> CpLayout:
+    """The cp rewrite's walk of `walked` over `cp` ranks, read back onto the nodes of
+    the graph it copies (`original`)."""
+    seeds = {node.name: Shard(1) for node in sequence_inputs(walked)}
+    result = propagate(walked, params, {}, cp, input_places=seeds, context_parallel=True)
+    whole: set[fx.Node] = set()
+    found: dict[tuple, tuple[TpCollective, fx.Node]] = {}
+    for node, decision in result.decisions.items():
+        if node.op == "output":
+            continue
+        site = original[node]
+        ops = operands_of(node, result.places, result.grads, cp, context_parallel=True)
+        if not split_by(ops, decision):
+            whole.add(site)
+        for k, c in enumerate(collectives_of(ops, decision, result.grads[node])):
+            if c.key == (COPY,):
+                continue
+            if c.source is None:
+                found.setdefault((site, k), (c, site))
+                continue
+            source = original[c.source]
+            key = (source, c.key, c.op, c.backward)
+            found.setdefault(key, (replace(c, source=source), site))
+    return CpLayout(frozenset(whole), tuple(found.values()))
+
+
+def _as_rewritten(
+    gm: fx.GraphModule, params: Mapping[str, str]
+) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """`gm` as the cp rewrite will see it, its shape-only masks dropped (on a copy,
+    where it has any), and each node of it -> the node of `gm` it stands for."""
+    causal = [node for node in gm.graph.nodes if _shape_only_mask(gm, node, params)]
+    if not causal:
+        return gm, {node: node for node in gm.graph.nodes}
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+            continue  # dropped before (`passes/retarget.py` `drop_capture_assertions_pass`)
+        copies[node] = graph.node_copy(node, copies.__getitem__)
+    for node in causal:
+        attention = copies[node]
+        attention.args = attention.args[:_MASK]
+        attention.kwargs = {**attention.kwargs, "is_causal": True}
+    graph.eliminate_dead_code()
+    alive = set(graph.nodes)
+    original = {copy: node for node, copy in copies.items() if copy in alive}
+    return fx.GraphModule(gm, graph), original
+
+
+def _shape_only_mask(gm: fx.GraphModule, node: fx.Node, params: Mapping[str, str]) -> bool:
+    """Whether `node` is attention in the (q, k, v, mask) form `causal_attention_pass`
+    evaluates, with a mask computed from shapes alone: no parameter among what it is
+    computed from, and no input read but for its sizes (the input is not the mask)."""
+    if op_name(node, gm) not in ATTENTION_OPS or len(node.args) != _MASK + 1:
+        return False
+    mask = node.args[_MASK]
+    if not isinstance(mask, fx.Node) or "dropout_p" in node.kwargs:
+        return False
+    ancestry = _ancestry(mask)
+    for n in ancestry:
+        if n.op == "get_attr" and str(n.target) in params:
+            return False
+        if n.op == "placeholder" and (
+            n is mask or any(u in ancestry and op_name(u, gm) not in _SHAPE_READS for u in n.users)
+        ):
+            return False
+    return True
+
+
+def _ancestry(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it is computed from."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen

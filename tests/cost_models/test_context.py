@@ -1,0 +1,245 @@
+"""What context parallelism costs follows what its rewrite runs (`cost_models/cp_layout.py`):
+an operator on the sequence's shards is priced on a rank's 1/cp of the tokens, one the
+rewrite runs on the whole sequence (a routed expert layer, attention the ring does not
+take) on all of them, on every cp rank, with the gathers it needs on the cp links.
+Same batch per rank at cp=1 and cp=2 (cp splits sequences, not the batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from autopart.api import captured_for_planning
+from autopart.capture import capture
+from autopart.cost_models.comm import ALL_GATHER
+from autopart.cost_models.context import conversion_comm, ring_comm
+from autopart.cost_models.predict import Choices, CostModels, rank_segments
+from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork
+from autopart.cost_models.work import ATTENTION, NodeWork
+from autopart.degrees import Degrees
+from autopart.mesh import Mesh
+from autopart.ops.aten import ATTENTION_OPS, GROUPED_MM_OPS, op_name
+from autopart.ops.context_parallel import ring_attention
+from autopart.ops.groups import MeshGroups
+from autopart.ops.meta import COLLECTIVE, MODULE_PATH
+from autopart.ops.params import parameter_names
+from autopart.passes import analyze
+from autopart.passes.rewrite import rank_program
+from autopart.passes.runner import RankTarget
+from autopart.passes.tp_propagate import gradient_flow
+from autopart.solver import Pins, make_plan
+from tests.models import tiny_llama, tiny_mixtral, token_batch
+
+BATCH_SIZE, SEQ = 4, 16
+MESHES = {cp: Mesh.cluster("h100-80g", nodes=1, per_node=cp) for cp in (1, 2)}
+
+
+class OneAttentionLayer(nn.Module):
+    """Embeddings, one attention layer with a residual, a head. `masked`: the attention
+    masks padding (token 0), a mask computed from the tokens' values."""
+
+    def __init__(self, masked: bool, width: int = 32, heads: int = 4, vocab: int = 64) -> None:
+        super().__init__()
+        self.masked, self.heads = masked, heads
+        self.embed = nn.Embedding(vocab, width)
+        self.qkv = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+        self.out = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, -1).transpose(1, 2) for p in self.qkv)
+        mask = (ids != 0)[:, None, None, :] if self.masked else None
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(x + self.out(attended.transpose(1, 2).reshape(b, s, -1)))
+
+
+def _summary(model: nn.Module) -> GraphSummary:
+    ids, _ = token_batch(BATCH_SIZE, SEQ)
+    return GraphSummary(captured_for_planning(model, (ids,)).gm)
+
+
+def _segments(summary: GraphSummary, cp: int) -> list[SegmentWork]:
+    choices = Choices(BATCH_SIZE, Degrees(cp=cp))
+    return rank_segments(summary, {BATCH: BATCH_SIZE, "seq": SEQ}, choices)
+
+
+def _works(summary: GraphSummary, cp: int) -> dict[fx.Node, NodeWork]:
+    """Each operator's work on one rank of cp."""
+    return {
+        node: work
+        for seg in _segments(summary, cp)
+        for node, work in zip(seg.segment.nodes, seg.nodes)
+    }
+
+
+def test_a_routed_layer_runs_whole_on_every_cp_rank():
+    """The cp rewrite gathers the sequence before a mixture-of-experts layer's router
+    (it flattens [batch, seq] into rows) and splits it again at the residual add: every
+    cp rank computes every expert's rows of all its sequences' tokens, as at cp=1, and
+    saves as much for backward."""
+    summary = _summary(tiny_mixtral())
+    one, two = _works(summary, 1), _works(summary, 2)
+    routed = [n for n in one if op_name(n, summary.gm) in GROUPED_MM_OPS]
+    assert len(routed) == 4  # two layers, each its gate/up and its down multiply
+    for node in routed:
+        assert two[node].cp_whole and not one[node].cp_whole
+        assert two[node].flops == one[node].flops > 0
+        assert two[node].saved_bytes == one[node].saved_bytes > 0
+    models = CostModels.of(MESHES[2], "fp32")
+    routed_time = [sum(models.compute.time(w[n]).total for n in routed) for w in (one, two)]
+    assert routed_time[1] == pytest.approx(routed_time[0])
+    # The attention's projections act on each token alone: half the tokens, half the work.
+    projections = [n for n in one if "self_attn" in MODULE_PATH.get(n) and op_name(n) == "linear"]
+    assert projections
+    for node in projections:
+        assert two[node].flops == pytest.approx(one[node].flops / 2)
+
+
+def test_a_dense_mlp_halves_under_cp():
+    summary = _summary(tiny_llama())
+    one, two = _works(summary, 1), _works(summary, 2)
+    mlp = [n for n in one if ".mlp." in MODULE_PATH.get(n) and op_name(n) == "linear"]
+    assert len(mlp) == 6
+    for node in mlp:
+        assert not two[node].cp_whole
+        assert two[node].flops == pytest.approx(one[node].flops / 2)
+        assert two[node].saved_bytes == pytest.approx(one[node].saved_bytes / 2)
+
+
+def test_a_routed_layer_gathers_the_sequence_over_cp():
+    """Per layer: the router's input all-gathered in forward; the layer's output split
+    again at the residual add, its gradient all-gathered in backward. Activations
+    captured in fp32, [batch, seq, hidden 64]."""
+    hidden = BATCH_SIZE * SEQ * 64 * 4
+    blocks = [s for s in _segments(_summary(tiny_mixtral()), 2) if s.is_block]
+    assert len(blocks) == 2
+    for seg in blocks:
+        assert sorted(seg.cp_traffic) == [
+            (ALL_GATHER, hidden, False, 0.5, 1),
+            (ALL_GATHER, hidden, True, 0.5, 1),
+        ]
+    comm = CostModels.of(MESHES[2], "fp32").comm
+    assert conversion_comm(blocks, 2, 1, "fp32", [False, False], comm) > 0.0
+
+
+def test_masked_attention_is_priced_as_gathered_not_as_a_ring():
+    """A mask the ring does not take (read from the tokens): the rewrite gathers q, k, v
+    and the mask and runs the attention whole, and the projection after it up to the
+    residual add, whose gradient it gathers again. Unmasked, the same attention rings."""
+    models = CostModels.of(MESHES[2], "fp32")
+    masked, plain = _summary(OneAttentionLayer(masked=True)), _summary(OneAttentionLayer(False))
+    attention = {}
+    for name, summary in (("masked", masked), ("plain", plain)):
+        one, two = _works(summary, 1), _works(summary, 2)
+        [node] = [n for n in one if op_name(n, summary.gm) in ATTENTION_OPS]
+        attention[name] = (one[node], two[node])
+    whole, split = attention["masked"][1], attention["plain"][1]
+    assert whole.cp_whole and whole.flops == attention["masked"][0].flops
+    assert whole.saved_bytes == attention["masked"][0].saved_bytes
+    assert not split.cp_whole and split.flops == pytest.approx(attention["plain"][0].flops / 2)
+
+    def comm(summary: GraphSummary) -> tuple[float, float, list]:
+        segments = _segments(summary, 2)
+        again = [False] * len(segments)
+        rings = ring_comm(segments, 2, 1, "fp32", again, models.comm, models.compute)
+        gathers = conversion_comm(segments, 2, 1, "fp32", again, models.comm)
+        traffic = sorted((op, b, back) for s in segments for op, b, back, _, n in s.cp_traffic)
+        return rings, gathers, traffic
+
+    rings, gathers, traffic = comm(masked)
+    activation = BATCH_SIZE * SEQ * 32 * 4  # q, k, v, the projection: fp32 [b, s, 32]
+    padding = BATCH_SIZE * SEQ  # the mask: bool [b, 1, 1, s]
+    assert rings == 0.0 and gathers > 0.0
+    assert traffic == sorted(
+        [(ALL_GATHER, activation, False)] * 3
+        + [(ALL_GATHER, padding, False), (ALL_GATHER, activation, True)]
+    )
+    rings, gathers, traffic = comm(plain)
+    assert rings > 0.0 and gathers == 0.0 and traffic == []
+
+
+def test_a_causal_mask_built_from_shapes_is_priced_as_a_ring():
+    """A traced Hugging Face decoder hands attention a causal mask built from aranges,
+    which the rewrite turns back into `is_causal=True` (`passes/causal_attention.py`):
+    its attention runs as a ring, and only what reads the whole sequence's shape
+    (positions, rotary tables) is whole."""
+    summary = _summary(tiny_llama())
+    segments = _segments(summary, 2)
+    attention = [w for s in segments for w in s.nodes if w.kind == ATTENTION]
+    assert len(attention) == 2 and not any(w.cp_whole for w in attention)
+    assert all(not s.cp_traffic for s in segments)
+    models = CostModels.of(MESHES[2], "fp32")
+    again = [False] * len(segments)
+    assert ring_comm(segments, 2, 1, "fp32", again, models.comm, models.compute) > 0.0
+
+
+def test_a_rank_of_cp_keeps_every_routed_layer_whole():
+    """At the same sequences per rank, cp=2 leaves every routed layer's work as it is
+    at cp=1 and halves the rest (but what reads the whole sequence's shape): a rank's
+    work falls by less than half."""
+    summary = _summary(tiny_mixtral())
+    segments = {cp: _segments(summary, cp) for cp in (1, 2)}
+    flops = {cp: sum(s.flops for s in segments[cp]) for cp in (1, 2)}
+    routed = sum(
+        w.flops
+        for s in segments[1]
+        for n, w in zip(s.segment.nodes, s.nodes)
+        if op_name(n, summary.gm) in GROUPED_MM_OPS
+    )
+    assert routed > flops[1] / 2
+    assert flops[2] == pytest.approx((flops[1] - routed) / 2 + routed, rel=0.01)
+
+
+@pytest.fixture(scope="module")
+def cp_groups():
+    """A "fake" world of 2 as the cp axis: the rewrite needs only the group's name, this
+    rank's place and the size; nothing is communicated."""
+    if dist.is_initialized():
+        pytest.skip("needs a process group of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    names = ("pp", "dp", "ep", "cp", "tp")
+    yield MeshGroups(init_device_mesh("cpu", (1, 1, 1, 2, 1), mesh_dim_names=names))
+    dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:autopart. context parallelism gathers the sequence")
+@pytest.mark.parametrize(
+    "build",
+    [tiny_mixtral, tiny_llama, lambda: OneAttentionLayer(True)],
+    ids=["mixtral", "llama", "masked"],
+)
+def test_the_priced_gathers_and_rings_are_the_rewrites(build, cp_groups):
+    """The cp rewrite of a rank (`rank_program`, on one process) gathers what the cost
+    model prices as gathered, takes this rank's chunks again where it prices the
+    gradient's gather (a slice of a value that needs a gradient), and runs as rings
+    the attentions it prices as rings. Besides: the logits' gather, priced apart, and
+    slices of what needs no gradient (the inputs, rotary tables), which cost nothing."""
+    ids, _ = token_batch(BATCH_SIZE, SEQ)
+    captured = capture(build(), (ids,))
+    gm = captured.gm
+    analyze(gm, captured.context())
+    layout = GraphSummary(gm).cp_layout(2)
+    priced = {(c.backward, c.source.name) for c, _ in layout.collectives if c.source}
+    attention = [n for n in gm.graph.nodes if op_name(n, gm) in ATTENTION_OPS]
+    rings = {n.name for n in attention if n not in layout.whole}
+    grads = {n.name for n, g in gradient_flow(gm, parameter_names(gm)).items() if g}
+    plan = make_plan(captured, MESHES[2], Pins.of(cp=2, dp=1, tp=1, pp=1, ep=1))
+    [stage] = rank_program(gm, captured.context(target=RankTarget(plan, cp_groups))).stages
+    done: dict[str, set[str]] = {"all_gather": set(), "slice": set()}
+    for node in stage.graph.nodes:
+        info = COLLECTIVE.get(node, None)
+        if info is not None and info.axis == "cp":
+            done[info.kind].add(node.args[0].name)
+    [output] = stage.graph.find_nodes(op="output")
+    logits = {n.args[0].name for n in output.all_input_nodes if COLLECTIVE.get(n, None)}
+    assert len(logits) == 1
+    assert {name for backward, name in priced if not backward} == done["all_gather"] - logits
+    assert {name for backward, name in priced if backward} == done["slice"] & grads
+    assert {n.name for n in stage.graph.nodes if n.target is ring_attention} == rings
