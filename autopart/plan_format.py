@@ -162,8 +162,11 @@ def explain_plan(plan: Plan) -> str:
             f"Context parallelism splits every sequence over the {plan.cp} cp ranks: each "
             f"holds 2 of its {2 * plan.cp} chunks, the i-th and the i-th from the end, so "
             "that causal attention's work is even. Attention runs as a ring that passes "
-            "keys and values from rank to rank; each weight's gradient is summed over the "
-            "cp ranks"
+            "keys and values from rank to rank where it is scaled_dot_product_attention, "
+            "causal or unmasked and without dropout; other attention, and what cannot run "
+            "on a rank's chunks (routed expert layers), gathers the whole sequence first "
+            "and runs whole on every cp rank (priced so). Each weight's gradient is summed "
+            "over the cp ranks"
             + (
                 " by the data-parallel sync, once per step"
                 if cp_gradients_in_sync(plan.zero, plan.sync_every, plan.grad_compression)
