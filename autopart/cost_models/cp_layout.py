@@ -2,8 +2,8 @@
 its rewrite inserts for them, as `passes/context_parallel.py` decides.
 
 The cp rewrite walks the graph with the sharding rules from the sequence-sharded
-inputs (`tp_propagate.propagate(..., context_parallel=True)`); `CpLayout.of` runs the
-same walk. An operator with an operand or its output sharded over the sequence (or
+inputs (`passes.context_parallel.cp_propagation`); `CpLayouts.at` runs the same
+walk. An operator with an operand or its output sharded over the sequence (or
 the partial sums of a reduction over it) runs on this rank's tokens (`tp_costs.split_by`,
 tp's own test); any other runs on the whole sequence, as one device runs it:
 
@@ -38,15 +38,14 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import fx
-from torch.distributed.tensor import Shard
 
 from autopart.cost_models.tp_costs import COPY, TpCollective, collectives_of, split_by
-from autopart.ops.aten import ATTENTION_OPS, op_name
+from autopart.ops.aten import op_name
 from autopart.ops.params import parameter_names
-from autopart.passes.context_parallel import sequence_inputs
-from autopart.passes.tp_propagate import operands_of, propagate
+from autopart.passes.causal_attention import MASK_ARG, plain_mask
+from autopart.passes.context_parallel import cp_propagation
+from autopart.passes.tp_propagate import operands_of
 
-_MASK = 3  # attention's mask, positionally (the form `causal_attention_pass` rewrites)
 # Readers of a tensor that read its shape, dtype or device alone, not its values.
 _SHAPE_READS = frozenset(
     {
@@ -111,8 +110,7 @@ def _walk(
 ) -> CpLayout:
     """The cp rewrite's walk of `walked` over `cp` ranks, read back onto the nodes of
     the graph it copies (`original`)."""
-    seeds = {node.name: Shard(1) for node in sequence_inputs(walked)}
-    result = propagate(walked, params, {}, cp, input_places=seeds, context_parallel=True)
+    result = cp_propagation(walked, params, cp)
     whole: set[fx.Node] = set()
     found: dict[tuple, tuple[TpCollective, fx.Node]] = {}
     for node, decision in result.decisions.items():
@@ -150,7 +148,7 @@ def _as_rewritten(
         copies[node] = graph.node_copy(node, copies.__getitem__)
     for node in causal:
         attention = copies[node]
-        attention.args = attention.args[:_MASK]
+        attention.args = attention.args[:MASK_ARG]
         attention.kwargs = {**attention.kwargs, "is_causal": True}
     graph.eliminate_dead_code()
     alive = set(graph.nodes)
@@ -162,10 +160,8 @@ def _shape_only_mask(gm: fx.GraphModule, node: fx.Node, params: Mapping[str, str
     """Whether `node` is attention in the (q, k, v, mask) form `causal_attention_pass`
     evaluates, with a mask computed from shapes alone: no parameter among what it is
     computed from, and no input read but for its sizes (the input is not the mask)."""
-    if op_name(node, gm) not in ATTENTION_OPS or len(node.args) != _MASK + 1:
-        return False
-    mask = node.args[_MASK]
-    if not isinstance(mask, fx.Node) or "dropout_p" in node.kwargs:
+    mask = plain_mask(gm, node)
+    if mask is None:
         return False
     ancestry = _ancestry(mask)
     for n in ancestry:

@@ -41,7 +41,7 @@ from torch import fx
 from torch.distributed.tensor import Placement
 
 from autopart.batch import BATCH
-from autopart.cost_models.cp_layout import CpLayout, CpLayouts
+from autopart.cost_models.cp_layout import CpLayouts
 from autopart.cost_models.precision import bytes_scale, is_mixed
 from autopart.cost_models.tp_costs import TpCollective, collectives_of, distributed, split_by
 from autopart.cost_models.work import OTHER, NodeWork, evaluate, node_work, op_kind
@@ -267,7 +267,7 @@ class GraphSummary:
         """`sharded(dims, tp)` on one rank of a `cp`-way context-parallel group (cached),
         `dims` holding the microbatch: the operators the cp rewrite runs on the
         sequence's shards on this rank's 1/cp of the tokens (priced as 1/cp of the
-        batch), those it runs whole (`cp_layout(cp).whole`) on the whole microbatch;
+        batch), those it runs whole (`cp_layouts.at(cp).whole`) on the whole microbatch;
         each segment with the collectives of its conversions (`cp_traffic`)."""
         if cp == 1:
             return self.sharded(dims, tp)
@@ -277,12 +277,8 @@ class GraphSummary:
             self._cp_sharded[key] = tuple(s.sharded(tp) for s in works)
         return self._cp_sharded[key]
 
-    def cp_layout(self, cp: int) -> CpLayout:
-        """What the cp rewrite runs whole, and gathers for it, at `cp` ranks (cached)."""
-        return self.cp_layouts.at(cp)
-
     def _context_parallel(self, dims: Mapping[str, float], cp: int) -> list[SegmentWork]:
-        layout = self.cp_layout(cp)
+        layout = self.cp_layouts.at(cp)
         local_dims = {**dims, BATCH: dims[BATCH] / cp}
         local, full = self.evaluate(local_dims), self.evaluate(dims)
         local_bytes, full_bytes = self._collective_bytes(local_dims), self._collective_bytes(dims)

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 from autopart.ops.aten import ATTENTION_OPS, op_name
 from autopart.passes.runner import PassContext
 
-_MASK_ARG = 3
+MASK_ARG = 3
 
 
 def causal_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -31,11 +31,9 @@ def causal_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         return gm
     changed = False
     for node in gm.graph.nodes:
-        if op_name(node, gm) not in ATTENTION_OPS or len(node.args) <= _MASK_ARG:
-            continue
-        mask = node.args[_MASK_ARG]
-        if isinstance(mask, fx.Node) and _is_causal(gm, mask, node, args):
-            node.args = node.args[:_MASK_ARG]
+        mask = plain_mask(gm, node)
+        if mask is not None and _is_causal(gm, mask, args):
+            node.args = node.args[:MASK_ARG]
             node.kwargs = {**node.kwargs, "is_causal": True}
             changed = True
     if changed:
@@ -44,9 +42,16 @@ def causal_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     return gm
 
 
-def _is_causal(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node, args: tuple) -> bool:
-    if "dropout_p" in attention.kwargs or len(attention.args) > _MASK_ARG + 1:
-        return False  # only the plain (q, k, v, mask) form
+def plain_mask(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """The mask of `node` where it is attention in the plain (q, k, v, mask) form, the
+    one this pass rewrites (no dropout, no other argument), else None."""
+    if op_name(node, gm) not in ATTENTION_OPS or len(node.args) != MASK_ARG + 1:
+        return None
+    mask = node.args[MASK_ARG]
+    return mask if isinstance(mask, fx.Node) and "dropout_p" not in node.kwargs else None
+
+
+def _is_causal(gm: fx.GraphModule, mask: fx.Node, args: tuple) -> bool:
     sub = _ancestry(gm, mask)
     if sub is None:
         return False

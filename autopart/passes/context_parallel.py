@@ -63,8 +63,7 @@ def context_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     plan, groups = ctx.rank.plan, ctx.rank.groups
     group = groups.group_name(Axis.CP)
     inputs = sequence_inputs(gm)
-    seeds = {node.name: Shard(1) for node in inputs}
-    result = propagate(gm, ctx.params, {}, plan.cp, input_places=seeds, context_parallel=True)
+    result = cp_propagation(gm, ctx.params, plan.cp)
     for node, reason in result.fallbacks:
         name = op_name(node, gm)
         log.info("cp: %s (%s) runs on the whole sequence: %s", node.name, name, reason)
@@ -114,6 +113,13 @@ def _leave_sums_to_sync(
             for user in node.users:
                 result.decisions[user].copy_to_group -= reads(node, user)
     return summed
+
+
+def cp_propagation(gm: fx.GraphModule, params: Mapping[str, str], cp: int) -> Propagation:
+    """The sharding rules' walk of `gm` over `cp` ranks from its sequence inputs, split
+    on the sequence (dim 1): what the rewrite applies, and the cost models read."""
+    seeds = {node.name: Shard(1) for node in sequence_inputs(gm)}
+    return propagate(gm, params, {}, cp, input_places=seeds, context_parallel=True)
 
 
 def sequence_inputs(gm: fx.GraphModule) -> list[fx.Node]:

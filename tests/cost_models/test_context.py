@@ -225,7 +225,7 @@ def test_the_priced_gathers_and_rings_are_the_rewrites(build, cp_groups):
     captured = capture(build(), (ids,))
     gm = captured.gm
     analyze(gm, captured.context())
-    layout = GraphSummary(gm).cp_layout(2)
+    layout = GraphSummary(gm).cp_layouts.at(2)
     priced = {(c.backward, c.source.name) for c, _ in layout.collectives if c.source}
     attention = [n for n in gm.graph.nodes if op_name(n, gm) in ATTENTION_OPS]
     rings = {n.name for n in attention if n not in layout.whole}
