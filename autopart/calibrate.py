@@ -24,8 +24,14 @@
                   fp32 tensors of 16 Ki and 128 Ki elements, which stay in cache as the
                   activations of the operators they model do: the difference in
                   elements over the difference in time is `function_rates[fn]`.
-    optimizer     AdamW's step over `OPTIMIZER_TENSORS` parameters of 16 elements, whose
-                  traffic is nil: seconds per tensor, `optimizer_tensor_s`.
+    optimizer     AdamW's step over a small transformer layer's parameters (width
+                  128), timed right after that layer's forward and backward, as a
+                  training step runs it: the backward has evicted the parameters, the
+                  state and the step's code from the caches. Less its traffic at the
+                  measured bandwidth, over its tensors: `optimizer_tensor_s`. (On a
+                  2-core x86 host, 35 µs a tensor; back to back on 16-element
+                  tensors it measured 16 µs, half of what the tiny GPT-2's and
+                  Llama's steps take after their backward.)
     collectives   all_reduce, all_gather, reduce_scatter, broadcast and all_to_all (each
                   where the backend supports it) of 1 KiB to 64 MiB buffers, each
                   issued after a burst of compute as training issues it, timed on
@@ -159,7 +165,7 @@ def calibrate(
     progress.step("memory bandwidth")
     rates = _function_rates(device, repeats) if device.type == "cpu" else {}
     progress.step("transcendental functions")
-    optimizer = _optimizer_per_tensor(device, repeats)
+    optimizer = _optimizer_per_tensor(device, bandwidth, repeats)
     progress.step("optimizer")
     collectives = {}
     for op in ops:
@@ -223,19 +229,54 @@ def _relative_fit(rows: Sequence[tuple[float, float, float]]) -> tuple[float, fl
 def _median_times(
     fns: Mapping[K, Callable[[], object]], device: torch.device, repeats: int
 ) -> dict[K, float]:
-    """The median seconds of one call of each of `fns`. A sample runs enough calls back
-    to back (about `SAMPLE_S`) that the synchronization at its ends does not count and
-    the scheduler's time slices average out; the samples go round all of `fns` in turn,
-    so that a change of the machine's load hits each alike."""
+    """The median seconds of one call of each of `fns`, averaged over the world's ranks
+    (`_world_mean`). A sample runs enough calls back to back (about `SAMPLE_S`) that the
+    synchronization at its ends does not count and the scheduler's time slices average
+    out; the samples go round all of `fns` in turn, so that a change of the machine's
+    load hits each alike. In a world every rank runs the same calls per sample (the
+    most any rank needs) from a barrier on: ranks that share cores then measure side by
+    side, and none finishes early and leaves the others a freer core (on 4 ranks on 2
+    cores, where ranks drifted apart, the profile rank 0 wrote varied 3× from one
+    calibration to the next)."""
     counts = {}
     for key, fn in fns.items():
         _timed(fn, device, 1)  # the warm-up: allocation, kernel selection
         counts[key] = _calls_per_sample(_timed(fn, device, 10))
+    agreed = _across_ranks(list(counts.values()), device, dist.ReduceOp.MAX)
+    counts = {key: int(n) for key, n in zip(counts, agreed)}
     samples: dict[K, list[float]] = {key: [] for key in fns}
+    _together()
     for _ in range(repeats):
         for key, fn in fns.items():
             samples[key].append(_timed(fn, device, counts[key]))
-    return {key: statistics.median(times) for key, times in samples.items()}
+    return _world_mean({key: statistics.median(times) for key, times in samples.items()}, device)
+
+
+def _together() -> None:
+    """In a world, wait for every rank: a measurement starts on all of them at once."""
+    if _world_size() > 1:
+        dist.barrier()
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _across_ranks(values: Sequence[float], device: torch.device, op: Any) -> list[float]:
+    """`values` reduced by `op` (a `dist.ReduceOp`) over the world's ranks, where there
+    is a world: every rank then writes and uses the same figures."""
+    if _world_size() == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def _world_mean(values: Mapping[K, float], device: torch.device) -> dict[K, float]:
+    """Each of `values` averaged over the world's ranks: what a rank sees while its
+    peers run the same, not what one rank happened to see."""
+    summed = _across_ranks(list(values.values()), device, dist.ReduceOp.SUM)
+    return {key: total / _world_size() for key, total in zip(values, summed)}
 
 
 def _calls_per_sample(seconds_per_call: float) -> int:
@@ -307,17 +348,27 @@ def _function_rates(device: torch.device, repeats: int) -> dict[str, float]:
     return rates
 
 
-OPTIMIZER_TENSORS = 64
+OPTIMIZER_SAMPLES = 25  # optimizer steps timed, each after a forward and backward
 
 
-def _optimizer_per_tensor(device: torch.device, repeats: int) -> float:
+def _optimizer_per_tensor(device: torch.device, bandwidth: float, repeats: int) -> float:
     """Seconds per parameter tensor of AdamW's step (torch's default implementation for
-    the device) on tensors too small for their traffic to count."""
-    params = [torch.nn.Parameter(torch.ones(16, device=device)) for _ in range(OPTIMIZER_TENSORS)]
-    for p in params:
-        p.grad = torch.ones_like(p)
+    the device) beyond its traffic, as a training step runs it: over the parameters of
+    the reference layer (`_reference_layer`, width `REFERENCE_WIDTH`), timed right after
+    the layer's forward and backward. `ComputeModel.optimizer_step_time` prices the
+    traffic as 2 × the parameters', gradients' and two moments' bytes over the memory
+    bandwidth; what is left is spread over the tensors."""
+    gm, x, _ = _reference_layer(REFERENCE_WIDTH, 4, 128, device)
+    params = [p for p in gm.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
-    return _median_times({0: optimizer.step}, device, repeats)[0] / OPTIMIZER_TENSORS
+    backward = lambda: gm(x).sum().backward()  # noqa: E731
+    backward()
+    optimizer.step()  # the warm-up: the state's allocation
+    samples = max(repeats, OPTIMIZER_SAMPLES)
+    _together()
+    seconds = _world_mean(_times_after(backward, {0: optimizer.step}, device, samples), device)[0]
+    traffic = 2 * 4 * sum(p.numel() * p.element_size() for p in params) / bandwidth
+    return max(seconds - traffic, 0.0) / len(params)
 
 
 def _operator_floor(device: torch.device, repeats: int) -> float:
@@ -418,18 +469,30 @@ def _collective_times(
     the backend waking to the call (on Gloo over loopback, a 256 KiB all-reduce measured
     0.6 ms back to back and 4 ms after 3 ms of matmuls, on a 2-core host). The samples
     go round all the runs in turn, at least `COLLECTIVE_SAMPLES` of each."""
-    burst = _compute_burst(device)
-    samples: dict[int, list[float]] = {key: [] for key in runs}
     dist.barrier()
-    for _ in range(max(repeats, COLLECTIVE_SAMPLES)):
-        for key, run in runs.items():
+    medians = _times_after(_compute_burst(device), runs, device, max(repeats, COLLECTIVE_SAMPLES))
+    return {key: _slowest_rank(seconds, device) for key, seconds in medians.items()}
+
+
+def _times_after(
+    burst: Callable[[], object],
+    fns: Mapping[K, Callable[[], object]],
+    device: torch.device,
+    samples: int,
+) -> dict[K, float]:
+    """The median seconds of one call of each of `fns`, each timed alone right after a
+    call of `burst` (untimed), as a training step runs it after other work; the samples
+    go round all of `fns` in turn."""
+    times: dict[K, list[float]] = {key: [] for key in fns}
+    for _ in range(samples):
+        for key, fn in fns.items():
             burst()
             _sync(device)
             start = time.perf_counter()
-            run()
+            fn()
             _sync(device)
-            samples[key].append(time.perf_counter() - start)
-    return {key: _slowest_rank(statistics.median(t), device) for key, t in samples.items()}
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def _compute_burst(device: torch.device) -> Callable[[], object]:
@@ -439,9 +502,7 @@ def _compute_burst(device: torch.device) -> Callable[[], object]:
 
 
 def _slowest_rank(seconds: float, device: torch.device) -> float:
-    value = torch.tensor([seconds], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value)
+    return _across_ranks([seconds], device, dist.ReduceOp.MAX)[0]
 
 
 # -- the profile ---------------------------------------------------------------------

@@ -72,8 +72,9 @@ gradients and optimizer state about once each, 2 × their bytes. It also dispatc
 implementation does (its default on CPU: the step counter, weight decay, the two moment
 updates, the bias-corrected denominator in three operators, the update and the step's
 `.item()`), each priced at the operator floor; a calibrated profile measures the
-per-tensor cost itself (`DeviceSpec.optimizer_tensor_s`: these operators run without
-autograd on small state and cost a third of a graph operator's floor on a CPU). On CUDA
+per-tensor cost itself (`DeviceSpec.optimizer_tensor_s`), right after a backward as
+training runs the step: on a CPU the backward has evicted the state and the step's code
+from the caches, which doubles the per-tensor cost of a warm step. On CUDA
 torch defaults to the multi-tensor ("foreach") implementation,
 which launches about as many kernels per group of tensors; there the per-tensor term
 overstates a step by 10 launches per tensor (12 ms for Llama-3-8B's 291 tensors on an
