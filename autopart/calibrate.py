@@ -34,15 +34,18 @@
                   Llama's steps take after their backward.)
     collectives   all_reduce, all_gather, reduce_scatter, broadcast and all_to_all (each
                   where the backend supports it) of 1 KiB to 64 MiB buffers, each
-                  issued after a burst of compute as training issues it, timed on
-                  every rank and taking the slowest; all-gather and reduce-scatter in
+                  issued after a burst of compute as training issues it: what it adds
+                  to the world's time (`_added_times`); all-gather and reduce-scatter in
                   their single-tensor forms, which runtimes use (on Gloo the list forms
                   take up to 3× longer). t(M) = A + B·M is fitted by least
                   squares on relative error and stored per ring step and per byte sent:
                   alpha = A / ring_steps(op, world), beta = B / ring_volume(op, world),
                   which `cost_models.comm.CommModel` reads. The all-reduce's figures
                   also become the link latency and bandwidth (intra-node on one node,
-                  inter-node across several).
+                  inter-node across several). On a CPU, all-gather and reduce-scatter
+                  are also measured issued ahead of a burst of compute and waited for
+                  after it, as ZeRO-3 runs them: what they add to the world's time
+                  (`ahead_alpha`, `ahead_beta`).
     scale         last, a small transformer layer (width 128, 512 tokens) run forward and
                   backward, against the compute model's price for it with all of the
                   above: `compute_scale`, measured / modeled, by which the compute model
@@ -51,15 +54,16 @@
                   CPU's attention kernel at small head dims), fitted on a standard layer,
                   not on a model being planned.
 
-Every timing but the collectives' is the median of samples of back-to-back calls lasting
-`SAMPLE_S` each, so that on a CPU shared by more ranks than cores a sample sees the
-rank's share of a core (a collective is one call a sample, after compute); the sizes of
-one fit (matmuls, messages) are sampled in turn, round after round, so that a change of
-the machine's load does not bend the fitted curve.
+Every timing but the collectives' and the optimizer's is the median of samples of
+back-to-back calls lasting `SAMPLE_S` each, so that on a CPU shared by more ranks than
+cores a sample sees the rank's share of a core; the sizes of one fit (matmuls,
+messages) are sampled in turn, round after round, so that a change of the machine's
+load does not bend the fitted curve.
 
 Run it in one process (world 1: no collectives) or under `torchrun` (Gloo on CPUs,
-NCCL on GPUs; every rank runs it, rank 0 writes the profile and draws the progress bar
-on stderr). `autopart.mesh.device_spec(path)` and `Mesh.cluster(path, ...)` read it.
+NCCL on GPUs; every rank runs it side by side and the profile holds the ranks' mean;
+rank 0 writes it and draws the progress bar on stderr). `autopart.mesh.device_spec(path)`
+and `Mesh.cluster(path, ...)` read it.
 """
 
 from __future__ import annotations
@@ -103,8 +107,13 @@ SAMPLE_S = 0.05
 MAX_CALLS_PER_SAMPLE = 100_000
 FLOOR_WIDTH = 16  # the model width of the operator-floor measurement
 REFERENCE_WIDTH = 128  # the model width of the compute-scale measurement
-COLLECTIVE_SAMPLES = 9  # per message size, each one call after a compute burst
+COLLECTIVE_SAMPLES = 9  # per message size, each `COLLECTIVE_ROUNDS` of compute and collective
+COLLECTIVE_ROUNDS = 8
+COLLECTIVE_FLOOR_S = 1e-6  # the least a collective is taken to add
 BURST_MATMULS = 6  # 256² matmuls before each timed collective
+# The collectives ZeRO-3 issues ahead of the compute that follows them, measured so too
+# on a CPU, where a collective cannot hide behind compute (`_added_times`).
+AHEAD_OPS = ("all_gather", "reduce_scatter")
 QUICK_COPY_BYTES = 16 * 1024**2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -432,46 +441,101 @@ def _collective_fit(
         for _ in messages:
             progress.step(f"{op} (unsupported)")
         return None
-    times = _collective_times(runs, device, repeats)
+    fitted = _per_ring_step(op, world, _added_times(runs, device, repeats), "")
+    if op in AHEAD_OPS and device.type == "cpu":
+        issued = {m: _collective_call(op, m, device, world, async_op=True) for m in messages}
+        ahead = _added_times(issued, device, repeats, ahead=True)
+        fitted |= _per_ring_step(op, world, ahead, "ahead_")
     for nbytes in messages:
         progress.step(f"{op} {nbytes // 1024} KiB")
-    intercept, slope = _relative_fit([(1.0, float(m), times[m]) for m in messages])
+    return fitted
+
+
+def _per_ring_step(
+    op: str, world: int, times: Mapping[int, float], prefix: str
+) -> dict[str, float]:
+    """t(M) = A + B·M fitted on relative error, as `prefix`alpha = A per ring step and
+    `prefix`beta = B per byte sent (`CommModel` reads them)."""
+    intercept, slope = _relative_fit([(1.0, float(m), t) for m, t in times.items()])
     return {
-        "alpha": max(intercept, 0.0) / ring_steps(op, world),
-        "beta": max(slope, 1e-15) / ring_volume(op, world),
+        f"{prefix}alpha": max(intercept, 0.0) / ring_steps(op, world),
+        f"{prefix}beta": max(slope, 1e-15) / ring_volume(op, world),
     }
 
 
 def _collective_call(
-    op: str, nbytes: int, device: torch.device, world: int
-) -> Callable[[], object]:
-    """One `op` of an `nbytes` buffer; all-gather and reduce-scatter in the single-tensor
-    forms runtimes use."""
+    op: str, nbytes: int, device: torch.device, world: int, async_op: bool = False
+) -> Callable[[], Any]:
+    """One `op` of an `nbytes` buffer (returning its work where `async_op`); all-gather
+    and reduce-scatter in the single-tensor forms runtimes use."""
     numel = max(world, nbytes // 4 // world * world)
     full = torch.ones(numel, device=device)
     part = torch.ones(numel // world, device=device)
     return {
-        "all_reduce": lambda: dist.all_reduce(full),
-        "all_gather": lambda: dist.all_gather_single(full, part),
-        "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
-        "broadcast": lambda: dist.broadcast(full, src=0),
-        "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full),
+        "all_reduce": lambda: dist.all_reduce(full, async_op=async_op),
+        "all_gather": lambda: dist.all_gather_single(full, part, async_op=async_op),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, async_op=async_op),
+        "broadcast": lambda: dist.broadcast(full, src=0, async_op=async_op),
+        "all_to_all": lambda: dist.all_to_all_single(
+            torch.empty_like(full), full, async_op=async_op
+        ),
     }[op]
 
 
-def _collective_times(
-    runs: Mapping[int, Callable[[], object]], device: torch.device, repeats: int
+def _added_times(
+    calls: Mapping[int, Callable[[], Any]],
+    device: torch.device,
+    repeats: int,
+    ahead: bool = False,
 ) -> dict[int, float]:
-    """The slowest rank's median seconds of each run, issued as training issues a
-    collective: right after a burst of compute on every rank (`_compute_burst`), timed
-    from the end of the burst to the end of the collective. That counts what the
-    runtime waits for beyond a back-to-back call: the peers finishing their compute and
-    the backend waking to the call (on Gloo over loopback, a 256 KiB all-reduce measured
-    0.6 ms back to back and 4 ms after 3 ms of matmuls, on a 2-core host). The samples
-    go round all the runs in turn, at least `COLLECTIVE_SAMPLES` of each."""
+    """Seconds each of `calls` (a collective) adds to the world's time, issued as
+    training issues it: right after a burst of compute on every rank
+    (`_compute_burst`), or `ahead`, asynchronously before the burst and waited for
+    after it, as ZeRO-3 prefetches its gathers and lets its reductions travel. A sample
+    is the world's time, from a barrier to a barrier, of `COLLECTIVE_ROUNDS` rounds of
+    burst and collective less that of as many bursts alone; the median over at least
+    `COLLECTIVE_SAMPLES` samples, which go round all the calls in turn.
+
+    That counts what a step waits for beyond a back-to-back call, the peers finishing
+    their compute and the backend waking to the call (on Gloo over loopback, a 256 KiB
+    all-reduce measured 0.6 ms back to back and 4 ms after 3 ms of matmuls, on a
+    2-core host), but not what one rank waits while a peer that shares its core
+    computes: on 4 ranks on 2 cores, a 256 KiB all-gather added 5.0 ms to the world's
+    time while its slowest rank waited 6.3 ms for it, and issued ahead, 2.1 ms."""
+    burst = _compute_burst(device)
+
+    def after(call: Callable[[], Any]) -> Callable[[], object]:
+        return lambda: (burst(), call())
+
+    def issued_ahead(call: Callable[[], Any]) -> Callable[[], object]:
+        def issue_compute_wait() -> None:
+            work = call()
+            burst()
+            work.wait()
+
+        return issue_compute_wait
+
+    rounds = {key: (issued_ahead if ahead else after)(call) for key, call in calls.items()}
+    added: dict[int, list[float]] = {key: [] for key in calls}
+    for _ in range(max(repeats, COLLECTIVE_SAMPLES)):
+        alone = _world_time(burst, device)
+        for key, run in rounds.items():
+            added[key].append(_world_time(run, device) - alone)
+    medians = _world_mean({key: statistics.median(t) for key, t in added.items()}, device)
+    return {key: max(t, COLLECTIVE_FLOOR_S) for key, t in medians.items()}
+
+
+def _world_time(run: Callable[[], object], device: torch.device) -> float:
+    """Seconds per call of `COLLECTIVE_ROUNDS` calls of `run` on every rank, from a
+    barrier to a barrier."""
     dist.barrier()
-    medians = _times_after(_compute_burst(device), runs, device, max(repeats, COLLECTIVE_SAMPLES))
-    return {key: _slowest_rank(seconds, device) for key, seconds in medians.items()}
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(COLLECTIVE_ROUNDS):
+        run()
+    _sync(device)
+    dist.barrier()
+    return (time.perf_counter() - start) / COLLECTIVE_ROUNDS
 
 
 def _times_after(
@@ -499,10 +563,6 @@ def _compute_burst(device: torch.device) -> Callable[[], object]:
     """About 2 ms of matmuls on one CPU core (far less on a GPU)."""
     a = torch.randn(256, 256, device=device)
     return lambda: [a @ a for _ in range(BURST_MATMULS)]
-
-
-def _slowest_rank(seconds: float, device: torch.device) -> float:
-    return _across_ranks([seconds], device, dist.ReduceOp.MAX)[0]
 
 
 # -- the profile ---------------------------------------------------------------------

@@ -62,7 +62,8 @@ class DeviceSpec:
     sm_count: int = 0
     # Fused (flash) attention's best fraction of peak, for the shape model (cost_models.gemm).
     attention_efficiency: float = 0.0
-    # Measured collective costs from `autopart calibrate`: {op: {"alpha": s, "beta": s/byte}}.
+    # Measured collective costs from `autopart calibrate`: {op: {"alpha": s, "beta": s/byte}},
+    # and where measured, "ahead_alpha" and "ahead_beta": issued ahead of compute.
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
     # Measured evaluations/s of transcendental functions ("exp", "tanh", ...) from
     # `autopart calibrate`; absent, they are priced by memory traffic alone.

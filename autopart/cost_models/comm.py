@@ -56,8 +56,10 @@ in flight takes cycles from compute (its copies, reductions and loopback TCP) an
 on peers that are themselves computing. `CommModel.overlaps_compute` is therefore False
 on a running Gloo mesh, and the plan's communication is priced as serial with compute.
 (Measured on a 2-core host, world 2: ZeRO-3's 12 per-bucket collectives of tiny GPT-2
-added their whole time, about 10 ms, to the step, not the 2 ms that would show if they
-hid behind forward and backward.)
+added about 10 ms to the step, not the 2 ms that would show if they hid behind forward
+and backward.) A collective issued ahead of compute and waited for after it, as ZeRO-3
+prefetches, still adds less than one issued after compute, which also waits for the
+peers to finish theirs: a calibrated CPU profile measures both (`time(..., ahead=True)`).
 
 Measured costs. A device profile from `autopart calibrate` carries, per collective,
 `alpha` (seconds per ring step) and `beta` (seconds per byte a rank sends) fitted on the
@@ -134,7 +136,7 @@ class CommModel:
         self.intra = Link(d.intra_node_bandwidth, d.intra_node_latency)
         self.inter = Link(d.inter_node_bandwidth, d.inter_node_latency)
         # The search asks for the same collectives many times over.
-        self._times: dict[tuple[str, float, int, int], float] = {}
+        self._times: dict[tuple[str, float, int, int, bool], float] = {}
 
     @property
     def overlaps_compute(self) -> bool:
@@ -162,16 +164,23 @@ class CommModel:
         across = any((first + i) // n != (peer + i) // n for i in range(min(size, n)))
         return (self.inter if across else self.intra).time(1, 1.0, nbytes)
 
-    def time(self, op: str, nbytes: float, size: int, stride: int = 1) -> float:
+    def time(
+        self, op: str, nbytes: float, size: int, stride: int = 1, ahead: bool = False
+    ) -> float:
         """Seconds for collective `op` of an `nbytes` buffer over an axis of `size`
-        ranks, `stride` ranks apart: the cheapest algorithm."""
-        key = (op, nbytes, size, stride)
+        ranks, `stride` ranks apart: the cheapest algorithm. `ahead`: what it adds
+        issued ahead of compute and waited for after it, where the profile measured
+        that (`ahead_alpha`, `ahead_beta`: on a CPU, `autopart calibrate`), else the
+        same as issued after compute."""
+        key = (op, nbytes, size, stride, ahead)
         if key not in self._times:
-            times = self.algorithms(op, nbytes, size, stride)
+            times = self.algorithms(op, nbytes, size, stride, ahead)
             self._times[key] = min(t for name, t in times.items() if name not in NOT_RUN)
         return self._times[key]
 
-    def algorithms(self, op: str, nbytes: float, size: int, stride: int = 1) -> dict[str, float]:
+    def algorithms(
+        self, op: str, nbytes: float, size: int, stride: int = 1, ahead: bool = False
+    ) -> dict[str, float]:
         """Seconds for each algorithm that applies."""
         if op not in COLLECTIVES:
             raise ValueError(f"unknown collective {op!r}: use one of {COLLECTIVES}")
@@ -179,7 +188,8 @@ class CommModel:
             return {"none": 0.0}
         measured = self.mesh.device.collectives.get(op)
         if measured:
-            link = Link(1.0 / measured["beta"], measured["alpha"])
+            prefix = "ahead_" if ahead and "ahead_alpha" in measured else ""
+            link = Link(1.0 / measured[f"{prefix}beta"], measured[f"{prefix}alpha"])
             return {"measured": link.time(ring_steps(op, size), ring_volume(op, size), nbytes)}
         where = self.placement(size, stride)
         across = self._across(where)

@@ -48,7 +48,9 @@ def _calibrate_world(path: str) -> dict:
 @pytest.mark.slow  # a world of timed collectives, kept out of the quick suite's 10 minutes
 def test_calibration_on_a_gloo_world_fits_every_collective(tmp_path):
     path = tmp_path / "profile.json"
-    collectives = run_world(_calibrate_world, 2, str(path))[0]
+    per_rank = run_world(_calibrate_world, 2, str(path))
+    assert per_rank[0] == per_rank[1]  # the ranks' mean, the same on every rank
+    collectives = per_rank[0]
     assert set(collectives) == {
         "all_reduce",
         "all_gather",
@@ -58,6 +60,8 @@ def test_calibration_on_a_gloo_world_fits_every_collective(tmp_path):
     }
     for fit in collectives.values():
         assert fit["alpha"] >= 0 and fit["beta"] > 0
+    for op in ("all_gather", "reduce_scatter"):  # as ZeRO-3 issues them, ahead of compute
+        assert collectives[op]["ahead_alpha"] >= 0 and collectives[op]["ahead_beta"] > 0
     spec = device_spec(path)
     assert spec.collectives == collectives
     comm = CommModel(Mesh.cluster(spec, nodes=1, per_node=2))
