@@ -110,7 +110,7 @@ REFERENCE_WIDTH = 128  # the model width of the compute-scale measurement
 COLLECTIVE_SAMPLES = 9  # per message size, each `COLLECTIVE_ROUNDS` of compute and collective
 COLLECTIVE_ROUNDS = 8
 COLLECTIVE_FLOOR_S = 1e-6  # the least a collective is taken to add
-BURST_MATMULS = 6  # 256² matmuls before each timed collective
+BURST_WIDTH = 64  # the model width of the layer trained before each timed collective
 # The collectives ZeRO-3 issues ahead of the compute that follows them, measured so too
 # on a CPU, where a collective cannot hide behind compute (`_added_times`).
 AHEAD_OPS = ("all_gather", "reduce_scatter")
@@ -500,8 +500,9 @@ def _added_times(
     their compute and the backend waking to the call (on Gloo over loopback, a 256 KiB
     all-reduce measured 0.6 ms back to back and 4 ms after 3 ms of matmuls, on a
     2-core host), but not what one rank waits while a peer that shares its core
-    computes: on 4 ranks on 2 cores, a 256 KiB all-gather added 5.0 ms to the world's
-    time while its slowest rank waited 6.3 ms for it, and issued ahead, 2.1 ms."""
+    computes: on 4 ranks on 2 cores, after 2 ms of matmuls, a 256 KiB all-gather added
+    5.0 ms to the world's time while its slowest rank waited 6.3 ms for it, and issued
+    ahead, 2.1 ms."""
     burst = _compute_burst(device)
 
     def after(call: Callable[[], Any]) -> Callable[[], object]:
@@ -560,9 +561,17 @@ def _times_after(
 
 
 def _compute_burst(device: torch.device) -> Callable[[], object]:
-    """About 2 ms of matmuls on one CPU core (far less on a GPU)."""
-    a = torch.randn(256, 256, device=device)
-    return lambda: [a @ a for _ in range(BURST_MATMULS)]
+    """Training's own compute before a collective: a small transformer layer's forward
+    and backward (width `BURST_WIDTH`, 8 × 64 tokens; about 2.5 ms on one CPU core, far
+    less on a GPU). Its many small operators run for a less even time from rank to rank
+    than a few large matmuls, and what a collective adds after it is the peers'
+    lateness too: on 2 ranks on 2 cores a 64 KiB all-gather added 1.5 ms after this
+    burst and 0.6 ms after 2.3 ms of 256² matmuls."""
+    layer = torch.nn.TransformerEncoderLayer(
+        BURST_WIDTH, 4, 4 * BURST_WIDTH, dropout=0.0, batch_first=True, device=device
+    )
+    x = torch.randn(8, 64, BURST_WIDTH, device=device)
+    return lambda: layer(x).sum().backward()
 
 
 # -- the profile ---------------------------------------------------------------------
