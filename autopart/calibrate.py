@@ -375,7 +375,7 @@ def _optimizer_per_tensor(device: torch.device, bandwidth: float, repeats: int) 
     optimizer.step()  # the warm-up: the state's allocation
     samples = max(repeats, OPTIMIZER_SAMPLES)
     _together()
-    seconds = _world_mean(_times_after(backward, {0: optimizer.step}, device, samples), device)[0]
+    seconds = _world_mean({0: _median_after(backward, optimizer.step, device, samples)}, device)[0]
     traffic = 2 * 4 * sum(p.numel() * p.element_size() for p in params) / bandwidth
     return max(seconds - traffic, 0.0) / len(params)
 
@@ -539,25 +539,20 @@ def _world_time(run: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - start) / COLLECTIVE_ROUNDS
 
 
-def _times_after(
-    burst: Callable[[], object],
-    fns: Mapping[K, Callable[[], object]],
-    device: torch.device,
-    samples: int,
-) -> dict[K, float]:
-    """The median seconds of one call of each of `fns`, each timed alone right after a
-    call of `burst` (untimed), as a training step runs it after other work; the samples
-    go round all of `fns` in turn."""
-    times: dict[K, list[float]] = {key: [] for key in fns}
+def _median_after(
+    burst: Callable[[], object], fn: Callable[[], object], device: torch.device, samples: int
+) -> float:
+    """The median seconds of one call of `fn`, each timed alone right after a call of
+    `burst` (untimed), as a training step runs it after other work."""
+    times = []
     for _ in range(samples):
-        for key, fn in fns.items():
-            burst()
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            times[key].append(time.perf_counter() - start)
-    return {key: statistics.median(t) for key, t in times.items()}
+        burst()
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _compute_burst(device: torch.device) -> Callable[[], object]:
