@@ -42,10 +42,13 @@
                   alpha = A / ring_steps(op, world), beta = B / ring_volume(op, world),
                   which `cost_models.comm.CommModel` reads. The all-reduce's figures
                   also become the link latency and bandwidth (intra-node on one node,
-                  inter-node across several). On a CPU, all-gather and reduce-scatter
-                  are also measured issued ahead of a burst of compute and waited for
-                  after it, as ZeRO-3 runs them: what they add to the world's time
-                  (`ahead_alpha`, `ahead_beta`).
+                  inter-node across several).
+    ZeRO-3        on a CPU with all-gather and reduce-scatter measured: what one
+                  bucket's gather in forward, gather in backward and reduce-scatter
+                  add to a step, run as ZeRO-3 runs them (prefetched one bucket ahead,
+                  reduced while backward goes on) over a stream of small layers
+                  against the same layers alone, fitted per ring step and per byte of
+                  the bucket as the collectives are: `DeviceSpec.zero3_bucket`.
     scale         last, a small transformer layer (width 128, 512 tokens) run forward and
                   backward, against the compute model's price for it with all of the
                   above: `compute_scale`, measured / modeled, by which the compute model
@@ -73,6 +76,7 @@ import os
 import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
@@ -87,6 +91,7 @@ from autopart.cost_models.comm import ring_steps, ring_volume
 from autopart.cost_models.compute import ComputeModel, backward_factor
 from autopart.cost_models.work import FUNCTIONS, node_work
 from autopart.mesh import PRESETS, DeviceSpec, Mesh
+from autopart.ops.flat_buckets import REDUCE_DEPTH
 from autopart.passes import analyze
 
 DEFAULT_SIZES = (128, 256, 512, 1024, 2048)
@@ -111,9 +116,9 @@ COLLECTIVE_SAMPLES = 9  # per message size, each `COLLECTIVE_ROUNDS` of compute 
 COLLECTIVE_ROUNDS = 8
 COLLECTIVE_FLOOR_S = 1e-6  # the least a collective is taken to add
 BURST_WIDTH = 64  # the model width of the layer trained before each timed collective
-# The collectives ZeRO-3 issues ahead of the compute that follows them, measured so too
-# on a CPU, where a collective cannot hide behind compute (`_added_times`).
-AHEAD_OPS = ("all_gather", "reduce_scatter")
+# The buckets of the ZeRO-3 stream measured on a CPU (`_zero3_stream`): the burst's
+# tokens split over this many, each bucket's compute a quarter of the burst's.
+ZERO3_STREAM_BUCKETS = 4
 QUICK_COPY_BYTES = 16 * 1024**2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -159,7 +164,11 @@ def calibrate(
     dtypes = tuple(dtypes or (("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32",)))
     sizes = sizes or (GPU_SIZES if device.type == "cuda" else DEFAULT_SIZES)
     ops = ops if world > 1 else ()
-    progress = Progress(len(dtypes) * len(sizes) + 5 + len(ops) * len(messages), rank == 0)
+    # On a CPU, where collectives cannot hide behind compute, ZeRO-3's are measured as
+    # it runs them too.
+    stream = device.type == "cpu" and {"all_gather", "reduce_scatter"} <= set(ops)
+    steps = len(dtypes) * len(sizes) + 5 + (len(ops) + stream) * len(messages)
+    progress = Progress(steps, rank == 0)
 
     launch = _operator_floor(device, repeats)
     progress.step("operator floor")
@@ -181,6 +190,9 @@ def calibrate(
         fitted = _collective_fit(op, messages, device, world, repeats, progress)
         if fitted is not None:
             collectives[op] = fitted
+    zero3_bucket = _zero3_bucket_fit(messages, device, world, repeats) if stream else {}
+    for nbytes in messages if stream else ():
+        progress.step(f"ZeRO-3 bucket {nbytes // 1024} KiB")
 
     spec = _profile(device, world, name, peaks, bandwidth, launch, collectives)
     spec = replace(
@@ -188,6 +200,7 @@ def calibrate(
         matmul_half_dim=half_dims[dtypes[0]],
         function_rates=rates,
         optimizer_tensor_s=optimizer,
+        zero3_bucket=zero3_bucket,
     )
     spec = replace(spec, compute_scale=_compute_scale(spec, device, repeats))
     progress.step("compute scale")
@@ -441,89 +454,153 @@ def _collective_fit(
         for _ in messages:
             progress.step(f"{op} (unsupported)")
         return None
-    fitted = _per_ring_step(op, world, _added_times(runs, device, repeats), "")
-    if op in AHEAD_OPS and device.type == "cpu":
-        issued = {m: _collective_call(op, m, device, world, async_op=True) for m in messages}
-        ahead = _added_times(issued, device, repeats, ahead=True)
-        fitted |= _per_ring_step(op, world, ahead, "ahead_")
+    burst = _compute_burst(device)
+    after = {nbytes: partial(_then, burst, run) for nbytes, run in runs.items()}
+    fitted = _per_ring_step(op, world, _added_times(after, burst, device, repeats))
     for nbytes in messages:
         progress.step(f"{op} {nbytes // 1024} KiB")
     return fitted
 
 
-def _per_ring_step(
-    op: str, world: int, times: Mapping[int, float], prefix: str
-) -> dict[str, float]:
-    """t(M) = A + B·M fitted on relative error, as `prefix`alpha = A per ring step and
-    `prefix`beta = B per byte sent (`CommModel` reads them)."""
+def _per_ring_step(op: str, world: int, times: Mapping[int, float]) -> dict[str, float]:
+    """t(M) = A + B·M fitted on relative error, as alpha = A per ring step of `op` and
+    beta = B per byte sent (`CommModel` reads them)."""
     intercept, slope = _relative_fit([(1.0, float(m), t) for m, t in times.items()])
     return {
-        f"{prefix}alpha": max(intercept, 0.0) / ring_steps(op, world),
-        f"{prefix}beta": max(slope, 1e-15) / ring_volume(op, world),
+        "alpha": max(intercept, 0.0) / ring_steps(op, world),
+        "beta": max(slope, 1e-15) / ring_volume(op, world),
     }
 
 
-def _collective_call(
-    op: str, nbytes: int, device: torch.device, world: int, async_op: bool = False
-) -> Callable[[], Any]:
-    """One `op` of an `nbytes` buffer (returning its work where `async_op`); all-gather
-    and reduce-scatter in the single-tensor forms runtimes use."""
+def _collective_call(op: str, nbytes: int, device: torch.device, world: int) -> Callable[[], Any]:
+    """One `op` of an `nbytes` buffer; all-gather and reduce-scatter in the
+    single-tensor forms runtimes use."""
     numel = max(world, nbytes // 4 // world * world)
     full = torch.ones(numel, device=device)
     part = torch.ones(numel // world, device=device)
     return {
-        "all_reduce": lambda: dist.all_reduce(full, async_op=async_op),
-        "all_gather": lambda: dist.all_gather_single(full, part, async_op=async_op),
-        "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, async_op=async_op),
-        "broadcast": lambda: dist.broadcast(full, src=0, async_op=async_op),
-        "all_to_all": lambda: dist.all_to_all_single(
-            torch.empty_like(full), full, async_op=async_op
-        ),
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: dist.all_gather_single(full, part),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
+        "broadcast": lambda: dist.broadcast(full, src=0),
+        "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full),
     }[op]
 
 
+def _then(first: Callable[[], object], second: Callable[[], object]) -> None:
+    first()
+    second()
+
+
 def _added_times(
-    calls: Mapping[int, Callable[[], Any]],
+    runs: Mapping[int, Callable[[], object]],
+    alone: Callable[[], object],
     device: torch.device,
     repeats: int,
-    ahead: bool = False,
+    per_run: int = 1,
 ) -> dict[int, float]:
-    """Seconds each of `calls` (a collective) adds to the world's time, issued as
-    training issues it: right after a burst of compute on every rank
-    (`_compute_burst`), or `ahead`, asynchronously before the burst and waited for
-    after it, as ZeRO-3 prefetches its gathers and lets its reductions travel. A sample
-    is the world's time, from a barrier to a barrier, of `COLLECTIVE_ROUNDS` rounds of
-    burst and collective less that of as many bursts alone; the median over at least
-    `COLLECTIVE_SAMPLES` samples, which go round all the calls in turn.
+    """Seconds each of `runs` (compute with collectives) adds to the world's time over
+    `alone` (the same compute without them), divided by `per_run`. A sample is the
+    world's time, from a barrier to a barrier, of `COLLECTIVE_ROUNDS` calls of a run
+    less that of as many calls of `alone`; the median over at least
+    `COLLECTIVE_SAMPLES` samples, which go round all the runs in turn.
 
-    That counts what a step waits for beyond a back-to-back call, the peers finishing
-    their compute and the backend waking to the call (on Gloo over loopback, a 256 KiB
-    all-reduce measured 0.6 ms back to back and 4 ms after 3 ms of matmuls, on a
-    2-core host), but not what one rank waits while a peer that shares its core
-    computes: on 4 ranks on 2 cores, after 2 ms of matmuls, a 256 KiB all-gather added
-    5.0 ms to the world's time while its slowest rank waited 6.3 ms for it, and issued
-    ahead, 2.1 ms."""
-    burst = _compute_burst(device)
-
-    def after(call: Callable[[], Any]) -> Callable[[], object]:
-        return lambda: (burst(), call())
-
-    def issued_ahead(call: Callable[[], Any]) -> Callable[[], object]:
-        def issue_compute_wait() -> None:
-            work = call()
-            burst()
-            work.wait()
-
-        return issue_compute_wait
-
-    rounds = {key: (issued_ahead if ahead else after)(call) for key, call in calls.items()}
-    added: dict[int, list[float]] = {key: [] for key in calls}
+    A collective issued right after a burst of compute (`_collective_fit`) counts what
+    a step waits for beyond a back-to-back call, the peers finishing their compute and
+    the backend waking to the call (on Gloo over loopback, a 256 KiB all-reduce
+    measured 0.6 ms back to back and 4 ms after 3 ms of matmuls, on a 2-core host),
+    but not what one rank waits while a peer that shares its core computes: on 4 ranks
+    on 2 cores, after 2 ms of matmuls, a 256 KiB all-gather added 5.0 ms to the
+    world's time while its slowest rank waited 6.3 ms for it."""
+    added: dict[int, list[float]] = {key: [] for key in runs}
     for _ in range(max(repeats, COLLECTIVE_SAMPLES)):
-        alone = _world_time(burst, device)
-        for key, run in rounds.items():
-            added[key].append(_world_time(run, device) - alone)
+        base = _world_time(alone, device)
+        for key, run in runs.items():
+            added[key].append((_world_time(run, device) - base) / per_run)
     medians = _world_mean({key: statistics.median(t) for key, t in added.items()}, device)
     return {key: max(t, COLLECTIVE_FLOOR_S) for key, t in medians.items()}
+
+
+def _zero3_bucket_fit(
+    messages: Sequence[int], device: torch.device, world: int, repeats: int
+) -> dict[str, float]:
+    """{"alpha": s per ring step, "beta": s per byte sent}: what one ZeRO-3 bucket's
+    three collectives (its gather in forward, again in backward, the reduce-scatter of
+    its gradients) add to a step where they cannot hide behind compute, as ZeRO-3 runs
+    them: a stream of `ZERO3_STREAM_BUCKETS` buckets (`_zero3_stream`) against the
+    same compute alone, per bucket, fitted over `messages` (a bucket's bytes).
+
+    Measured as a stream because on a CPU the pieces do not add up: each collective
+    takes cycles from the ranks' compute, a gather issued while the previous bucket's
+    reduce-scatter is in flight waits behind it, and issued alone, ahead of a burst of
+    compute, one all-gather added 0.1 to 1.6 ms from one measurement to the next on 2
+    ranks of a 2-core host, while in the stream a bucket added 2.8 to 3.3 ms whatever
+    the compute between its collectives (1.4 to 7 ms a bucket)."""
+    alone = _zero3_stream(None, device, world)
+    runs = {nbytes: _zero3_stream(nbytes, device, world) for nbytes in messages}
+    for run in (alone, *runs.values()):
+        run()  # the warm-up: buffers, the layer's first backward
+    per_bucket = _added_times(runs, alone, device, repeats, per_run=ZERO3_STREAM_BUCKETS)
+    return _per_ring_step("all_gather", world, per_bucket)
+
+
+class _Done:
+    """The work of a collective that was not issued (`_zero3_stream` without them)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _zero3_stream(nbytes: int | None, device: torch.device, world: int) -> Callable[[], None]:
+    """One step of `ZERO3_STREAM_BUCKETS` buckets of `nbytes` each, as `ops/zero3.py`
+    runs them (None: the same compute without the collectives). Each bucket computes a
+    share of the burst's tokens through the burst's layer (`_compute_burst`); in forward
+    a bucket's gather is issued as the previous bucket's is taken; in backward the
+    first gather is issued when backward reaches it, each next one as the previous is
+    taken, and each bucket's gradients are reduce-scattered after its backward, at most
+    `REDUCE_DEPTH` in flight."""
+    layer = _burst_layer(device)
+    tokens = 8 // ZERO3_STREAM_BUCKETS
+    inputs = [
+        torch.randn(tokens, 64, BURST_WIDTH, device=device, requires_grad=True)
+        for _ in range(ZERO3_STREAM_BUCKETS)
+    ]
+    numel = max(world, (nbytes or 0) // 4 // world * world)
+    shard = torch.ones(numel // world, device=device)
+
+    def gather() -> Any:
+        if nbytes is None:
+            return _Done()
+        full = torch.empty(numel, device=device)
+        return dist.all_gather_single(full, shard, async_op=True)
+
+    def reduce_scatter() -> Any:
+        if nbytes is None:
+            return _Done()
+        grads = torch.ones(numel, device=device)  # a new flat buffer, as the runtime's
+        return dist.reduce_scatter_single(shard.new_empty(shard.shape), grads, async_op=True)
+
+    def step() -> None:
+        last = len(inputs) - 1
+        outputs = []
+        pending = gather()
+        for i, x in enumerate(inputs):
+            pending.wait()
+            pending = gather() if i < last else _Done()
+            outputs.append(layer(x))
+        pending = gather()
+        in_flight: deque[Any] = deque()
+        for i in reversed(range(len(inputs))):
+            pending.wait()
+            pending = gather() if i > 0 else _Done()
+            outputs[i].sum().backward()
+            in_flight.append(reduce_scatter())
+            while len(in_flight) > REDUCE_DEPTH:
+                in_flight.popleft().wait()
+        for work in in_flight:
+            work.wait()
+
+    return step
 
 
 def _world_time(run: Callable[[], object], device: torch.device) -> float:
@@ -562,11 +639,15 @@ def _compute_burst(device: torch.device) -> Callable[[], object]:
     than a few large matmuls, and what a collective adds after it is the peers'
     lateness too: on 2 ranks on 2 cores a 64 KiB all-gather added 1.5 ms after this
     burst and 0.6 ms after 2.3 ms of 256² matmuls."""
-    layer = torch.nn.TransformerEncoderLayer(
-        BURST_WIDTH, 4, 4 * BURST_WIDTH, dropout=0.0, batch_first=True, device=device
-    )
+    layer = _burst_layer(device)
     x = torch.randn(8, 64, BURST_WIDTH, device=device)
     return lambda: layer(x).sum().backward()
+
+
+def _burst_layer(device: torch.device) -> torch.nn.Module:
+    return torch.nn.TransformerEncoderLayer(
+        BURST_WIDTH, 4, 4 * BURST_WIDTH, dropout=0.0, batch_first=True, device=device
+    )
 
 
 # -- the profile ---------------------------------------------------------------------

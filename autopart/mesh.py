@@ -62,9 +62,12 @@ class DeviceSpec:
     sm_count: int = 0
     # Fused (flash) attention's best fraction of peak, for the shape model (cost_models.gemm).
     attention_efficiency: float = 0.0
-    # Measured collective costs from `autopart calibrate`: {op: {"alpha": s, "beta": s/byte}},
-    # and where measured, "ahead_alpha" and "ahead_beta": issued ahead of compute.
+    # Measured collective costs from `autopart calibrate`: {op: {"alpha": s, "beta": s/byte}}.
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Measured on a CPU by `autopart calibrate`: what one ZeRO-3 bucket's collectives
+    # (gathered in forward and in backward, reduce-scattered) add to a step, {"alpha": s
+    # per ring step, "beta": s per byte of the bucket sent}; empty where not measured.
+    zero3_bucket: dict[str, float] = field(default_factory=dict)
     # Measured evaluations/s of transcendental functions ("exp", "tanh", ...) from
     # `autopart calibrate`; absent, they are priced by memory traffic alone.
     function_rates: dict[str, float] = field(default_factory=dict)

@@ -335,6 +335,8 @@ def main() -> None:
         os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
     options = {"epochs": args.epochs, "steps": args.steps, "batch": args.batch, "seq": args.seq}
     lines, loads = [], {}
+    if args.profiles:
+        Path(args.profiles).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for world in (int(w) for w in args.worlds.split(",")):
             per_rank = run_world(_world, world, args.profiles or tmp, options)

@@ -57,9 +57,9 @@ on peers that are themselves computing. `CommModel.overlaps_compute` is therefor
 on a running Gloo mesh, and the plan's communication is priced as serial with compute.
 (Measured on a 2-core host, world 2: ZeRO-3's 12 per-bucket collectives of tiny GPT-2
 added about 10 ms to the step, not the 2 ms that would show if they hid behind forward
-and backward.) A collective issued ahead of compute and waited for after it, as ZeRO-3
-prefetches, still adds less than one issued after compute, which also waits for the
-peers to finish theirs: a calibrated CPU profile measures both (`time(..., ahead=True)`).
+and backward.) Nor do ZeRO-3's collectives, prefetched and reduced while compute goes
+on, cost the sum of what each adds alone: a calibrated CPU profile measures what a
+bucket's three add as ZeRO-3 runs them (`zero3_bucket_time`).
 
 Measured costs. A device profile from `autopart calibrate` carries, per collective,
 `alpha` (seconds per ring step) and `beta` (seconds per byte a rank sends) fitted on the
@@ -136,7 +136,7 @@ class CommModel:
         self.intra = Link(d.intra_node_bandwidth, d.intra_node_latency)
         self.inter = Link(d.inter_node_bandwidth, d.inter_node_latency)
         # The search asks for the same collectives many times over.
-        self._times: dict[tuple[str, float, int, int, bool], float] = {}
+        self._times: dict[tuple[str, float, int, int], float] = {}
 
     @property
     def overlaps_compute(self) -> bool:
@@ -164,23 +164,27 @@ class CommModel:
         across = any((first + i) // n != (peer + i) // n for i in range(min(size, n)))
         return (self.inter if across else self.intra).time(1, 1.0, nbytes)
 
-    def time(
-        self, op: str, nbytes: float, size: int, stride: int = 1, ahead: bool = False
-    ) -> float:
+    def time(self, op: str, nbytes: float, size: int, stride: int = 1) -> float:
         """Seconds for collective `op` of an `nbytes` buffer over an axis of `size`
-        ranks, `stride` ranks apart: the cheapest algorithm. `ahead`: what it adds
-        issued ahead of compute and waited for after it, where the profile measured
-        that (`ahead_alpha`, `ahead_beta`: on a CPU, `autopart calibrate`), else the
-        same as issued after compute."""
-        key = (op, nbytes, size, stride, ahead)
+        ranks, `stride` ranks apart: the cheapest algorithm."""
+        key = (op, nbytes, size, stride)
         if key not in self._times:
-            times = self.algorithms(op, nbytes, size, stride, ahead)
+            times = self.algorithms(op, nbytes, size, stride)
             self._times[key] = min(t for name, t in times.items() if name not in NOT_RUN)
         return self._times[key]
 
-    def algorithms(
-        self, op: str, nbytes: float, size: int, stride: int = 1, ahead: bool = False
-    ) -> dict[str, float]:
+    def zero3_bucket_time(self, nbytes: float, size: int) -> float | None:
+        """Seconds that one ZeRO-3 bucket of `nbytes` over `size` ranks adds to a step
+        with its gathers in forward and backward and its reduce-scatter, as the
+        profile measured them run together (`DeviceSpec.zero3_bucket`: on a CPU,
+        `autopart calibrate`); None where it did not."""
+        measured = self.mesh.device.zero3_bucket
+        if not measured:
+            return None
+        link = Link(1.0 / measured["beta"], measured["alpha"])
+        return link.time(ring_steps(ALL_GATHER, size), ring_volume(ALL_GATHER, size), nbytes)
+
+    def algorithms(self, op: str, nbytes: float, size: int, stride: int = 1) -> dict[str, float]:
         """Seconds for each algorithm that applies."""
         if op not in COLLECTIVES:
             raise ValueError(f"unknown collective {op!r}: use one of {COLLECTIVES}")
@@ -188,8 +192,7 @@ class CommModel:
             return {"none": 0.0}
         measured = self.mesh.device.collectives.get(op)
         if measured:
-            prefix = "ahead_" if ahead and "ahead_alpha" in measured else ""
-            link = Link(1.0 / measured[f"{prefix}beta"], measured[f"{prefix}alpha"])
+            link = Link(1.0 / measured["beta"], measured["alpha"])
             return {"measured": link.time(ring_steps(op, size), ring_volume(op, size), nbytes)}
         where = self.placement(size, stride)
         across = self._across(where)

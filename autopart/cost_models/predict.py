@@ -18,7 +18,7 @@ blocks) and chunks to pipeline ranks; then per rank:
       a run of segments between blocks) in forward and again in backward, and
       reduce-scatters each bucket's gradients; the gathers hide behind forward and
       backward compute, each pass's first gather and the last bucket's reduce-scatter
-      do not (on Gloo they cost what they add issued ahead of compute);
+      do not (on a CPU, a bucket costs what the profile measured its three add);
   gradient synchronization over dp (stride tp), once per step after the last
     microbatch: bucketed all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1/2), hidden behind
     the last microbatch's backward but for its last bucket (`pipeline.exposed_sync`);
@@ -541,40 +541,33 @@ def _zero3_comm(
     gathered again) is issued in forward, again in backward, and its gradients
     reduce-scattered. A gather is issued one bucket ahead and reduce-scatters
     travel while backward goes on, so each pass's first gather and the last
-    reduce-scatter show and the others hide behind the pass's compute while it lasts.
-    Where collectives cannot hide behind compute (Gloo), the others cost what they add
-    issued ahead of compute (`CommModel.time(..., ahead=True)`), not their whole time."""
+    reduce-scatter show and the others hide behind the pass's compute while it lasts
+    (nothing hides on Gloo). Where the profile measured what a bucket's three
+    collectives add run so together (a CPU's), each bucket costs that."""
     if choices.zero != 3 or choices.degrees.batch_split == 1:
         return 0.0
     param_bytes, grad_bytes = choices.state_bytes[:2]
     comm = models.comm
-    gathers: list[tuple[float, float]] = []  # (issued after compute, issued ahead of it)
-    scatters: list[tuple[float, float]] = []
+    gathers: list[float] = []
+    scatters: list[float] = []
+    measured = 0.0
     for numel, (size, stride) in _zero3_groups(choices):
         if size > 1:
             for b in _gathers(own, numel):
-                gathers.append(_both_ways(comm, ALL_GATHER, b * param_bytes, size, stride))
-                scatters.append(_both_ways(comm, REDUCE_SCATTER, b * grad_bytes, size, stride))
+                bucket = comm.zero3_bucket_time(b * (param_bytes + grad_bytes) / 2, size)
+                measured += bucket or 0.0
+                gathers.append(comm.time(ALL_GATHER, b * param_bytes, size, stride))
+                scatters.append(comm.time(REDUCE_SCATTER, b * grad_bytes, size, stride))
     if not gathers:
         return 0.0
-
-    def exposed(issued_ahead: list[tuple[float, float]], behind: float) -> float:
-        if comm.overlaps_compute:
-            return max(0.0, sum(t for t, _ in issued_ahead) - behind)
-        return sum(t for _, t in issued_ahead)
-
-    forward = gathers[0][0] + exposed(gathers[1:], compute.forward)
+    if comm.mesh.device.zero3_bucket:
+        return measured
+    forward = gathers[0] + max(0.0, sum(gathers[1:]) - _hiding(compute.forward, models))
     # Backward runs the buckets in reverse.
-    overlapped = gathers[:-1] + scatters[1:]
-    backward = gathers[-1][0] + scatters[0][0]
-    return forward + backward + exposed(overlapped, compute.backward + compute.recompute)
-
-
-def _both_ways(
-    comm: CommModel, op: str, nbytes: float, size: int, stride: int
-) -> tuple[float, float]:
-    """Seconds of a collective issued after compute and issued ahead of it."""
-    return comm.time(op, nbytes, size, stride), comm.time(op, nbytes, size, stride, ahead=True)
+    overlapped = sum(gathers[:-1]) + sum(scatters[1:])
+    backward = gathers[-1] + scatters[0]
+    hiding = _hiding(compute.backward + compute.recompute, models)
+    return forward + backward + max(0.0, overlapped - hiding)
 
 
 def _zero3_groups(
