@@ -530,12 +530,14 @@ def _zero3_bucket_fit(
     them: a stream of `ZERO3_STREAM_BUCKETS` buckets (`_zero3_stream`) against the
     same compute alone, per bucket, fitted over `messages` (a bucket's bytes).
 
-    Measured as a stream because on a CPU the pieces do not add up: each collective
-    takes cycles from the ranks' compute, a gather issued while the previous bucket's
-    reduce-scatter is in flight waits behind it, and issued alone, ahead of a burst of
-    compute, one all-gather added 0.1 to 1.6 ms from one measurement to the next on 2
-    ranks of a 2-core host, while in the stream a bucket added 2.8 to 3.3 ms whatever
-    the compute between its collectives (1.4 to 7 ms a bucket)."""
+    Measured as a stream because on a CPU the pieces do not add up: the backend's
+    threads take cycles from the ranks' compute (on 2 ranks of a 2-core host, tiny
+    GPT-2's ZeRO-3 step spent 9 ms a rank in threads other than the one computing,
+    data parallelism 3 ms), a gather travels while the previous bucket's
+    reduce-scatter does, and issued alone, ahead of a burst of compute, one all-gather
+    added 0.1 to 1.6 ms from one measurement to the next, while in the stream a bucket
+    added 2.8 to 3.3 ms whatever the compute between its collectives (1.4 to 7 ms a
+    bucket)."""
     alone = _zero3_stream(None, device, world)
     runs = {nbytes: _zero3_stream(nbytes, device, world) for nbytes in messages}
     for run in (alone, *runs.values()):
