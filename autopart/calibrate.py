@@ -562,9 +562,9 @@ def _zero3_stream(nbytes: int | None, device: torch.device, world: int) -> Calla
     taken, and each bucket's gradients are reduce-scattered after its backward, at most
     `REDUCE_DEPTH` in flight."""
     layer = _burst_layer(device)
-    tokens = 8 // ZERO3_STREAM_BUCKETS
+    rows = 8 // ZERO3_STREAM_BUCKETS  # of the burst's 8 sequences of 64 tokens
     inputs = [
-        torch.randn(tokens, 64, BURST_WIDTH, device=device, requires_grad=True)
+        torch.randn(rows, 64, BURST_WIDTH, device=device, requires_grad=True)
         for _ in range(ZERO3_STREAM_BUCKETS)
     ]
     numel = max(world, (nbytes or 0) // 4 // world * world)

@@ -173,14 +173,18 @@ class CommModel:
             self._times[key] = min(t for name, t in times.items() if name not in NOT_RUN)
         return self._times[key]
 
-    def zero3_bucket_time(self, nbytes: float, size: int) -> float | None:
+    @property
+    def measures_zero3_buckets(self) -> bool:
+        """Whether the profile measured ZeRO-3's collectives run together (a CPU's,
+        `autopart calibrate`): `zero3_bucket_time` then prices a bucket."""
+        return bool(self.mesh.device.zero3_bucket)
+
+    def zero3_bucket_time(self, nbytes: float, size: int) -> float:
         """Seconds that one ZeRO-3 bucket of `nbytes` over `size` ranks adds to a step
         with its gathers in forward and backward and its reduce-scatter, as the
-        profile measured them run together (`DeviceSpec.zero3_bucket`: on a CPU,
-        `autopart calibrate`); None where it did not."""
+        profile measured them run together (`DeviceSpec.zero3_bucket`)."""
         measured = self.mesh.device.zero3_bucket
-        if not measured:
-            return None
+        assert measured, "the profile did not measure ZeRO-3 buckets (measures_zero3_buckets)"
         link = Link(1.0 / measured["beta"], measured["alpha"])
         return link.time(ring_steps(ALL_GATHER, size), ring_volume(ALL_GATHER, size), nbytes)
 

@@ -548,20 +548,21 @@ def _zero3_comm(
         return 0.0
     param_bytes, grad_bytes = choices.state_bytes[:2]
     comm = models.comm
-    gathers: list[float] = []
-    scatters: list[float] = []
-    measured = 0.0
-    for numel, (size, stride) in _zero3_groups(choices):
-        if size > 1:
-            for b in _gathers(own, numel):
-                bucket = comm.zero3_bucket_time(b * (param_bytes + grad_bytes) / 2, size)
-                measured += bucket or 0.0
-                gathers.append(comm.time(ALL_GATHER, b * param_bytes, size, stride))
-                scatters.append(comm.time(REDUCE_SCATTER, b * grad_bytes, size, stride))
-    if not gathers:
+    buckets = [  # (parameters, ranks, stride) of each gather, in forward order
+        (b, size, stride)
+        for numel, (size, stride) in _zero3_groups(choices)
+        if size > 1
+        for b in _gathers(own, numel)
+    ]
+    if comm.measures_zero3_buckets:
+        mean_bytes = (param_bytes + grad_bytes) / 2
+        return sum(comm.zero3_bucket_time(b * mean_bytes, size) for b, size, _ in buckets)
+    if not buckets:
         return 0.0
-    if comm.mesh.device.zero3_bucket:
-        return measured
+    gathers = [comm.time(ALL_GATHER, b * param_bytes, size, stride) for b, size, stride in buckets]
+    scatters = [
+        comm.time(REDUCE_SCATTER, b * grad_bytes, size, stride) for b, size, stride in buckets
+    ]
     forward = gathers[0] + max(0.0, sum(gathers[1:]) - _hiding(compute.forward, models))
     # Backward runs the buckets in reverse.
     overlapped = sum(gathers[:-1]) + sum(scatters[1:])
