@@ -116,6 +116,7 @@ COLLECTIVE_SAMPLES = 9  # per message size, each `COLLECTIVE_ROUNDS` of compute 
 COLLECTIVE_ROUNDS = 8
 COLLECTIVE_FLOOR_S = 1e-6  # the least a collective is taken to add
 BURST_WIDTH = 64  # the model width of the layer trained before each timed collective
+BURST_BATCH = (8, 64)  # its input: sequences, tokens each
 # The buckets of the ZeRO-3 stream measured on a CPU (`_zero3_stream`): the burst's
 # tokens split over this many, each bucket's compute a quarter of the burst's.
 ZERO3_STREAM_BUCKETS = 4
@@ -562,9 +563,10 @@ def _zero3_stream(nbytes: int | None, device: torch.device, world: int) -> Calla
     taken, and each bucket's gradients are reduce-scattered after its backward, at most
     `REDUCE_DEPTH` in flight."""
     layer = _burst_layer(device)
-    rows = 8 // ZERO3_STREAM_BUCKETS  # of the burst's 8 sequences of 64 tokens
+    sequences, tokens = BURST_BATCH
+    rows = sequences // ZERO3_STREAM_BUCKETS
     inputs = [
-        torch.randn(rows, 64, BURST_WIDTH, device=device, requires_grad=True)
+        torch.randn(rows, tokens, BURST_WIDTH, device=device, requires_grad=True)
         for _ in range(ZERO3_STREAM_BUCKETS)
     ]
     numel = max(world, (nbytes or 0) // 4 // world * world)
@@ -642,7 +644,7 @@ def _compute_burst(device: torch.device) -> Callable[[], object]:
     lateness too: on 2 ranks on 2 cores a 64 KiB all-gather added 1.5 ms after this
     burst and 0.6 ms after 2.3 ms of 256² matmuls."""
     layer = _burst_layer(device)
-    x = torch.randn(8, 64, BURST_WIDTH, device=device)
+    x = torch.randn(*BURST_BATCH, BURST_WIDTH, device=device)
     return lambda: layer(x).sum().backward()
 
 
