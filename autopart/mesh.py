@@ -110,7 +110,9 @@ DTYPE_NAMES = {
 # at 6144×17920×2816 (CUDA 12.1). matmul_efficiency is the main loop's fraction that
 # gives those rates at those shapes under cost_models.gemm's tiles and waves: A100
 # 0.859 / (2048/2112, k₀; 32 full waves) = 0.886; H100 0.801 / (2816/2880; 25.45 of 26
-# waves) = 0.837; the H200 is taken as the H100 (the same chip and power).
+# waves) = 0.837; the H200 is taken as the H100 (the same chip and power), which
+# measurement bears out: benchmarks/preset_vs_gpu.py's 20 GEMMs of 4096 tokens or more
+# took a median 1.02x their time on an H100, its attention at 4096-8192 keys 0.95-1.02x.
 # Attention efficiency: fused attention forward and backward at head dim 128 and 2048-4096
 # keys, about 61% of peak on A100 (FlashAttention-2, Dao 2023) and 50% on H100 with
 # PyTorch 2.11's kernels (measured for cost_models.compute), over that shape's factors

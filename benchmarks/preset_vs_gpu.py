@@ -15,7 +15,9 @@ largest relative error, how many shapes fall within ±15%, and the two efficienc
 (`matmul_efficiency`, `attention_efficiency`) refitted to these measurements with the
 error they leave. `--profile-out` writes the
 refitted preset as a device profile (`Mesh.cluster(path, ...)` reads it). The last
-measurement on an H100 is kept beside this file (`data/h100_shapes.json`).
+measurements on an H100 and an H200 are kept beside this file (`data/h100_shapes.json`,
+`data/h200_shapes.json`), with `autopart calibrate`'s profile of each GPU
+(`data/*_calibrated_profile.json`, which `--device` takes as a path).
 """
 
 from __future__ import annotations
