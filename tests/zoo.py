@@ -43,7 +43,7 @@ PINS: dict[str, dict[str, Any]] = {
 class ZooCase:
     """One model: how to build it (seeded here, so every copy starts from the same
     weights), its global batch and its loss. Module-level functions only, since the
-    case's name is all that crosses into the spawned ranks."""
+    case's name is all that crosses into the ranks' processes."""
 
     build: Callable[[], nn.Module]
     batch: Callable[[], lm.Batch]

@@ -14,7 +14,7 @@ reference.py; the report's types and limits, report.py.
 
 `on_rank` is the per-rank half, for a world that is already running (under torchrun);
 `verify` starts the world itself (`autopart.testing.run_world`), so what it is given is
-sent to spawned processes: pass importable functions or `functools.partial`, not
+sent to separate processes: pass importable functions or `functools.partial`, not
 lambdas, and call it under `if __name__ == "__main__":` in a script.
 """
 

@@ -1,7 +1,9 @@
 """ZeRO-1, -2 and -3 train to the single-device losses and parameters (fp32, 5 AdamW
-steps, Gloo), and ZeRO-3 holds 1/N of the model states. One world of 4 runs every case.
-ZeRO-1 and -2 with Adafactor, which is not elementwise, step whole parameters, each on
-its owner, and match too (a world of 2)."""
+steps, Gloo), and ZeRO-3 holds 1/N of the model states. One world of 4 runs every case
+(slow: the quick suite trains ZeRO-1 to -3 on worlds of 2 in test_master_weights.py,
+test_offload.py, test_checkpoint.py and below). ZeRO-1 and -2 with Adafactor, which is
+not elementwise, step whole parameters, each on its owner, and match too (a world of
+2)."""
 
 from __future__ import annotations
 
@@ -71,11 +73,13 @@ def _reference(model_name: str) -> dict:
     return train_single_device(model_name, "adamw", STEPS, BATCH)
 
 
+@pytest.mark.slow  # the world of 4
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_zero_matches_single_device(case):
     assert_every_rank_matches(_world(), case_key(*case), _reference(case[0]), label=case)
 
 
+@pytest.mark.slow  # the world of 4
 @pytest.mark.parametrize("model_name", ["gpt2", "llama"])
 def test_zero3_holds_a_quarter_of_the_model_states(model_name):
     """Parameters + gradients + AdamW's two moments: 4 × the parameters' bytes in all;
@@ -94,6 +98,7 @@ def test_zero3_holds_a_quarter_of_the_model_states(model_name):
         assert 0 < report["peak_gathered"] <= 2 * report["bucket_bytes"]
 
 
+@pytest.mark.slow  # the world of 4
 @pytest.mark.parametrize("model_name", ["gpt2", "llama"])
 def test_zero3_graph_lists_its_gathers(model_name):
     report = _world()[0][case_key(model_name, ZERO3)]
