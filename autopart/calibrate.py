@@ -32,15 +32,19 @@
                   2-core x86 host, 35 µs a tensor; back to back on 16-element
                   tensors it measured 16 µs, half of what the tiny GPT-2's and
                   Llama's steps take after their backward.)
-    collectives   all_reduce, all_gather, reduce_scatter, broadcast and all_to_all (each
-                  where the backend supports it) of 1 KiB to 64 MiB buffers, each
-                  issued after a burst of compute as training issues it: what it adds
-                  to the world's time (`_added_times`); all-gather and reduce-scatter in
-                  their single-tensor forms, which runtimes use (on Gloo the list forms
-                  take up to 3× longer). t(M) = A + B·M is fitted by least
-                  squares on relative error and stored per ring step and per byte sent:
-                  alpha = A / ring_steps(op, world), beta = B / ring_volume(op, world),
-                  which `cost_models.comm.CommModel` reads. The all-reduce's figures
+    collectives   all_reduce, all_gather, reduce_scatter, broadcast and all_to_all
+                  (each where the backend supports it) of 1 KiB to 64 MiB buffers,
+                  each issued after a burst of compute as training issues it: what it
+                  adds to the world's time (`_added_times`); all-gather and
+                  reduce-scatter in their single-tensor forms, which runtimes use (on
+                  Gloo the list forms take up to 3× longer). Send/recv too, as a ring
+                  shift (each rank sends to the next, as pipeline stages do) timed
+                  back to back: a stage waits for its peer idle, and what its peer's
+                  compute costs it is the schedule's bubble. t(M) = A + B·M is
+                  fitted by least squares on relative error and stored per ring step
+                  and per byte sent: alpha = A / ring_steps(op, world), beta = B /
+                  ring_volume(op, world), which `cost_models.comm.CommModel` reads
+                  (send/recv prices a pipeline's transfers). The all-reduce's figures
                   also become the link latency and bandwidth (intra-node on one node,
                   inter-node across several).
     ZeRO-3        on a CPU with all-gather and reduce-scatter measured: what one
@@ -90,7 +94,7 @@ from autopart.capture import BATCH, capture
 from autopart.cost_models.comm import ring_steps, ring_volume
 from autopart.cost_models.compute import ComputeModel, backward_factor
 from autopart.cost_models.work import FUNCTIONS, node_work
-from autopart.mesh import PRESETS, DeviceSpec, Mesh
+from autopart.mesh import PRESETS, DeviceSpec, Mesh, gpu_preset
 from autopart.ops.flat_buckets import REDUCE_DEPTH
 from autopart.passes import analyze
 
@@ -122,7 +126,14 @@ BURST_BATCH = (8, 64)  # its input: sequences, tokens each
 ZERO3_STREAM_BUCKETS = 4
 QUICK_COPY_BYTES = 16 * 1024**2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+COLLECTIVE_OPS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all",
+    "send_recv",
+)
 K = TypeVar("K")
 
 
@@ -455,9 +466,15 @@ def _collective_fit(
         for _ in messages:
             progress.step(f"{op} (unsupported)")
         return None
-    burst = _compute_burst(device)
-    after = {nbytes: partial(_then, burst, run) for nbytes, run in runs.items()}
-    fitted = _per_ring_step(op, world, _added_times(after, burst, device, repeats))
+    if op == "send_recv":
+        # A pipeline's receiver waits for its peer, idle: a transfer adds its own time
+        # back to back, not the peers' lateness after compute (the schedule's bubble).
+        times = _median_times(runs, device, repeats)
+    else:
+        burst = _compute_burst(device)
+        after = {nbytes: partial(_then, burst, run) for nbytes, run in runs.items()}
+        times = _added_times(after, burst, device, repeats)
+    fitted = _per_ring_step(op, world, times)
     for nbytes in messages:
         progress.step(f"{op} {nbytes // 1024} KiB")
     return fitted
@@ -475,17 +492,33 @@ def _per_ring_step(op: str, world: int, times: Mapping[int, float]) -> dict[str,
 
 def _collective_call(op: str, nbytes: int, device: torch.device, world: int) -> Callable[[], Any]:
     """One `op` of an `nbytes` buffer; all-gather and reduce-scatter in the
-    single-tensor forms runtimes use."""
+    single-tensor forms runtimes use; send/recv as pipeline stages exchange
+    activations and gradients (`_ring_shift`)."""
     numel = max(world, nbytes // 4 // world * world)
     full = torch.ones(numel, device=device)
     part = torch.ones(numel // world, device=device)
-    return {
+    calls: dict[str, Callable[[], Any]] = {
         "all_reduce": lambda: dist.all_reduce(full),
         "all_gather": lambda: dist.all_gather_single(full, part),
         "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
         "broadcast": lambda: dist.broadcast(full, src=0),
         "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full),
-    }[op]
+        "send_recv": partial(_ring_shift, full, torch.empty_like(full), world),
+    }
+    return calls[op]
+
+
+def _ring_shift(outgoing: torch.Tensor, incoming: torch.Tensor, world: int) -> None:
+    """Every rank sends `outgoing` to the next rank and receives `incoming` from the
+    one before, in one batch as `torch.distributed.pipelining` issues a stage's
+    transfers: each rank sends once, as a pipeline rank sends one tensor a link."""
+    rank = dist.get_rank()
+    ops = [
+        dist.P2POp(dist.isend, outgoing, (rank + 1) % world),
+        dist.P2POp(dist.irecv, incoming, (rank - 1) % world),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def _then(first: Callable[[], object], second: Callable[[], object]) -> None:
@@ -698,10 +731,7 @@ def _profile(
 
 def _base_spec(device: torch.device) -> DeviceSpec:
     """The preset whose unmeasured figures (links on one process) the profile keeps."""
-    if device.type != "cuda":
-        return PRESETS["cpu"]
-    gpu = torch.cuda.get_device_name(device).lower()
-    return PRESETS["a100-80g" if "a100" in gpu else "h100-80g"]
+    return PRESETS[gpu_preset(device) if device.type == "cuda" else "cpu"]
 
 
 def _memory_bytes(device: torch.device) -> int:

@@ -302,7 +302,7 @@ class Mesh:
         if world % per_node:
             per_node = world
         if device is None:
-            device = _guess_device() if backend == "nccl" else "cpu"
+            device = gpu_preset() if backend == "nccl" else "cpu"
         return cls(device_spec(device), world // per_node, per_node, backend=backend)
 
     def device_mesh(self, degrees: Degrees, timeout: timedelta | None = None) -> DeviceMesh:
@@ -365,6 +365,7 @@ def _launcher_store(timeout: timedelta | None) -> dict[str, Any]:
     }
 
 
-def _guess_device() -> str:
-    name = torch.cuda.get_device_name().lower()
+def gpu_preset(device: torch.device | int | None = None) -> str:
+    """The preset nearest this process's GPU (the H100's for a GPU it does not know)."""
+    name = torch.cuda.get_device_name(device).lower()
     return "a100-80g" if "a100" in name else "h200" if "h200" in name else "h100-80g"

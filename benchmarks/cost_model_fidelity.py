@@ -102,7 +102,7 @@ PLANS: dict[int, dict[str, dict[str, Any]]] = {
 MATMUL_SIZES = (128, 256, 512)
 MESSAGES = (1024, 16 * 1024, 256 * 1024, 4 * 1024**2)
 COPY_BYTES = 64 * 1024**2
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # the ones these plans run
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")  # what these plans run
 WARMUP_STEPS = 3
 TARGETS = {"step_time": 0.25, "peak_memory": 0.15, "rank_correlation": 0.8}
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from autopart.calibrate import QUICK_MESSAGES, calibrate, fit_matmul_curve
+from autopart.calibrate import COLLECTIVE_OPS, QUICK_MESSAGES, calibrate, fit_matmul_curve
 from autopart.cli import main
 from autopart.cost_models.comm import CommModel
 from autopart.cost_models.work import FUNCTIONS
@@ -50,13 +50,7 @@ def test_calibration_on_a_gloo_world_fits_every_collective(tmp_path):
     per_rank = run_world(_calibrate_world, 2, str(path))
     assert per_rank[0] == per_rank[1]  # the ranks' mean, the same on every rank
     collectives, zero3_bucket = per_rank[0]
-    assert set(collectives) == {
-        "all_reduce",
-        "all_gather",
-        "reduce_scatter",
-        "broadcast",
-        "all_to_all",
-    }
+    assert set(collectives) == set(COLLECTIVE_OPS)  # Gloo runs every one
     for fit in collectives.values():
         assert fit["alpha"] >= 0 and fit["beta"] > 0
     spec = device_spec(path)
@@ -66,6 +60,9 @@ def test_calibration_on_a_gloo_world_fits_every_collective(tmp_path):
     assert spec.zero3_bucket == zero3_bucket
     comm = CommModel(Mesh.cluster(spec, nodes=1, per_node=2))
     assert comm.algorithms("all_reduce", 1 << 20, 2).keys() == {"measured"}
+    # A pipeline's transfer is priced from the measured send/recv, not the links.
+    p2p = collectives["send_recv"]
+    assert comm.send_time(1 << 20, 0, 1) == pytest.approx(p2p["alpha"] + p2p["beta"] * (1 << 20))
 
 
 def test_matmul_curve_fit_recovers_peak_and_half_dim():
