@@ -5,18 +5,22 @@
 
 `measure` needs only PyTorch and a GPU: it times the forward and backward of each shape
 below in bf16 (a linear layer's product, m×k by k×n, and `scaled_dot_product_attention`
-over [B, H, S, E], not causal, as the shape model charges the scores in full), the
-median of `REPEATS` CUDA-event timings after warm-up, and writes them with the GPU's
-name. `compare` prices the same shapes with the preset's compute model
-(`cost_models.compute`, `cost_models.gemm`: tiles and waves for GEMMs, query blocks by
-key length and head dim for attention, the memory roofline and launch floor) and prints
-one JSON line per shape, predicted over measured, then a summary: the median and
-largest relative error, how many shapes fall within ±15%, and the two efficiencies
-(`matmul_efficiency`, `attention_efficiency`) refitted to these measurements with the
-error they leave. `--profile-out` writes the
-refitted preset as a device profile (`Mesh.cluster(path, ...)` reads it). The last
-measurements on an H100 and an H200 are kept beside this file (`data/h100_shapes.json`,
-`data/h200_shapes.json`), with `autopart calibrate`'s profile of each GPU
+over [B, H, S, E], not causal, as the shape model charges the scores in full; then the
+same attention shapes causal, kind "causal_attention"), the median of `REPEATS`
+CUDA-event timings after warm-up, and writes them with the GPU's name. `compare` prices
+the same shapes with the preset's compute model (`cost_models.compute`,
+`cost_models.gemm`: tiles and waves for GEMMs, query blocks by key length and head dim
+for attention, the memory roofline and launch floor) and prints one JSON line per
+shape, predicted over measured, then a summary of the GEMMs and full attention: the
+median and largest relative error, how many shapes fall within ±15%, and the two
+efficiencies (`matmul_efficiency`, `attention_efficiency`) refitted to these
+measurements with the error they leave. `--profile-out` writes the refitted preset as a
+device profile (`Mesh.cluster(path, ...)` reads it). Causal attention is summed up
+apart, in a last line: each causal shape's measured time over the same shape's full
+one, and the preset's error on the causal shapes (the shape model charges a causal
+kernel the scores it skips). The last measurements on an H100 and an H200 are kept
+beside this file (`data/h100_shapes.json`, `data/h200_shapes.json`; the H100's has no
+causal rows), with `autopart calibrate`'s profile of each GPU
 (`data/*_calibrated_profile.json`, which `--device` takes as a path).
 """
 
@@ -80,6 +84,7 @@ ATTENTION = [
     (1, 32, 2048, 64),
     (2, 48, 2048, 64),
 ]
+CAUSAL = "causal_attention"
 WARMUP, REPEATS = 5, 20
 WITHIN = 0.15
 
@@ -97,7 +102,8 @@ def measure(out: Path) -> None:
         for shape in GEMMS
     ]
     rows += [
-        {"kind": "attention", "shape": list(shape), "seconds": _timed(_attention_step(*shape))}
+        {"kind": kind, "shape": list(shape), "seconds": _timed(_attention_step(*shape, causal))}
+        for kind, causal in (("attention", False), (CAUSAL, True))
         for shape in ATTENTION
     ]
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
@@ -110,10 +116,10 @@ def _gemm_step(m: int, n: int, k: int) -> Callable[[], None]:
     return lambda: F.linear(x, w).backward(g)
 
 
-def _attention_step(b: int, h: int, s: int, e: int) -> Callable[[], None]:
+def _attention_step(b: int, h: int, s: int, e: int, causal: bool) -> Callable[[], None]:
     q, k, v = (_cuda(b, h, s, e) for _ in range(3))
     g = _cuda(b, h, s, e, grad=False)
-    return lambda: F.scaled_dot_product_attention(q, k, v).backward(g)
+    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(g)
 
 
 def _cuda(*shape: int, grad: bool = True) -> torch.Tensor:
@@ -158,7 +164,7 @@ def predicted_seconds(kind: str, shape: list[int], spec: DeviceSpec) -> float:
         module = torch.nn.Linear(k, n, bias=False, **meta)
         inputs: tuple = (torch.empty(m, k, **meta),)
     else:
-        module = Attention()
+        module = Attention(causal=kind == CAUSAL)
         inputs = tuple(torch.empty(*shape, **meta) for _ in range(3))
     captured = capture(module, inputs)
     analyze(captured.gm, captured.context())
@@ -169,8 +175,12 @@ def predicted_seconds(kind: str, shape: list[int], spec: DeviceSpec) -> float:
 class Attention(torch.nn.Module):
     """scaled_dot_product_attention as a module, for capture."""
 
+    def __init__(self, causal: bool = False) -> None:
+        super().__init__()
+        self.causal = causal
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
 
 
 def compare(measurements: Path, device: str, profile_out: Path | None) -> None:
@@ -178,11 +188,11 @@ def compare(measurements: Path, device: str, profile_out: Path | None) -> None:
 
     spec = device_spec(device)
     data = json.loads(measurements.read_text())
-    rows = [
+    every = [
         {**row, "predicted": predicted_seconds(row["kind"], row["shape"], spec)}
         for row in data["rows"]
     ]
-    for row in rows:
+    for row in every:
         print(
             json.dumps(
                 {
@@ -196,6 +206,7 @@ def compare(measurements: Path, device: str, profile_out: Path | None) -> None:
             ),
             flush=True,
         )
+    rows = [row for row in every if row["kind"] != CAUSAL]
     summary = {"benchmark": "preset_vs_gpu", "gpu": data["gpu"], "device": device}
     summary.update(_errors(rows, "preset"))
     # Refit: scaling a family's efficiency scales its compute-bound times inversely;
@@ -212,8 +223,25 @@ def compare(measurements: Path, device: str, profile_out: Path | None) -> None:
     refit = [{**r, "predicted": predicted_seconds(r["kind"], r["shape"], fitted)} for r in rows]
     summary.update(_errors(refit, "fitted"))
     print(json.dumps(summary))
+    causal = [row for row in every if row["kind"] == CAUSAL]
+    if causal:
+        print(json.dumps(_causal_summary(causal, rows, device)))
     if profile_out is not None:  # a device profile that Mesh.cluster(path) reads
         profile_out.write_text(json.dumps(replace(fitted, name=f"{spec.name}-fitted").to_json()))
+
+
+def _causal_summary(causal: list[dict], rows: list[dict], device: str) -> dict:
+    """Causal attention against the same shapes' full attention, measured and priced."""
+    full = {tuple(r["shape"]): r["seconds"] for r in rows if r["kind"] == "attention"}
+    ratios = [r["seconds"] / full[tuple(r["shape"])] for r in causal]
+    return {
+        "benchmark": "preset_vs_gpu",
+        "kind": CAUSAL,
+        "device": device,
+        "measured_causal_over_full": [round(x, 3) for x in ratios],
+        "median_causal_over_full": round(statistics.median(ratios), 3),
+        **_errors(causal, "preset"),
+    }
 
 
 def _errors(rows: list[dict], label: str) -> dict:
