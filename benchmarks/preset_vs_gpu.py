@@ -17,8 +17,8 @@ efficiencies (`matmul_efficiency`, `attention_efficiency`) refitted to these
 measurements with the error they leave. `--profile-out` writes the refitted preset as a
 device profile (`Mesh.cluster(path, ...)` reads it). Causal attention is summed up
 apart, in a last line: each causal shape's measured time over the same shape's full
-one, and the preset's error on the causal shapes (the shape model charges a causal
-kernel the scores it skips). The last measurements on an H100 and an H200 are kept
+one, the shape model's price of the same (`gemm.causal_fraction`), and the preset's
+error on the causal shapes. The last measurements on an H100 and an H200 are kept
 beside this file (`data/h100_shapes.json`, `data/h200_shapes.json`; the H100's has no
 causal rows), with `autopart calibrate`'s profile of each GPU
 (`data/*_calibrated_profile.json`, which `--device` takes as a path).
@@ -232,14 +232,16 @@ def compare(measurements: Path, device: str, profile_out: Path | None) -> None:
 
 def _causal_summary(causal: list[dict], rows: list[dict], device: str) -> dict:
     """Causal attention against the same shapes' full attention, measured and priced."""
-    full = {tuple(r["shape"]): r["seconds"] for r in rows if r["kind"] == "attention"}
-    ratios = [r["seconds"] / full[tuple(r["shape"])] for r in causal]
+    full = {tuple(r["shape"]): r for r in rows if r["kind"] == "attention"}
+    measured = [r["seconds"] / full[tuple(r["shape"])]["seconds"] for r in causal]
+    priced = [r["predicted"] / full[tuple(r["shape"])]["predicted"] for r in causal]
     return {
         "benchmark": "preset_vs_gpu",
         "kind": CAUSAL,
         "device": device,
-        "measured_causal_over_full": [round(x, 3) for x in ratios],
-        "median_causal_over_full": round(statistics.median(ratios), 3),
+        "measured_causal_over_full": [round(x, 3) for x in measured],
+        "predicted_causal_over_full": [round(x, 3) for x in priced],
+        "median_causal_over_full": round(statistics.median(measured), 3),
         **_errors(causal, "preset"),
     }
 

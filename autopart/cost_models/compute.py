@@ -154,7 +154,8 @@ class ComputeModel:
             if device.sm_count
             else None
         )
-        self._math: dict[tuple[str, tuple[float, float, float], float, bool], float] = {}
+        # (kind, shape, FLOPs, causal, backward) -> seconds of the shape model
+        self._math: dict[tuple[str, tuple[float, float, float], float, bool, bool], float] = {}
 
     # -- one operator -----------------------------------------------------------------
 
@@ -172,7 +173,7 @@ class ComputeModel:
         if self.cores is None or work.shape is None:
             eff = self.efficiency(*work.shape) if work.shape else self.device.matmul_efficiency
             return work.flops / (self.contraction_peak * eff) * (2 if backward else 1)
-        key = (work.kind, work.shape, work.flops, backward)
+        key = (work.kind, work.shape, work.flops, work.causal, backward)
         if key not in self._math:
             self._math[key] = self._shaped_math(work, backward)
         return self._math[key]
@@ -181,7 +182,7 @@ class ComputeModel:
         assert self.cores is not None and work.shape is not None
         if work.kind == ATTENTION:
             queries, keys, head = work.shape
-            forward = self.cores.attention_seconds(work.flops, queries, keys, head)
+            forward = self.cores.attention_seconds(work.flops, queries, keys, head, work.causal)
             return forward * (BACKWARD_CONTRACTION if backward else 1)
         m, n, k = work.shape
         slowdown = self.cores.alignment_factor(n, k)

@@ -40,31 +40,10 @@ import torch
 from torch import fx
 
 from autopart.cost_models.tp_costs import COPY, TpCollective, collectives_of, split_by
-from autopart.ops.aten import op_name
 from autopart.ops.params import parameter_names
-from autopart.passes.causal_attention import MASK_ARG, plain_mask
+from autopart.passes.causal_attention import MASK_ARG, shape_only_mask
 from autopart.passes.context_parallel import cp_propagation
 from autopart.passes.tp_propagate import operands_of
-
-# Readers of a tensor that read its shape, dtype or device alone, not its values.
-_SHAPE_READS = frozenset(
-    {
-        "sym_size",
-        "sym_numel",
-        "sym_stride",
-        "size",
-        "dim",
-        "numel",
-        "new_ones",
-        "new_zeros",
-        "new_empty",
-        "new_full",
-        "empty_like",
-        "zeros_like",
-        "ones_like",
-        "full_like",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -137,7 +116,7 @@ def _as_rewritten(
 ) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
     """`gm` as the cp rewrite will see it, its shape-only masks dropped (on a copy,
     where it has any), and each node of it -> the node of `gm` it stands for."""
-    causal = [node for node in gm.graph.nodes if _shape_only_mask(gm, node, params)]
+    causal = [node for node in gm.graph.nodes if shape_only_mask(gm, node, params)]
     if not causal:
         return gm, {node: node for node in gm.graph.nodes}
     graph = fx.Graph()
@@ -154,33 +133,3 @@ def _as_rewritten(
     alive = set(graph.nodes)
     original = {copy: node for node, copy in copies.items() if copy in alive}
     return fx.GraphModule(gm, graph), original
-
-
-def _shape_only_mask(gm: fx.GraphModule, node: fx.Node, params: Mapping[str, str]) -> bool:
-    """Whether `node` is attention in the (q, k, v, mask) form `causal_attention_pass`
-    evaluates, with a mask computed from shapes alone: no parameter among what it is
-    computed from, and no input read but for its sizes (the input is not the mask)."""
-    mask = plain_mask(gm, node)
-    if mask is None:
-        return False
-    ancestry = _ancestry(mask)
-    for n in ancestry:
-        if n.op == "get_attr" and str(n.target) in params:
-            return False
-        if n.op == "placeholder" and (
-            n is mask or any(u in ancestry and op_name(u, gm) not in _SHAPE_READS for u in n.users)
-        ):
-            return False
-    return True
-
-
-def _ancestry(node: fx.Node) -> set[fx.Node]:
-    """`node` and every node it is computed from."""
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen

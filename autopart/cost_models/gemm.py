@@ -38,8 +38,14 @@ keys):
 with waves of query blocks over the SMs as above. E½ = 32 gives head dim 64 about 0.83
 of head dim 128's rate (FlashAttention-2 on A100); S₀ = 512 gives 1024 and 512 keys
 1.3× and 1.7× the time per FLOP of 2048-4096 (measured on an H100 with PyTorch's
-kernels: 1.3× and 1.8×). Scores are counted and run in full: a causal mask is not
-known on the meta device, so the half of the scores a causal kernel skips is charged.
+kernels: 1.3× and 1.8×). Scores are counted in full (FLOPs as published runs count
+them); a causal kernel runs query block i over the (i + 1)·Q_TILE keys up to its
+diagonal, so the blocks' cost Σ (keys_i + S₀) gives causal attention
+
+    causal / full = (S·(n + 1)/(2n) + S₀) / (S + S₀),    n = ⌈L/Q_TILE⌉ (L = S)
+
+of the full kernel's time: 0.54 at 8192 keys, 0.57 at 4096, 0.63 at 2048, 0.71 at
+1024 (measured on an H200, `benchmarks/preset_vs_gpu.py`: 0.53, 0.66, 0.72-0.81, 0.70).
 """
 
 from __future__ import annotations
@@ -115,18 +121,32 @@ class GpuCores:
         aligned = n % ALIGNMENT == 0 and math.floor(k) % ALIGNMENT == 0
         return 1.0 if aligned else UNALIGNED_SLOWDOWN
 
-    def attention_seconds(self, flops: float, queries: float, keys: float, head: float) -> float:
+    def attention_seconds(
+        self, flops: float, queries: float, keys: float, head: float, causal: bool = False
+    ) -> float:
         """Fused attention of `flops` (2·B·H·L·S·(E + Ev), counted in full) over L =
         `queries` rows of S = `keys` keys at head dim E = `head`: B·H·⌈L/Q_TILE⌉ blocks
-        in waves over the SMs, each at `attention_rate`."""
+        in waves over the SMs, each at `attention_rate`; `causal`, over the key blocks
+        up to each query block's diagonal (`causal_fraction`)."""
         if flops <= 0:
             return 0.0
         heads = flops / (4 * queries * keys * head)  # B·H
         blocks = heads * math.ceil(queries / Q_TILE)
         waves = math.ceil(blocks / self.sms)
         filled = blocks / (waves * self.sms)
-        return flops / (self.peak * self.attention_rate(keys, head) * filled)
+        full = flops / (self.peak * self.attention_rate(keys, head) * filled)
+        return full * causal_fraction(queries, keys) if causal else full
 
     def attention_rate(self, keys: float, head: float) -> float:
         """attention_efficiency · E/(E + E½) · S/(S + S₀)."""
         return self.attention_efficiency * head / (head + HEAD_HALF) * keys / (keys + KEYS_OVERHEAD)
+
+
+def causal_fraction(queries: float, keys: float) -> float:
+    """A causal fused kernel's time over the full one's for L = `queries` rows and S =
+    `keys` keys (the mask's top-left diagonal, as `is_causal` has it): query block i
+    streams min(S, (i + 1)·Q_TILE) keys, each block paying S₀ besides."""
+    n = math.ceil(queries / Q_TILE)
+    within = min(n, math.ceil(keys / Q_TILE))  # blocks whose diagonal lies inside S
+    visited = Q_TILE * within * (within + 1) / 2 + (n - within) * keys
+    return min(1.0, (visited + n * KEYS_OVERHEAD) / (n * (keys + KEYS_OVERHEAD)))

@@ -31,6 +31,7 @@ from autopart.ops.meta import (
     TRAFFIC,
     TensorInfo,
 )
+from autopart.passes.causal_attention import runs_causal
 
 LOW_PRECISION_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
@@ -108,6 +109,9 @@ class NodeWork:
     # Under context parallelism, run on the whole sequence on every cp rank (gathered
     # for it, `cp_layout.py`), not on the rank's share of the tokens.
     cp_whole: bool = False
+    # Attention that runs causal (`passes.causal_attention.runs_causal`): a fused
+    # kernel skips the key blocks past each query block's diagonal.
+    causal: bool = False
 
     @property
     def bytes(self) -> float:
@@ -211,6 +215,7 @@ def node_work(
         evaluations=evaluations,
         evaluates_in_backward=kind == ATTENTION or name in FUNCTION_IN_BACKWARD,
         low_precision=is_low_precision(SHAPE.get(node)),
+        causal=kind == ATTENTION and runs_causal(gm, node, param_bytes),
     )
 
 

@@ -9,10 +9,16 @@ For each attention with a mask, the mask's ancestry is evaluated on the example 
 and again on inputs with other values (same shapes): a mask that is the lower-triangular
 causal pattern both times depends on shapes alone, and is replaced by `is_causal=True`.
 A mask that depends on the data (padding) is left alone.
+
+Where a mask cannot be evaluated (on the meta device, or over a long sequence), the cost
+models take one in that plain form computed from shapes alone as causal
+(`shape_only_mask`, `runs_causal`): what this pass would make of a Hugging Face
+decoder's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any
 
 import torch
@@ -20,9 +26,29 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from autopart.ops.aten import ATTENTION_OPS, op_name
+from autopart.ops.context_parallel import attention_arguments
 from autopart.passes.runner import PassContext
 
 MASK_ARG = 3
+# Readers of a tensor that read its shape, dtype or device alone, not its values.
+SHAPE_READS = frozenset(
+    {
+        "sym_size",
+        "sym_numel",
+        "sym_stride",
+        "size",
+        "dim",
+        "numel",
+        "new_ones",
+        "new_zeros",
+        "new_empty",
+        "new_full",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+    }
+)
 
 
 def causal_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -49,6 +75,47 @@ def plain_mask(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
         return None
     mask = node.args[MASK_ARG]
     return mask if isinstance(mask, fx.Node) and "dropout_p" not in node.kwargs else None
+
+
+def shape_only_mask(gm: fx.GraphModule, node: fx.Node, params: Container[str]) -> bool:
+    """Whether `node` is attention in the plain (q, k, v, mask) form this pass
+    evaluates, with a mask computed from shapes alone: no parameter (a name in
+    `params`) among what it is computed from, and no input read but for its sizes
+    (the input is not the mask)."""
+    mask = plain_mask(gm, node)
+    if mask is None:
+        return False
+    ancestry = _computed_from(mask)
+    for n in ancestry:
+        if n.op == "get_attr" and str(n.target) in params:
+            return False
+        if n.op == "placeholder" and (
+            n is mask or any(u in ancestry and op_name(u, gm) not in SHAPE_READS for u in n.users)
+        ):
+            return False
+    return True
+
+
+def runs_causal(gm: fx.GraphModule, node: fx.Node, params: Container[str]) -> bool:
+    """Whether attention `node` runs causal as far as can be told without evaluating a
+    mask: `is_causal=True` among its arguments, or a mask computed from shapes alone
+    (`shape_only_mask`)."""
+    named = attention_arguments(node.args[3:], node.kwargs)
+    if named is not None and named["is_causal"] is True:
+        return True
+    return shape_only_mask(gm, node, params)
+
+
+def _computed_from(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it is computed from."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 def _is_causal(gm: fx.GraphModule, mask: fx.Node, args: tuple) -> bool:

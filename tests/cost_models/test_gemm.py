@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from autopart.cost_models.compute import ComputeModel
-from autopart.cost_models.gemm import TILES
+from autopart.cost_models.gemm import TILES, causal_fraction
 from autopart.cost_models.work import ATTENTION, NodeWork
 from autopart.mesh import PRESETS
 
@@ -126,3 +126,47 @@ def test_unaligned_features_slow_every_product_of_the_layer_but_tokens_do_not():
     for unaligned in ((4096, 4097, 4096), (4096, 4096, 4097)):
         assert seconds(*unaligned) == pytest.approx(UNALIGNED_SLOWDOWN * aligned, rel=0.05)
     assert seconds(4097, 4096, 4096) < 1.1 * aligned
+
+
+@pytest.mark.parametrize(
+    "seq, measured",  # an H200's causal over full fused attention (preset_vs_gpu.py)
+    [(1024, 0.695), (4096, 0.664), (8192, 0.534)],
+)
+def test_causal_attention_pays_for_the_key_blocks_up_to_each_diagonal(seq, measured):
+    def seconds(causal: bool) -> float:
+        flops = 4.0 * 32 * seq * seq * 128
+        work = NodeWork(ATTENTION, flops, shape=(seq, seq, 128), causal=causal)
+        return H200.contraction_math(work, backward=True)
+
+    ratio = seconds(True) / seconds(False)
+    assert ratio == pytest.approx(causal_fraction(seq, seq))
+    assert ratio == pytest.approx(measured, abs=0.1)
+    # Half the blocks and the diagonal's: toward one half at long sequences, and no
+    # saving for a query block shorter than a tile; queries past the keys see them all.
+    assert causal_fraction(131072, 131072) == pytest.approx(0.5, abs=0.005)
+    assert causal_fraction(100, 100) == 1.0
+    assert causal_fraction(1024, 512) > causal_fraction(512, 512)
+
+
+def test_a_decoders_attention_is_priced_causal_and_an_unmasked_one_is_not():
+    """A Hugging Face decoder hands attention a causal mask built from shapes alone;
+    attention called without a mask or flag is not causal."""
+    import torch
+
+    from autopart.capture import capture
+    from autopart.cost_models.work import node_work
+    from autopart.passes import analyze
+    from tests.models import tiny_llama
+
+    class Unmasked(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    qkv = tuple(torch.randn(1, 2, 16, 8) for _ in range(3))
+    for module, inputs, causal in ((tiny_llama(), (ids,), True), (Unmasked(), qkv, False)):
+        captured = capture(module, inputs)
+        gm = analyze(captured.gm, captured.context())
+        works = [node_work(n, gm, captured.dim_sizes, {}) for n in gm.graph.nodes]
+        attention = [w for w in works if w.kind == ATTENTION]
+        assert attention and all(w.causal == causal for w in attention)
