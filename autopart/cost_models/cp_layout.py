@@ -76,7 +76,7 @@ class CpLayouts:
         if cp not in self._layouts:
             if self._rewritten is None:
                 params = parameter_names(self.gm)
-                self._rewritten = (*_as_rewritten(self.gm, params), params)
+                self._rewritten = (*_as_rewritten(self.gm), params)
             self._layouts[cp] = _walk(*self._rewritten, cp)
         return self._layouts[cp]
 
@@ -111,12 +111,10 @@ def _walk(
     return CpLayout(frozenset(whole), tuple(found.values()))
 
 
-def _as_rewritten(
-    gm: fx.GraphModule, params: Mapping[str, str]
-) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+def _as_rewritten(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
     """`gm` as the cp rewrite will see it, its shape-only masks dropped (on a copy,
     where it has any), and each node of it -> the node of `gm` it stands for."""
-    causal = [node for node in gm.graph.nodes if shape_only_mask(gm, node, params)]
+    causal = [node for node in gm.graph.nodes if shape_only_mask(gm, node)]
     if not causal:
         return gm, {node: node for node in gm.graph.nodes}
     graph = fx.Graph()

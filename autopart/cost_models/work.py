@@ -215,7 +215,7 @@ def node_work(
         evaluations=evaluations,
         evaluates_in_backward=kind == ATTENTION or name in FUNCTION_IN_BACKWARD,
         low_precision=is_low_precision(SHAPE.get(node)),
-        causal=kind == ATTENTION and runs_causal(gm, node, param_bytes),
+        causal=kind == ATTENTION and runs_causal(gm, node),
     )
 
 

@@ -18,7 +18,6 @@ decoder's.
 
 from __future__ import annotations
 
-from collections.abc import Container
 from typing import Any
 
 import torch
@@ -77,18 +76,17 @@ def plain_mask(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     return mask if isinstance(mask, fx.Node) and "dropout_p" not in node.kwargs else None
 
 
-def shape_only_mask(gm: fx.GraphModule, node: fx.Node, params: Container[str]) -> bool:
+def shape_only_mask(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether `node` is attention in the plain (q, k, v, mask) form this pass
-    evaluates, with a mask computed from shapes alone: no parameter (a name in
-    `params`) among what it is computed from, and no input read but for its sizes
-    (the input is not the mask)."""
+    evaluates, with a mask computed from shapes alone: no parameter among what it is
+    computed from, and no input read but for its sizes (the input is not the mask)."""
     mask = plain_mask(gm, node)
     if mask is None:
         return False
     ancestry = _computed_from(mask)
+    if _reads_parameters(gm, ancestry):
+        return False
     for n in ancestry:
-        if n.op == "get_attr" and str(n.target) in params:
-            return False
         if n.op == "placeholder" and (
             n is mask or any(u in ancestry and op_name(u, gm) not in SHAPE_READS for u in n.users)
         ):
@@ -96,14 +94,14 @@ def shape_only_mask(gm: fx.GraphModule, node: fx.Node, params: Container[str]) -
     return True
 
 
-def runs_causal(gm: fx.GraphModule, node: fx.Node, params: Container[str]) -> bool:
+def runs_causal(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether attention `node` runs causal as far as can be told without evaluating a
     mask: `is_causal=True` among its arguments, or a mask computed from shapes alone
     (`shape_only_mask`)."""
     named = attention_arguments(node.args[3:], node.kwargs)
     if named is not None and named["is_causal"] is True:
         return True
-    return shape_only_mask(gm, node, params)
+    return shape_only_mask(gm, node)
 
 
 def _computed_from(node: fx.Node) -> set[fx.Node]:
@@ -131,15 +129,8 @@ def _is_causal(gm: fx.GraphModule, mask: fx.Node, args: tuple) -> bool:
 
 def _ancestry(gm: fx.GraphModule, target: fx.Node) -> fx.GraphModule | None:
     """A graph computing `target` from the graph's inputs; None if it reads parameters."""
-    needed: set[fx.Node] = set()
-    stack = [target]
-    while stack:
-        node = stack.pop()
-        if node in needed:
-            continue
-        needed.add(node)
-        stack.extend(node.all_input_nodes)
-    if any(n.op == "get_attr" and isinstance(_attr(gm, n), torch.nn.Parameter) for n in needed):
+    needed = _computed_from(target)
+    if _reads_parameters(gm, needed):
         return None
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -148,6 +139,10 @@ def _ancestry(gm: fx.GraphModule, target: fx.Node) -> fx.GraphModule | None:
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(env[target])
     return fx.GraphModule(gm, graph)
+
+
+def _reads_parameters(gm: fx.GraphModule, nodes: set[fx.Node]) -> bool:
+    return any(n.op == "get_attr" and isinstance(_attr(gm, n), torch.nn.Parameter) for n in nodes)
 
 
 def _attr(gm: fx.GraphModule, node: fx.Node) -> Any:
