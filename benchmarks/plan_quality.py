@@ -14,8 +14,10 @@ Checks, per configuration: when the experts' plan fits, the free search finds a 
 Sources (shapes and parallelism as published; GPT-style models are built as GPT-2
 shapes of the published width, depth, heads and vocabulary):
   [M] Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
-      Using Megatron-LM", SC 2021, Table 1 (A100-80GB, fp16, sequence 2048, microbatch
-      size 1 with a pipeline; the 310B run interleaved over 2 virtual stages).
+      Using Megatron-LM", SC 2021, Table 1 (A100-80GB, fp16, sequence 2048), with the
+      microbatch sizes and virtual stages of the authors' launch script for it
+      (NVIDIA/Megatron-LM, examples/sc21/run_table_1.sh: 8 sequences for 18.4B; 2 and
+      v = 2 for 145.6B; 1 and v = 2 for 310.1B; 1 and plain 1F1B for 1T).
   [N] Smith et al., "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B",
       2022 (2240 A100-80GB: tp 8 × pp 35 × dp 8, batch 1920, microbatch size 1).
   [B] BigScience, "BLOOM: A 176B-Parameter Open-Access Multilingual Language Model",
@@ -75,6 +77,7 @@ CONFIGS = {
         2048,
         "fp16-mixed",
         dict(tp=8, pp=1, zero=0, sequence_parallel=False),
+        8,
     ),
     "gpt-145.6b": Config(
         "M",
@@ -84,8 +87,15 @@ CONFIGS = {
         2304,
         2048,
         "fp16-mixed",
-        dict(tp=8, pp=8, schedule="1f1b", zero=0, sequence_parallel=False),
-        1,
+        dict(
+            tp=8,
+            pp=8,
+            schedule="interleaved-1f1b",
+            virtual_stages=2,
+            zero=0,
+            sequence_parallel=False,
+        ),
+        2,
     ),
     "gpt-310.1b": Config(
         "M",

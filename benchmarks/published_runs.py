@@ -33,9 +33,11 @@ depth, heads and vocabulary, sequence 2048, learned positions, 4h MLP):
         8 HDR InfiniBand NICs each), fp16, sequence 2048, vocabulary 51,200, full
         recomputation; achieved TFLOP/s per GPU counted with their eq. (3),
         96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration. The table gives tp, pp, GPUs
-        and batch; the microbatch size (1 with a pipeline) and the schedule (1F1B;
-        interleaved over 2 virtual stages for 310B) are the assumptions
-        `plan_quality.py` makes; without a pipeline the microbatch size is autopart's.
+        and batch; the microbatch size and the schedule are the authors' launch
+        settings for that table (NVIDIA/Megatron-LM, examples/sc21/run_table_1.sh:
+        microbatches of 16, 16, 16, 8, 4, 2, 2, 1, 1, 1 sequences from 1.7B to 1T; the
+        76B, 145B, 310B and 530B runs interleaved, 5, 5, 3 and 1 layers per virtual
+        stage, i.e. v = 3, 2, 2 and 3).
   [S22] Smith et al., "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B",
         2022, Section 3 (system performance table): 280, 350 and 420 DGX A100-80GB nodes,
         tp 8 × pp 35, batch 1920, sequence 2048, microbatch size 1, iteration time
@@ -202,26 +204,33 @@ def _megatron(tp: int, pp: int, v: int = 1) -> dict[str, Any]:
 
 
 def _n21(
-    params: float, shape: Gpt, tp: int, pp: int, gpus: int, batch: int, tflops: float, v: int = 1
+    params: float,
+    shape: Gpt,
+    tp: int,
+    pp: int,
+    gpus: int,
+    batch: int,
+    mbs: int,
+    v: int,
+    tflops: float,
 ) -> Run:
-    """A row of [N21] Table 1: microbatch size 1 with a pipeline, autopart's without."""
-    mbs = 1 if pp > 1 else None
+    """A row of [N21] Table 1, with the microbatch size and virtual stages it ran."""
     return Run(
         "N21", shape, params, A100, gpus, batch, 2048, FP16, _megatron(tp, pp, v), mbs, tflops
     )
 
 
 RUNS: dict[str, Run] = {
-    "n21-gpt-1.7b": _n21(1.7, Gpt(2304, 24, 24), 1, 1, 32, 512, 137),
-    "n21-gpt-3.6b": _n21(3.6, Gpt(3072, 30, 32), 2, 1, 64, 512, 138),
-    "n21-gpt-7.5b": _n21(7.5, Gpt(4096, 36, 32), 4, 1, 128, 512, 142),
-    "n21-gpt-18.4b": _n21(18.4, Gpt(6144, 40, 48), 8, 1, 256, 1024, 135),
-    "n21-gpt-39.1b": _n21(39.1, Gpt(8192, 48, 64), 8, 2, 512, 1536, 138),
-    "n21-gpt-76.1b": _n21(76.1, Gpt(10240, 60, 80), 8, 4, 1024, 1792, 140),
-    "n21-gpt-145.6b": _n21(145.6, Gpt(12288, 80, 96), 8, 8, 1536, 2304, 148),
-    "n21-gpt-310.1b": _n21(310.1, Gpt(16384, 96, 128), 8, 16, 1920, 2160, 155, v=2),
-    "n21-gpt-529.6b": _n21(529.6, Gpt(20480, 105, 128), 8, 35, 2520, 2520, 163),
-    "n21-gpt-1008b": _n21(1008.0, Gpt(25600, 128, 160), 8, 64, 3072, 3072, 163),
+    "n21-gpt-1.7b": _n21(1.7, Gpt(2304, 24, 24), 1, 1, 32, 512, 16, 1, 137),
+    "n21-gpt-3.6b": _n21(3.6, Gpt(3072, 30, 32), 2, 1, 64, 512, 16, 1, 138),
+    "n21-gpt-7.5b": _n21(7.5, Gpt(4096, 36, 32), 4, 1, 128, 512, 16, 1, 142),
+    "n21-gpt-18.4b": _n21(18.4, Gpt(6144, 40, 48), 8, 1, 256, 1024, 8, 1, 135),
+    "n21-gpt-39.1b": _n21(39.1, Gpt(8192, 48, 64), 8, 2, 512, 1536, 4, 1, 138),
+    "n21-gpt-76.1b": _n21(76.1, Gpt(10240, 60, 80), 8, 4, 1024, 1792, 2, 3, 140),
+    "n21-gpt-145.6b": _n21(145.6, Gpt(12288, 80, 96), 8, 8, 1536, 2304, 2, 2, 148),
+    "n21-gpt-310.1b": _n21(310.1, Gpt(16384, 96, 128), 8, 16, 1920, 2160, 1, 2, 155),
+    "n21-gpt-529.6b": _n21(529.6, Gpt(20480, 105, 128), 8, 35, 2520, 2520, 1, 3, 163),
+    "n21-gpt-1008b": _n21(1008.0, Gpt(25600, 128, 160), 8, 64, 3072, 3072, 1, 1, 163),
     **{
         f"s22-mt-nlg-530b-{nodes}-nodes": Run(
             "S22", Gpt(20480, 105, 128), 530, A100, nodes * 8, 1920, 2048, FP16,
