@@ -156,6 +156,9 @@ class ComputeModel:
         )
         # (kind, shape, FLOPs, causal, backward) -> seconds of the shape model
         self._math: dict[tuple[str, tuple[float, float, float], float, bool, bool], float] = {}
+        # (id of a tuple of operators, recompute) -> the tuple and its cost: a segment's
+        # operators are one tuple for every plan priced at its sizes.
+        self._costs: dict[tuple[int, bool], tuple[tuple[NodeWork, ...], PhaseCost]] = {}
 
     # -- one operator -----------------------------------------------------------------
 
@@ -247,7 +250,17 @@ class ComputeModel:
     # -- many operators ---------------------------------------------------------------
 
     def cost(self, works: Iterable[NodeWork], recompute: bool = False) -> PhaseCost:
-        """Seconds for a set of operators (a segment, a stage)."""
+        """Seconds for a set of operators (a segment, a stage); kept for a tuple (the
+        tuple too, so that its id is not reused)."""
+        if isinstance(works, tuple):
+            key = (id(works), recompute)
+            kept = self._costs.get(key)
+            if kept is None or kept[0] is not works:
+                kept = self._costs[key] = (works, self._summed(works, recompute))
+            return kept[1]
+        return self._summed(works, recompute)
+
+    def _summed(self, works: Iterable[NodeWork], recompute: bool) -> PhaseCost:
         total = PhaseCost()
         for work in works:
             total = total + self.time(work, recompute)

@@ -69,7 +69,12 @@ from autopart.cost_models.memory import (
     total,
 )
 from autopart.cost_models.offload import host_step_time
-from autopart.cost_models.pipeline import bucket_runs, exposed_sync, pipeline_step
+from autopart.cost_models.pipeline import (
+    bubble_fraction,
+    bucket_runs,
+    exposed_sync,
+    pipeline_step,
+)
 from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
 from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork, TpLayout
 from autopart.degrees import Axis, AxisAttributes, Degrees
@@ -310,18 +315,25 @@ def step_time_lower_bound(
     dims: Mapping[str, int],
     models: CostModels,
     cache: dict | None = None,
+    cp_layout: bool = True,
 ) -> float:
     """A floor under `predict(...).step_time_s` from the compute alone: every pipeline
-    rank busy with an even share of it, with no bubble, communication or optimizer step
-    (`pipeline_step` charges the slowest rank's compute, which is at least the mean);
-    under context parallelism without the sync's sums, the gradient all-reduces over cp
-    that every microbatch leaves exposed. The search does not price a plan whose floor
-    is slower than a plan it has. `cache`: a dict kept across calls on one graph and
-    mesh, for the compute of a microbatch (the search asks for thousands of plans)."""
+    rank busy with an even share of it and idle for the schedule's bubble, with no
+    communication or optimizer step (`pipeline_step` charges the slowest rank's compute,
+    which is at least the mean, and the bubble in proportion to it); under context
+    parallelism without the sync's sums, the gradient all-reduces over cp that every
+    microbatch leaves exposed. Without `cp_layout`, every operator is counted on 1/cp of
+    the microbatch, even those the cp rewrite runs whole: a lower floor that needs no cp
+    layout, which is dear to make. The search does not price a plan whose floor is
+    slower than a plan it has. `cache`: a dict kept across calls on one graph and mesh,
+    for the compute of a microbatch (the search asks for thousands of plans)."""
+    cp = choices.cp
     key = (
         id(summary),
         choices.tp,
-        choices.cp,
+        cp,
+        cp > 1 and cp_layout,
+        cp > 1 and _cp_in_sync(choices),
         choices.microbatch_size,
         choices.recompute,
         choices.recompute_attention,
@@ -330,9 +342,12 @@ def step_time_lower_bound(
     compute = cache.get(key) if cache is not None else None
     if compute is None:
         at = {**dims, BATCH: choices.microbatch_size}
-        segments = rank_segments(summary, at, choices)
+        if cp_layout:
+            segments = rank_segments(summary, at, choices)
+        else:
+            segments = list(summary.sharded({**at, BATCH: at[BATCH] / cp}, choices.tp))
         compute = sum(t.total for t in _segment_times(segments, choices, models.compute))
-        if choices.cp > 1 and not _cp_in_sync(choices):
+        if cp > 1 and not _cp_in_sync(choices):
             # All stages' parameters: spread over pp below, which only lowers the floor.
             params = sum(s.param_numel(choices.tp) for s in segments)
             grad_bytes = choices.state_bytes[1]
@@ -340,7 +355,10 @@ def step_time_lower_bound(
             compute += gradient_all_reduces(params, choices.cp, choices.tp, grad_bytes, comm)
         if cache is not None:
             cache[key] = compute
-    return compute * choices.microbatches / choices.pp
+    bubble = bubble_fraction(
+        choices.schedule, choices.pp, choices.microbatches, choices.virtual_stages
+    )
+    return compute * choices.microbatches / choices.pp * (1 + bubble)
 
 
 def rank_segments(
@@ -386,8 +404,7 @@ def segment_times(
 
 def attention_recompute_cost(seg: SegmentWork, compute: ComputeModel) -> PhaseCost:
     """What recomputing a segment's attention cores alone adds: their forward again."""
-    core = [w for w in seg.nodes if w.in_attention_core]
-    return PhaseCost(recompute=compute.cost(core, recompute=True).recompute)
+    return PhaseCost(recompute=compute.cost(seg.attention_core, recompute=True).recompute)
 
 
 def _rank_cost(

@@ -98,6 +98,7 @@ class StageProblem:
     comm: tuple[int, ...]  # per rank: time per microbatch that depends on no choice
     allocator: Fraction
     memory: int
+    time_unit_s: float = 1.0  # the seconds one unit of time stands for
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -223,7 +224,7 @@ def stage_problem(
 
     param_bytes, grad_bytes, _ = choices.state_bytes
     byte = max(1.0, memory / MEMORY_STEPS)
-    second = max(t.total for t in again) * len(segments) / TIME_STEPS
+    tick = max(t.total for t in again) * len(segments) / TIME_STEPS  # seconds a unit
 
     def up(nbytes: float) -> int:
         return math.ceil(nbytes / byte)
@@ -252,13 +253,13 @@ def stage_problem(
             Unit(
                 key=seg.key,
                 kind=seg.segment.block_id if may else None,
-                time=round(base / second),
+                time=round(base / tick),
                 states=up(states(seg)),
                 saved=up(saved if may else keeps),
-                recompute_time=round((t1.total + comm1 - base) / second) if may else 0,
+                recompute_time=round((t1.total + comm1 - base) / tick) if may else 0,
                 recompute_keeps=up(seg.output_bytes) if may else 0,
                 grads=up(params * grad_bytes),
-                attention_time=round(core / second) if may else 0,
+                attention_time=round(core / tick) if may else 0,
                 # Rounded down, as what it frees is subtracted from what is kept.
                 attention_frees=math.floor(frees / byte) if may else 0,
             )
@@ -289,7 +290,8 @@ def stage_problem(
         if choices.degrees.batch_split > 1 and choices.zero
         else 0,
         fixed=tuple(up(zero3 + pipeline + (loss if r == last_rank else 0.0)) for r in range(pp)),
-        comm=tuple(round(p2p_comm(boundary, choices, models.comm, r) / second) for r in range(pp)),
+        comm=tuple(round(p2p_comm(boundary, choices, models.comm, r) / tick) for r in range(pp)),
         allocator=Fraction(models.memory.allocator_fraction).limit_denominator(1000),
         memory=math.floor(memory / byte),
+        time_unit_s=tick,
     )

@@ -118,6 +118,9 @@ class SegmentWork:
     # and under mixed precision, summed once: the search reads them for every plan.
     _saved: tuple[float, float] = field(init=False, repr=False, compare=False)
     _core_frees: tuple[float, float] = field(init=False, repr=False, compare=False)
+    # The operators of its attention cores: one tuple, so their cost is kept with it
+    # (`ComputeModel.cost`).
+    attention_core: tuple[NodeWork, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         precisions = (Precision.FP32, Precision.BF16_MIXED)
@@ -129,6 +132,8 @@ class SegmentWork:
         )
         object.__setattr__(self, "_saved", saved)
         object.__setattr__(self, "_core_frees", frees)
+        core = tuple(w for w in self.nodes if w.in_attention_core)
+        object.__setattr__(self, "attention_core", core)
 
     @property
     def key(self) -> str:
@@ -149,7 +154,7 @@ class SegmentWork:
 
     @property
     def has_attention_core(self) -> bool:
-        return self._core_frees[0] > 0 or any(w.in_attention_core for w in self.nodes)
+        return self._core_frees[0] > 0 or bool(self.attention_core)
 
     @property
     def flops(self) -> float:

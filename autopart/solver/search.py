@@ -65,7 +65,8 @@ from autopart.cost_models import (
     step_time_lower_bound,
 )
 from autopart.cost_models.cp_layout import CpLayouts
-from autopart.cost_models.stage_costs import stage_problem_of
+from autopart.cost_models.pipeline import bubble_fraction
+from autopart.cost_models.stage_costs import StageProblem, stage_problem_of
 from autopart.cost_models.summary import TpLayout
 from autopart.cost_models.tp_costs import TpCosts
 from autopart.cost_models.work import ATTENTION
@@ -86,7 +87,7 @@ from autopart.policy import (
     zero_refusal,
 )
 from autopart.solver.pipeline import microbatches_problem
-from autopart.solver.stage_model import solve_stages
+from autopart.solver.stage_model import pace_lower_bound, solve_stages
 from autopart.solver.tensor_parallel import choose_tp_placements
 from autopart.solver.tp_model import TpSolution, build_problem, parameter_roles, solve_layout
 
@@ -361,8 +362,10 @@ def _price(
         summary = layouts.summary(c.tp, c.sequence_parallel)
         if c.cp > 1 and _states_overflow(summary, c, dims, models, memory):
             continue
-        floor = step_time_lower_bound(summary, c, dims, models, floors) if best < math.inf else 0.0
-        if floor > (1 + SLACK) * best:
+        if best < math.inf and any(
+            step_time_lower_bound(summary, c, dims, models, floors, cp_layout) > (1 + SLACK) * best
+            for cp_layout in ((False, True) if c.cp > 1 else (True,))
+        ):
             continue
         predicted = predict(summary, mesh, c, dims, models)
         out.append(Candidate(c, predicted))
@@ -382,10 +385,13 @@ def _price(
         if c.pp == 1 and not recomputable:
             continue
         assert models is not None
-        inner += 1
         summary = layouts.summary(c.tp, c.sequence_parallel)
         may_recompute = recomputable and c.zero != 3
-        out[i] = Candidate(*_inner(summary, mesh, c, predicted, dims, models, may_recompute))
+        problem = stage_problem_of(summary, c, dims, models, memory, may_recompute)
+        if _fitted_floor(problem, c) > (1 + SLACK) * best:
+            continue
+        inner += 1
+        out[i] = Candidate(*_inner(problem, summary, mesh, c, predicted, dims, models))
         if out[i].predicted.peak_memory_bytes <= memory:
             best = min(best, out[i].predicted.step_time_s)
     log.info(
@@ -422,31 +428,41 @@ def _with_inner_cuts(
     c = chosen.choices
     models = CostModels.of(mesh, c.precision)
     summary = layouts.summary(c.tp, c.sequence_parallel)
-    choices, predicted = _inner(summary, mesh, c, chosen.predicted, dims, models, False)
+    problem = stage_problem_of(summary, c, dims, models, mesh.device.memory_bytes, False)
+    choices, predicted = _inner(problem, summary, mesh, c, chosen.predicted, dims, models)
     if predicted.step_time_s > chosen.predicted.step_time_s:
         return chosen
     return replace(chosen, choices=choices, predicted=predicted)
 
 
+def _fitted_floor(problem: StageProblem, c: Choices) -> float:
+    """A step time the inner model cannot beat on `problem`: the pipeline's microbatches
+    and bubble at the least pace any stage cuts and recomputation could reach
+    (`stage_model.pace_lower_bound`), less a margin for the rounding of its units."""
+    pace = pace_lower_bound(problem) * problem.time_unit_s * (1 - 1e-4)
+    bubble = bubble_fraction(c.schedule, c.pp, c.microbatches, c.virtual_stages)
+    return c.microbatches * (1 + bubble) * pace
+
+
 def _inner(
+    problem: StageProblem,
     summary: GraphSummary,
     mesh: Mesh,
     c: Choices,
     predicted: Predicted,
     dims: Mapping[str, int],
     models: CostModels,
-    recomputable: bool,
 ) -> tuple[Choices, Predicted]:
     """`c` with the stage cuts and recomputed blocks of the inner CP-SAT
-    (`stage_model.solve_stages`), priced. Where nothing fits, the plan that recomputes
-    every block stands for `c`, so that a refusal can say how close it came."""
+    (`stage_model.solve_stages`) over `problem`, priced. Where nothing fits, the plan
+    that recomputes every block stands for `c`, so that a refusal can say how close it
+    came."""
     memory = mesh.device.memory_bytes
-    problem = stage_problem_of(summary, c, dims, models, memory, recomputable)
     solved = solve_stages(problem)
+    every = tuple(u.key for u in problem.units if u.kind is not None)
     if solved is None:
-        if not recomputable:
+        if not every:
             return c, predicted
-        every = tuple(u.key for u in problem.units if u.kind is not None)
         c = replace(c, recompute=c.recompute + every)
         return c, predict(summary, mesh, c, dims, models)
     units = problem.units

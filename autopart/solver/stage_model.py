@@ -39,7 +39,7 @@ from itertools import accumulate
 
 from ortools.sat.python import cp_model
 
-from autopart.cost_models.stage_costs import StageAssignment, StageProblem, evaluate
+from autopart.cost_models.stage_costs import StageAssignment, StageProblem, Unit, evaluate
 
 SEED = 0
 # Work units (deterministic, unlike seconds) a solve may take before it answers with its
@@ -233,6 +233,84 @@ class _Model:
             for chosen, i in zip(into, blocks):
                 chosen.add(i)
         return frozenset(whole), frozenset(attention)
+
+
+def pace_lower_bound(problem: StageProblem) -> float:
+    """A pace no assignment of `problem` can beat, in its time units (inf when none
+    fits), cheap enough to refuse a candidate before its CP-SAT model is built: 0 but
+    where the units between the embedding and the head are copies of one block.
+
+    A relaxation of the model, rank by rank. At pace P, rank r can hold at most cap_r(P)
+    blocks: each costs its time t and brings its states and what it keeps in flight,
+    m_r = states + in_flight_r · saved; recomputation frees what the rank's memory
+    lacks, at best Δ per block (whole or its attention core, the larger) and at least
+    ρ time per byte freed (the cheaper of the two). Units around the run count at their
+    least (recomputed where they may be), and the largest recomputed block and the ZeRO
+    bucket at 0. The ranks must hold every block, at least one per chunk: P is feasible
+    only if Σ_r floor(cap_r(P)) ≥ the blocks and each cap_r ≥ its chunks. The least
+    such P, found by bisection, is at most the model's optimum."""
+    run = _uniform_run(problem)
+    if run is None or len(problem.cut_positions) < problem.chunks - 1:
+        return 0.0
+    p = problem
+    a, b = run
+    block = p.units[a]
+    last = (p.chunks - 1) % p.pp
+    options = [(block.saved - block.recompute_keeps, block.recompute_time)]
+    if block.has_attention_core:
+        options.append((block.attention_frees, block.attention_time))
+    if block.kind is None:
+        options = []
+    freeable = max((frees for frees, _ in options), default=0)
+    rho = min((Fraction(time, frees) for frees, time in options if frees > 0), default=None)
+    scale = 1 + p.allocator
+
+    def least_kept(u: Unit) -> int:
+        return min(u.saved, u.recompute_keeps) if u.kind is not None else u.saved
+
+    ranks = []
+    for r in range(p.pp):
+        around = list(p.units[:a]) * (r == 0) + list(p.units[b:]) * (r == last)
+        flight = p.in_flight[r]
+        room = (
+            Fraction(p.memory) / scale
+            - p.fixed[r]
+            - sum(u.states + flight * least_kept(u) for u in around)
+        )
+        busy = p.comm[r] + sum(u.time for u in around)
+        ranks.append((flight, room, busy, block.states + flight * block.saved))
+
+    def cap(pace: int, flight: Fraction, room: Fraction, busy: int, each: Fraction) -> float:
+        spare = pace - busy
+        if spare < 0 or room < 0:
+            return -1.0
+        by_room = room / each if each else math.inf
+        plain = min(by_room, Fraction(spare, block.time)) if block.time else by_room
+        if rho is None or not flight or plain < by_room:  # nothing to free, or time binds
+            return float(plain)
+        # Beyond room / each blocks, the excess is freed at ρ time per byte, Δ per block.
+        rate = rho / flight
+        by_time = (spare + room * rate) / (block.time + each * rate)
+        shrunk = each - flight * freeable
+        return float(max(plain, min(by_time, room / shrunk)) if shrunk > 0 else by_time)
+
+    blocks, least = b - a, p.chunks // p.pp
+
+    def feasible(pace: int) -> bool:
+        caps = [cap(pace, *rank) for rank in ranks]
+        return min(caps) >= least and sum(math.floor(c) for c in caps) >= blocks
+
+    high = sum(u.time + max(u.recompute_time, u.attention_time) for u in p.units) + max(p.comm)
+    if not feasible(high):
+        return math.inf
+    low = 0
+    while low < high:
+        middle = (low + high) // 2
+        if feasible(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return float(low)
 
 
 def _uniform_run(problem: StageProblem) -> tuple[int, int] | None:

@@ -24,7 +24,7 @@ from autopart.cost_models.summary import GraphSummary
 from autopart.degrees import Degrees
 from autopart.mesh import Mesh
 from autopart.passes import analyze
-from autopart.solver.stage_model import solve_stages
+from autopart.solver.stage_model import pace_lower_bound, solve_stages
 from tests.models import LM_FACTORIES, token_batch
 
 
@@ -53,6 +53,8 @@ def brute_force(problem: StageProblem) -> StageAssignment | None:
 
 
 def _assert_optimal(problem: StageProblem) -> StageAssignment | None:
+    """The CP-SAT's choice is the brute force's, and the bound the search refuses
+    candidates by (`pace_lower_bound`) is at most its pace."""
     chosen = solve_stages(problem)
     best = brute_force(problem)
     if best is None:
@@ -60,6 +62,7 @@ def _assert_optimal(problem: StageProblem) -> StageAssignment | None:
         return None
     assert chosen is not None and chosen.fits(problem.memory)
     assert (chosen.pace, chosen.added) == (best.pace, best.added)
+    assert pace_lower_bound(problem) <= best.pace
     return chosen
 
 
@@ -93,6 +96,19 @@ def _synthetic(memory: int, pp: int = 2, chunks: int = 2, schedule_depth: bool =
 @pytest.mark.parametrize("pp,chunks", [(1, 1), (2, 2), (3, 3), (2, 4)])
 def test_synthetic_problems_match_brute_force(memory, pp, chunks):
     _assert_optimal(_synthetic(memory, pp, chunks))
+
+
+def test_the_pace_bound_prices_the_recomputation_memory_forces():
+    """Two ranks, memory for every block only if some are recomputed: the bound rises
+    above the pace with room to spare, and stays at most the optimum."""
+    tight, roomy = brute_force(_synthetic(1_700)), brute_force(_synthetic(10**9))
+    assert tight is not None and roomy is not None and tight.pace > roomy.pace
+    assert roomy.pace < pace_lower_bound(_synthetic(1_700)) <= tight.pace
+
+
+def test_the_pace_bound_is_infinite_where_no_block_fits():
+    assert brute_force(_synthetic(1_500)) is None
+    assert pace_lower_bound(_synthetic(1_500)) == float("inf")
 
 
 def _encoder_decoder(memory: int, pp: int, chunks: int) -> StageProblem:

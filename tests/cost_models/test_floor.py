@@ -1,0 +1,66 @@
+"""The step-time floor the search refuses plans by (`step_time_lower_bound`) is never above
+what `predict` charges the plan, whatever plans were floored before it with the same
+cache: a floor above its plan's price would drop a plan the search should weigh."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopart.api import captured_for_planning
+from autopart.cost_models import Choices, CostModels, predict, step_time_lower_bound
+from autopart.cost_models.summary import GraphSummary
+from autopart.degrees import Degrees
+from autopart.mesh import Mesh
+from tests.models import tiny_llama, token_batch
+
+BATCH_SIZE, SEQ = 8, 16
+PLANS = [
+    Choices(BATCH_SIZE, Degrees(cp=2), zero=1, microbatches=8),
+    Choices(BATCH_SIZE, Degrees(cp=2), zero=0, microbatches=8),
+    Choices(BATCH_SIZE, Degrees(cp=2, dp=2), zero=2, microbatches=2),
+    Choices(BATCH_SIZE, Degrees(pp=2, dp=2), microbatches=4, schedule="1f1b"),
+    Choices(
+        BATCH_SIZE,
+        Degrees(pp=2, dp=2),
+        microbatches=2,
+        schedule="interleaved-1f1b",
+        virtual_stages=2,
+    ),
+    Choices(BATCH_SIZE, Degrees(tp=2, dp=2), zero=3, microbatches=2),
+]
+
+
+@pytest.fixture(scope="module")
+def summary() -> GraphSummary:
+    ids, _ = token_batch(BATCH_SIZE, SEQ)
+    return GraphSummary(captured_for_planning(tiny_llama(), (ids,)).gm)
+
+
+@pytest.mark.parametrize("order", [1, -1], ids=["zero-1-first", "zero-0-first"])
+def test_every_floor_is_at_most_its_plans_price(summary, order):
+    """One cache over plans in either order: the cp plan whose gradients are summed by
+    the sync (ZeRO-0) and one that all-reduces them in backward at each of its
+    microbatches (ZeRO-1) differ in their floors, and neither takes the other's. One
+    device a node, on slow links: the all-reduces weigh."""
+    cache: dict = {}
+    for choices in PLANS[::order]:
+        mesh = Mesh.cluster("a10-24g", nodes=choices.degrees.world_size, per_node=1)
+        models = CostModels.of(mesh, "fp32")
+        price = predict(summary, mesh, choices, {"seq": SEQ}, models).step_time_s
+        exact = step_time_lower_bound(summary, choices, {"seq": SEQ}, models, cache)
+        cheap = step_time_lower_bound(summary, choices, {"seq": SEQ}, models, cache, False)
+        assert 0 < cheap <= exact <= price, choices
+
+
+def test_the_floor_counts_the_bubble(summary):
+    """A pipeline idles for its bubble: (p − 1)/m of the work under 1F1B, (p − 1)/(v·m)
+    interleaved over v chunks; the floor holds it."""
+    mesh = Mesh.cluster("h100-80g", nodes=1, per_node=2)
+    models = CostModels.of(mesh, "fp32")
+    plain = Choices(BATCH_SIZE, Degrees(pp=2), microbatches=2, schedule="1f1b")
+    interleaved = Choices(
+        BATCH_SIZE, Degrees(pp=2), microbatches=2, schedule="interleaved-1f1b", virtual_stages=2
+    )
+    one = step_time_lower_bound(summary, plain, {"seq": SEQ}, models)
+    two = step_time_lower_bound(summary, interleaved, {"seq": SEQ}, models)
+    assert one / two == pytest.approx((1 + 1 / 2) / (1 + 1 / 4))
