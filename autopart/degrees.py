@@ -186,7 +186,9 @@ def axis_names() -> list[str]:
 
 
 class AxisAttributes:
-    """`x.dp`, `x.tp`, ...: the degree of each mesh axis of `x.degrees`, by name."""
+    """`x.dp`, `x.tp`, ...: the degree of each mesh axis of `x.degrees`, by name: a
+    property per axis known at import (the cost models read them millions of times a
+    search), and any axis declared since (`MESH_AXES`) on the slower path."""
 
     __slots__ = ()
 
@@ -198,6 +200,14 @@ class AxisAttributes:
             raise AttributeError(
                 f"{type(self).__name__!r} object has no attribute {name!r}"
             ) from None
+
+
+def _degree_of(name: str) -> property:
+    return property(lambda self: self.degrees._by_name[name], doc=f"The degree of {name}.")
+
+
+for _name in axis_names():
+    setattr(AxisAttributes, _name, _degree_of(_name))
 
 
 def _divisors(n: int) -> list[int]:

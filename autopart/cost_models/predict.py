@@ -279,8 +279,9 @@ def predict(
         if choices.grad_compression
         else 1.0  # the search prices thousands of plans: no pass over the parameters
     )
+    shared: dict = {}
     ranks = [
-        _rank_cost(r, of_rank[r], segments, times, choices, models, traffic)
+        _rank_cost(r, of_rank[r], segments, times, choices, models, traffic, shared)
         for r in range(choices.pp)
     ]
     step = pipeline_step(
@@ -317,16 +318,18 @@ def step_time_lower_bound(
     cache: dict | None = None,
     cp_layout: bool = True,
 ) -> float:
-    """A floor under `predict(...).step_time_s` from the compute alone: every pipeline
-    rank busy with an even share of it and idle for the schedule's bubble, with no
-    communication or optimizer step (`pipeline_step` charges the slowest rank's compute,
-    which is at least the mean, and the bubble in proportion to it); under context
-    parallelism without the sync's sums, the gradient all-reduces over cp that every
-    microbatch leaves exposed. Without `cp_layout`, every operator is counted on 1/cp of
-    the microbatch, even those the cp rewrite runs whole: a lower floor that needs no cp
-    layout, which is dear to make. The search does not price a plan whose floor is
-    slower than a plan it has. `cache`: a dict kept across calls on one graph and mesh,
-    for the compute of a microbatch (the search asks for thousands of plans)."""
+    """A floor under `predict(...).step_time_s`: every pipeline rank busy with an even
+    share of the compute and of the tensor-parallel collectives, sending its stage
+    transfers (each no smaller than the smallest block's output), and idle for the
+    schedule's bubble, with no other communication or optimizer step (`pipeline_step`
+    charges the slowest rank's work and talk, at least the mean, and the bubble in
+    proportion to them); under context parallelism without the sync's sums, the
+    gradient all-reduces over cp that every microbatch leaves exposed. Without
+    `cp_layout`, every operator is counted on 1/cp of the microbatch, even those the cp
+    rewrite runs whole: a lower floor that needs no cp layout, which is dear to make.
+    The search does not price a plan whose floor is slower than a plan it has. `cache`:
+    a dict kept across calls on one graph and mesh, for a microbatch's work (the search
+    asks for thousands of plans)."""
     cp = choices.cp
     key = (
         id(summary),
@@ -338,27 +341,32 @@ def step_time_lower_bound(
         choices.recompute,
         choices.recompute_attention,
         choices.precision,
+        choices.sequence_parallel,
     )
-    compute = cache.get(key) if cache is not None else None
-    if compute is None:
+    kept = cache.get(key) if cache is not None else None
+    if kept is None:
         at = {**dims, BATCH: choices.microbatch_size}
         if cp_layout:
             segments = rank_segments(summary, at, choices)
         else:
             segments = list(summary.sharded({**at, BATCH: at[BATCH] / cp}, choices.tp))
-        compute = sum(t.total for t in _segment_times(segments, choices, models.compute))
+        work = sum(t.total for t in _segment_times(segments, choices, models.compute))
+        work += _tp_comm(segments, choices, models.comm)
         if cp > 1 and not _cp_in_sync(choices):
             # All stages' parameters: spread over pp below, which only lowers the floor.
             params = sum(s.param_numel(choices.tp) for s in segments)
             grad_bytes = choices.state_bytes[1]
             comm = models.comm
-            compute += gradient_all_reduces(params, choices.cp, choices.tp, grad_bytes, comm)
+            work += gradient_all_reduces(params, choices.cp, choices.tp, grad_bytes, comm)
+        boundary = min((s.output_bytes for s in segments if s.is_block), default=0.0)
+        kept = (work, boundary)
         if cache is not None:
-            cache[key] = compute
-    bubble = bubble_fraction(
-        choices.schedule, choices.pp, choices.microbatches, choices.virtual_stages
-    )
-    return compute * choices.microbatches / choices.pp * (1 + bubble)
+            cache[key] = kept
+    work, boundary = kept
+    pp = choices.pp
+    work += sum(p2p_comm(boundary, choices, models.comm, r) for r in range(pp))
+    bubble = bubble_fraction(choices.schedule, pp, choices.microbatches, choices.virtual_stages)
+    return work * choices.microbatches / pp * (1 + bubble)
 
 
 def rank_segments(
@@ -407,6 +415,66 @@ def attention_recompute_cost(seg: SegmentWork, compute: ComputeModel) -> PhaseCo
     return PhaseCost(recompute=compute.cost(seg.attention_core, recompute=True).recompute)
 
 
+@dataclass(frozen=True, slots=True)
+class _StageWork:
+    """What a pipeline rank's segments cost whatever its position in the pipeline: ranks
+    holding alike segments (the middle ranks of a transformer's pipeline) share it."""
+
+    compute: PhaseCost
+    params: float
+    experts: float
+    boundary: float
+    blocks: int
+    gathered: float
+    tp: float
+    other_comm: float  # ZeRO-3's, context parallelism's and the experts' all_to_alls
+    ep: float
+    activations: Activations
+    unrecomputed: Activations
+    recomputed: int
+    attention_recomputed: int
+    recompute_comm: float
+    sync: float
+    optimizer: float
+
+
+def _stage_work(
+    own: list[SegmentWork],
+    last: SegmentWork | None,
+    compute: PhaseCost,
+    choices: Choices,
+    models: CostModels,
+    traffic: float,
+) -> _StageWork:
+    params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
+    blocks = [s for s in own if s.is_block]
+    recomputed = [s for s in own if choices.recomputes(s)]
+    ep = all_to_all_comm(own, choices, models.comm)
+    return _StageWork(
+        compute=compute,
+        params=params,
+        experts=sum(s.expert_numel(choices.ep, choices.tp) for s in own),
+        boundary=max((s.output_bytes for s in blocks), default=0.0),
+        blocks=len(blocks),
+        gathered=max((zero3_gathered(s, choices) for s in blocks), default=params),
+        tp=_tp_comm(own, choices, models.comm),
+        other_comm=_zero3_comm(own, compute, choices, models)
+        + _cp_comm(own, last, params, choices, models)
+        + ep,
+        ep=ep,
+        activations=_activations(own, choices),
+        unrecomputed=Activations(kept=sum(s.saved_bytes(choices.precision) for s in own)),
+        recomputed=len(recomputed),
+        attention_recomputed=sum(choices.recomputes_attention(s) for s in own),
+        recompute_comm=sum(
+            tp_comm(s, choices, models.comm, True) - tp_comm(s, choices, models.comm, False)
+            for s in recomputed
+        ),
+        sync=_dp_sync(own, compute, choices, models, traffic),
+        optimizer=_optimizer_time(own, compute, choices, models),
+    )
+
+
 def _rank_cost(
     rank: int,
     mine: list[int],
@@ -415,66 +483,63 @@ def _rank_cost(
     choices: Choices,
     models: CostModels,
     traffic: float = 1.0,
+    shared: dict | None = None,
 ) -> RankCost:
-    """`traffic`: the fraction of the gradients' bytes the dp all-reduce moves."""
+    """`traffic`: the fraction of the gradients' bytes the dp all-reduce moves. `shared`:
+    the `_StageWork` of the plan's other ranks, by what their segments are (copies of
+    one block cost alike, as `segment_times` prices them)."""
     own = [segments[i] for i in mine]
     last = segments[-1] if len(segments) - 1 in mine else None
-    compute = sum((times[i] for i in mine), PhaseCost())
-    params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
-    boundary = max((s.output_bytes for s in own if s.is_block), default=0.0)
-    blocks = [s for s in own if s.is_block]
-    gathered = max((zero3_gathered(s, choices) for s in blocks), default=params)
-    tp = _tp_comm(own, choices, models.comm)
-    comm = (
-        tp
-        + p2p_comm(boundary, choices, models.comm, rank)
-        + _zero3_comm(own, compute, choices, models)
-        + _cp_comm(own, last, params, choices, models)
-        + all_to_all_comm(own, choices, models.comm)
+    alike = (
+        tuple(
+            (s.segment.block_id or s.key, choices.recomputes(s), choices.recomputes_attention(s))
+            for s in own
+        ),
+        last is not None,
     )
+    work = shared.get(alike) if shared is not None else None
+    if work is None:
+        compute = sum((times[i] for i in mine), PhaseCost())
+        work = _stage_work(own, last, compute, choices, models, traffic)
+        if shared is not None:
+            shared[alike] = work
+    comm = work.tp + p2p_comm(work.boundary, choices, models.comm, rank) + work.other_comm
     in_flight = in_flight_microbatches(
         choices.schedule, choices.microbatches, choices.pp, rank, choices.virtual_stages
     )
-    activations = _activations(own, choices).bytes(in_flight)
+    activations = work.activations.bytes(in_flight)
     memory = models.memory.breakdown(
-        params,
+        work.params,
         choices.dp,
         choices.zero,
         activations=activations,
-        gathered_params=gathered,
-        pipeline_bytes=boundary if choices.pp > 1 else 0.0,
+        gathered_params=work.gathered,
+        pipeline_bytes=work.boundary if choices.pp > 1 else 0.0,
         # 1/tp of it if split; gathered whole over cp
         output_bytes=last.output_bytes * choices.cp if last else 0.0,
         offload=choices.offload,
-        experts=sum(s.expert_numel(choices.ep, choices.tp) for s in own),
+        experts=work.experts,
         ep=choices.ep,
         master_weights=choices.master_weights,
     )
-    memory["optimizer"] += round(choices.outer_copies * params * choices.state_bytes[0])
-    recomputed = [s for s in own if choices.recomputes(s)]
-    attention_recomputed = sum(choices.recomputes_attention(s) for s in own)
-    unrecomputed = Activations(kept=sum(s.saved_bytes(choices.precision) for s in own))
-    recompute_comm = sum(
-        tp_comm(s, choices, models.comm, True) - tp_comm(s, choices, models.comm, False)
-        for s in recomputed
-    )
+    memory["optimizer"] += round(choices.outer_copies * work.params * choices.state_bytes[0])
     figures = StageFigures(
-        blocks=len(blocks),
-        microbatch_s=compute.total + comm,
+        blocks=work.blocks,
+        microbatch_s=work.compute.total + comm,
         peak_memory_bytes=total(memory),
         in_flight=in_flight,
-        recomputed=len(recomputed),
-        attention_recomputed=attention_recomputed,
-        recompute_frees_bytes=round(unrecomputed.bytes(in_flight) - activations),
-        recompute_s=choices.microbatches * (compute.recompute + recompute_comm),
-        tp_comm_s=choices.microbatches * tp,
-        ep_comm_s=choices.microbatches * all_to_all_comm(own, choices, models.comm),
+        recomputed=work.recomputed,
+        attention_recomputed=work.attention_recomputed,
+        recompute_frees_bytes=round(work.unrecomputed.bytes(in_flight) - activations),
+        recompute_s=choices.microbatches * (work.compute.recompute + work.recompute_comm),
+        tp_comm_s=choices.microbatches * work.tp,
+        ep_comm_s=choices.microbatches * work.ep,
     )
     return RankCost(
-        compute=compute,
+        compute=work.compute,
         comm=comm,
-        sync=_dp_sync(own, compute, choices, models, traffic),
-        optimizer=_optimizer_time(own, compute, choices, models),
+        sync=work.sync,
+        optimizer=work.optimizer,
         memory=memory,
         figures=figures,
     )

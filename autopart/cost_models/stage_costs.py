@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from autopart.cost_models.context import conversion_comm, ring_comm
@@ -230,8 +230,13 @@ def stage_problem(
         return math.ceil(nbytes / byte)
 
     units = []
+    alike: dict[tuple, Unit] = {}  # copies of one block are one unit but for their key
     for seg, t0, t1 in zip(segments, plain, again):
         fixed = choices.recomputes(seg)
+        same = (seg.segment.block_id, fixed, choices.recomputes_attention(seg))
+        if seg.is_block and same in alike:
+            units.append(replace(alike[same], key=seg.key))
+            continue
         comm0 = tp_comm(seg, choices, models.comm, recomputed=False)
         comm1 = tp_comm(seg, choices, models.comm, recomputed=True)
         comm0 += segment_all_to_all(seg, choices, models.comm, recomputed=False)
@@ -264,6 +269,8 @@ def stage_problem(
                 attention_frees=math.floor(frees / byte) if may else 0,
             )
         )
+        if seg.is_block:
+            alike[same] = units[-1]
     chunks, pp = choices.chunks, choices.pp
     blocks = [s for s in segments if s.is_block]
     boundary = max((s.output_bytes for s in blocks), default=0.0)

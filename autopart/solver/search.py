@@ -355,12 +355,13 @@ def _price(
     models = CostModels.of(mesh, choices[0].precision) if choices else None
     out: list[Candidate] = []
     floors: dict = {}
+    held: dict = {}  # (summary, tp, ep) -> the parameters a rank holds
     progress = Progress("solver: pricing plans", len(choices))
     for done, c in enumerate(sorted(choices, key=lambda c: not _usual_microbatches(c))):
         progress.update(done)
         assert models is not None
         summary = layouts.summary(c.tp, c.sequence_parallel)
-        if c.cp > 1 and _states_overflow(summary, c, dims, models, memory):
+        if c.cp > 1 and _states_overflow(summary, c, dims, models, memory, held):
             continue
         if best < math.inf and any(
             step_time_lower_bound(summary, c, dims, models, floors, cp_layout) > (1 + SLACK) * best
@@ -410,13 +411,17 @@ def _states_overflow(
     dims: Mapping[str, int],
     models: CostModels,
     memory: int,
+    cache: dict,
 ) -> bool:
     """Whether a rank's parameters, gradients and optimizer state alone exceed the
     device's memory: what neither recomputation nor stage cuts reduce. Context
     parallelism keeps every parameter whole on its ranks, so its plans are priced only
-    where this fits (the others stay, to say what would fit)."""
-    params = sum(s.param_numel(c.tp, c.ep) for s in summary.evaluate({**dims, BATCH: 1})) / c.pp
-    states = models.memory.breakdown(params, c.dp, c.zero, offload=c.offload)
+    where this fits (the others stay, to say what would fit). `cache`: the parameters
+    a rank of each tp × ep holds, kept across plans."""
+    key = (id(summary), c.tp, c.ep)
+    if key not in cache:
+        cache[key] = sum(s.param_numel(c.tp, c.ep) for s in summary.evaluate({**dims, BATCH: 1}))
+    states = models.memory.breakdown(cache[key] / c.pp, c.dp, c.zero, offload=c.offload)
     return sum(states.values()) > memory
 
 

@@ -262,43 +262,44 @@ def pace_lower_bound(problem: StageProblem) -> float:
     if block.kind is None:
         options = []
     freeable = max((frees for frees, _ in options), default=0)
-    rho = min((Fraction(time, frees) for frees, time in options if frees > 0), default=None)
-    scale = 1 + p.allocator
+    rho = min((time / frees for frees, time in options if frees > 0), default=None)
+    scale = float(1 + p.allocator)
 
     def least_kept(u: Unit) -> int:
         return min(u.saved, u.recompute_keeps) if u.kind is not None else u.saved
 
+    # In floats, for speed: each cap is rounded up by a hair before it is floored, so
+    # rounding can only lower the bound.
     ranks = []
     for r in range(p.pp):
         around = list(p.units[:a]) * (r == 0) + list(p.units[b:]) * (r == last)
-        flight = p.in_flight[r]
-        room = (
-            Fraction(p.memory) / scale
-            - p.fixed[r]
-            - sum(u.states + flight * least_kept(u) for u in around)
-        )
+        flight = float(p.in_flight[r])
+        held = sum(u.states + flight * least_kept(u) for u in around)
+        room = p.memory / scale - p.fixed[r] - held
         busy = p.comm[r] + sum(u.time for u in around)
         ranks.append((flight, room, busy, block.states + flight * block.saved))
 
-    def cap(pace: int, flight: Fraction, room: Fraction, busy: int, each: Fraction) -> float:
+    def cap(pace: int, flight: float, room: float, busy: int, each: float) -> float:
         spare = pace - busy
         if spare < 0 or room < 0:
             return -1.0
         by_room = room / each if each else math.inf
-        plain = min(by_room, Fraction(spare, block.time)) if block.time else by_room
+        plain = min(by_room, spare / block.time) if block.time else by_room
         if rho is None or not flight or plain < by_room:  # nothing to free, or time binds
-            return float(plain)
+            return plain
         # Beyond room / each blocks, the excess is freed at ρ time per byte, Δ per block.
         rate = rho / flight
         by_time = (spare + room * rate) / (block.time + each * rate)
         shrunk = each - flight * freeable
-        return float(max(plain, min(by_time, room / shrunk)) if shrunk > 0 else by_time)
+        return max(plain, min(by_time, room / shrunk)) if shrunk > 0 else by_time
 
     blocks, least = b - a, p.chunks // p.pp
 
     def feasible(pace: int) -> bool:
         caps = [cap(pace, *rank) for rank in ranks]
-        return min(caps) >= least and sum(math.floor(c) for c in caps) >= blocks
+        if min(caps) < least - 1e-9:
+            return False
+        return sum(math.floor(c + 1e-9) if c < math.inf else blocks for c in caps) >= blocks
 
     high = sum(u.time + max(u.recompute_time, u.attention_time) for u in p.units) + max(p.comm)
     if not feasible(high):
