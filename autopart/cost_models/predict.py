@@ -39,6 +39,7 @@ backward (3× forward FLOPs) without recomputation, as in MFU (Chowdhery et al.,
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -641,14 +642,23 @@ def _zero3_comm(
         return sum(comm.zero3_bucket_time(b * mean_bytes, size) for b, size, _ in buckets)
     if not buckets:
         return 0.0
-    gathers = [comm.time(ALL_GATHER, b * param_bytes, size, stride) for b, size, stride in buckets]
-    scatters = [
-        comm.time(REDUCE_SCATTER, b * grad_bytes, size, stride) for b, size, stride in buckets
-    ]
-    forward = gathers[0] + max(0.0, sum(gathers[1:]) - _hiding(compute.forward, models))
+
+    def gather(b: float, size: int, stride: int) -> float:
+        return comm.time(ALL_GATHER, b * param_bytes, size, stride)
+
+    def scatter(b: float, size: int, stride: int) -> float:
+        return comm.time(REDUCE_SCATTER, b * grad_bytes, size, stride)
+
+    # A 1T model's rank issues thousands of gathers, nearly all of one bucket size:
+    # priced once per size.
+    alike = Counter(buckets)
+    gathers = sum(n * gather(*b) for b, n in alike.items())
+    scatters = sum(n * scatter(*b) for b, n in alike.items())
+    first, last = buckets[0], buckets[-1]
+    forward = gather(*first) + max(0.0, gathers - gather(*first) - _hiding(compute.forward, models))
     # Backward runs the buckets in reverse.
-    overlapped = sum(gathers[:-1]) + sum(scatters[1:])
-    backward = gathers[-1] + scatters[0]
+    overlapped = gathers - gather(*last) + scatters - scatter(*first)
+    backward = gather(*last) + scatter(*first)
     hiding = _hiding(compute.backward + compute.recompute, models)
     return forward + backward + max(0.0, overlapped - hiding)
 
