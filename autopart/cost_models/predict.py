@@ -320,8 +320,9 @@ def step_time_lower_bound(
     cp_layout: bool = True,
 ) -> float:
     """A floor under `predict(...).step_time_s`: every pipeline rank busy with an even
-    share of the compute and of the tensor-parallel collectives, sending its stage
-    transfers (each no smaller than the smallest block's output), and idle for the
+    share of the compute and of the tensor-parallel collectives (and of context
+    parallelism's rings, conversions and logits' gather), sending its stage transfers
+    (each no smaller than the smallest block's output), and idle for the
     schedule's bubble, with no other communication or optimizer step (`pipeline_step`
     charges the slowest rank's work and talk, at least the mean, and the bubble in
     proportion to them); under context parallelism without the sync's sums, the
@@ -353,6 +354,12 @@ def step_time_lower_bound(
             segments = list(summary.sharded({**at, BATCH: at[BATCH] / cp}, choices.tp))
         work = sum(t.total for t in _segment_times(segments, choices, models.compute))
         work += _tp_comm(segments, choices, models.comm)
+        if cp > 1 and cp_layout:  # the rings, conversions and logits' gather it makes
+            again = [choices.recomputes(s) for s in segments]
+            tp, precision, comm = choices.tp, choices.precision, models.comm
+            work += ring_comm(segments, cp, tp, precision, again, comm, models.compute)
+            work += conversion_comm(segments, cp, tp, precision, again, comm)
+            work += output_gather(segments[-1].output_bytes, cp, tp, comm)
         if cp > 1 and not _cp_in_sync(choices):
             # All stages' parameters: spread over pp below, which only lowers the floor.
             params = sum(s.param_numel(choices.tp) for s in segments)
