@@ -274,6 +274,19 @@ def print_json_line(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
 
+def megatron_pins(tp: int, pp: int, v: int = 1, recompute: bool | None = True) -> dict[str, Any]:
+    """Megatron-LM's runs as pins: tp × pp, no ZeRO, no sequence parallelism (which came
+    after these runs, or was not used in them), 1F1B or interleaved over `v` chunks;
+    every block recomputed (None: left to autopart)."""
+    pins: dict[str, Any] = dict(tp=tp, pp=pp, zero=0, sequence_parallel=False)
+    if recompute is not None:
+        pins["recompute"] = recompute
+    if pp > 1:
+        pins["schedule"] = "interleaved-1f1b" if v > 1 else "1f1b"
+        pins["virtual_stages"] = v if v > 1 else None
+    return pins
+
+
 def pinned_as_published(
     pins: dict[str, Any], gpus: int, batch: int, microbatch_size: int | None, precision: str
 ) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from harness import (
     gpt,
     llama,
     lm_loss_pins,
+    megatron_pins,
     pinned_as_published,
     print_json_line,
     timed,
@@ -76,7 +77,7 @@ CONFIGS = {
         1024,
         2048,
         "fp16-mixed",
-        dict(tp=8, pp=1, zero=0, sequence_parallel=False),
+        megatron_pins(8, 1, recompute=None),
         8,
     ),
     "gpt-145.6b": Config(
@@ -87,14 +88,7 @@ CONFIGS = {
         2304,
         2048,
         "fp16-mixed",
-        dict(
-            tp=8,
-            pp=8,
-            schedule="interleaved-1f1b",
-            virtual_stages=2,
-            zero=0,
-            sequence_parallel=False,
-        ),
+        megatron_pins(8, 8, v=2, recompute=None),
         2,
     ),
     "gpt-310.1b": Config(
@@ -105,14 +99,7 @@ CONFIGS = {
         2160,
         2048,
         "fp16-mixed",
-        dict(
-            tp=8,
-            pp=16,
-            schedule="interleaved-1f1b",
-            virtual_stages=2,
-            zero=0,
-            sequence_parallel=False,
-        ),
+        megatron_pins(8, 16, v=2, recompute=None),
         1,
     ),
     "gpt-1008b": Config(
@@ -123,7 +110,7 @@ CONFIGS = {
         3072,
         2048,
         "fp16-mixed",
-        dict(tp=8, pp=64, schedule="1f1b", zero=0, sequence_parallel=False),
+        megatron_pins(8, 64, recompute=None),
         1,
     ),
     "mt-nlg-530b": Config(
@@ -134,7 +121,7 @@ CONFIGS = {
         1920,
         2048,
         "fp16-mixed",
-        dict(tp=8, pp=35, schedule="1f1b", zero=0, sequence_parallel=False),
+        megatron_pins(8, 35, recompute=None),
         1,
     ),
     "bloom-176b": Config(

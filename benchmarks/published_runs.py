@@ -87,6 +87,7 @@ from harness import (
     captured_on_meta,
     llama,
     lm_loss_pins,
+    megatron_pins,
     pinned_as_published,
     print_json_line,
     spearman,
@@ -193,16 +194,6 @@ FP16, BF16 = "fp16-mixed", "bf16-mixed"
 A100, H100 = "a100-80g", "h100-80g"
 
 
-def _megatron(tp: int, pp: int, v: int = 1) -> dict[str, Any]:
-    """Megatron-LM's runs: tp × pp, no ZeRO, every block recomputed, no sequence
-    parallelism (which came after these runs, or was not used in them)."""
-    pins: dict[str, Any] = dict(tp=tp, pp=pp, zero=0, recompute=True, sequence_parallel=False)
-    if pp > 1:
-        pins["schedule"] = "interleaved-1f1b" if v > 1 else "1f1b"
-        pins["virtual_stages"] = v if v > 1 else None
-    return pins
-
-
 def _n21(
     params: float,
     shape: Gpt,
@@ -216,7 +207,7 @@ def _n21(
 ) -> Run:
     """A row of [N21] Table 1, with the microbatch size and virtual stages it ran."""
     return Run(
-        "N21", shape, params, A100, gpus, batch, 2048, FP16, _megatron(tp, pp, v), mbs, tflops
+        "N21", shape, params, A100, gpus, batch, 2048, FP16, megatron_pins(tp, pp, v), mbs, tflops
     )
 
 
@@ -234,23 +225,23 @@ RUNS: dict[str, Run] = {
     **{
         f"s22-mt-nlg-530b-{nodes}-nodes": Run(
             "S22", Gpt(20480, 105, 128), 530, A100, nodes * 8, 1920, 2048, FP16,
-            _megatron(8, 35), 1, step_s=seconds,
+            megatron_pins(8, 35), 1, step_s=seconds,
         )
         for nodes, seconds in ((280, 60.1), (350, 50.2), (420, 44.4))
     },
     "k22-gpt-22b": Run(
-        "K22", Gpt(6144, 48, 64), 22, A100, 8, 4, 2048, FP16, _megatron(8, 1), 4, step_s=1.42
+        "K22", Gpt(6144, 48, 64), 22, A100, 8, 4, 2048, FP16, megatron_pins(8, 1), 4, step_s=1.42
     ),
     "k22-gpt-175b": Run(
-        "K22", Gpt(12288, 96, 96), 175, A100, 64, 64, 2048, FP16, _megatron(8, 8), 1,
+        "K22", Gpt(12288, 96, 96), 175, A100, 64, 64, 2048, FP16, megatron_pins(8, 8), 1,
         step_s=18.13,
     ),
     "k22-gpt-530b": Run(
-        "K22", Gpt(20480, 105, 128), 530, A100, 280, 280, 2048, FP16, _megatron(8, 35), 1,
+        "K22", Gpt(20480, 105, 128), 530, A100, 280, 280, 2048, FP16, megatron_pins(8, 35), 1,
         step_s=49.05,
     ),
     "k22-gpt-1t": Run(
-        "K22", Gpt(25600, 128, 160), 1000, A100, 512, 512, 2048, FP16, _megatron(8, 64), 1,
+        "K22", Gpt(25600, 128, 160), 1000, A100, 512, 512, 2048, FP16, megatron_pins(8, 64), 1,
         step_s=94.42,
     ),
     "b22-bloom-176b": Run(

@@ -464,8 +464,8 @@ def _inner(
     came."""
     memory = mesh.device.memory_bytes
     solved = solve_stages(problem)
-    every = tuple(u.key for u in problem.units if u.kind is not None)
     if solved is None:
+        every = tuple(u.key for u in problem.units if u.kind is not None)
         if not every:
             return c, predicted
         c = replace(c, recompute=c.recompute + every)

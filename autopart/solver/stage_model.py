@@ -256,11 +256,11 @@ def pace_lower_bound(problem: StageProblem) -> float:
     a, b = run
     block = p.units[a]
     last = (p.chunks - 1) % p.pp
-    options = [(block.saved - block.recompute_keeps, block.recompute_time)]
+    options = []  # (what recomputing frees, what it costs): whole, or the core alone
+    if block.kind is not None:
+        options.append((block.saved - block.recompute_keeps, block.recompute_time))
     if block.has_attention_core:
         options.append((block.attention_frees, block.attention_time))
-    if block.kind is None:
-        options = []
     freeable = max((frees for frees, _ in options), default=0)
     rho = min((time / frees for frees, time in options if frees > 0), default=None)
     scale = float(1 + p.allocator)
