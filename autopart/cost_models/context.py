@@ -55,22 +55,63 @@ def ring_comm(
     """Seconds per microbatch the rings of `segments`' attentions leave exposed."""
     if cp == 1:
         return 0.0
+    return sum(
+        _ring_seconds(work, cp, tp, precision, again, comm, compute)
+        for segment, again in zip(segments, recomputed)
+        for work in segment.nodes
+        if work.kind == ATTENTION and not work.cp_whole  # gathered, not a ring
+    )
+
+
+def ring_floor(
+    local: Sequence[SegmentWork],
+    whole: Sequence[SegmentWork],
+    cp: int,
+    tp: int,
+    precision: str,
+    recomputed: Sequence[bool],
+    comm: CommModel,
+    compute: ComputeModel,
+) -> float:
+    """A floor under what `local`'s attentions add to a step priced with every
+    operator on 1/cp of the tokens (`local`, one rank's segments so evaluated), however
+    the cp layout runs each: its ring's exposed seconds, or, run on the whole
+    sequence, at least its compute on the whole microbatch (`whole`: the segments
+    evaluated there) less that on the rank's share. Needs no cp layout."""
+    if cp == 1:
+        return 0.0
     total = 0.0
-    for segment, again in zip(segments, recomputed):
-        for work in segment.nodes:
-            if work.kind != ATTENTION or work.cp_whole:  # gathered, not a ring
+    for mine, all_of, again in zip(local, whole, recomputed):
+        for work, full in zip(mine.nodes, all_of.nodes):
+            if work.kind != ATTENTION:
                 continue
-            kv = _key_value_bytes(work) * bytes_scale(work, precision)
-            itemsize = 4 * bytes_scale(work, precision)
-            grads = kv * GRADIENT_ACCUMULATION_BYTES / itemsize
-            send = comm.send_time(kv, 0, tp, cp * tp)
-            back = comm.send_time(kv + grads, 0, tp, cp * tp)
-            cost = compute.time(work)
-            hide = comm.overlaps_compute
-            forward = (cp - 1) * max(0.0, send - (cost.forward / cp if hide else 0.0))
-            backward = cp * max(0.0, back - (cost.backward / cp if hide else 0.0))
-            total += forward * (1 + again) + backward
+            ring = _ring_seconds(work, cp, tp, precision, again, comm, compute)
+            gathered = compute.time(full).total - compute.time(work).total
+            total += max(0.0, min(ring, gathered))
     return total
+
+
+def _ring_seconds(
+    work: NodeWork,
+    cp: int,
+    tp: int,
+    precision: str,
+    again: bool,
+    comm: CommModel,
+    compute: ComputeModel,
+) -> float:
+    """Seconds per microbatch one attention's ring leaves exposed (`again`: its forward
+    recomputed)."""
+    kv = _key_value_bytes(work) * bytes_scale(work, precision)
+    itemsize = 4 * bytes_scale(work, precision)
+    grads = kv * GRADIENT_ACCUMULATION_BYTES / itemsize
+    send = comm.send_time(kv, 0, tp, cp * tp)
+    back = comm.send_time(kv + grads, 0, tp, cp * tp)
+    cost = compute.time(work)
+    hide = comm.overlaps_compute
+    forward = (cp - 1) * max(0.0, send - (cost.forward / cp if hide else 0.0))
+    backward = cp * max(0.0, back - (cost.backward / cp if hide else 0.0))
+    return forward * (1 + again) + backward
 
 
 def conversion_comm(

@@ -39,6 +39,7 @@ backward (3× forward FLOPs) without recomputation, as in MFU (Chowdhery et al.,
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ from autopart.cost_models.context import (
     gradient_all_reduces,
     output_gather,
     ring_comm,
+    ring_floor,
 )
 from autopart.cost_models.experts import all_to_all_comm
 from autopart.cost_models.memory import (
@@ -209,9 +211,14 @@ def _within(key: str, paths: tuple[str, ...]) -> bool:
     prefix of it, as the search asks it of every block."""
     if not paths:
         return False
-    chosen = frozenset(paths)
+    chosen = _as_set(paths)
     parts = key.split(".")
     return any(".".join(parts[:i]) in chosen for i in range(1, len(parts) + 1))
+
+
+@functools.lru_cache(maxsize=256)
+def _as_set(paths: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(paths)
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,7 +335,9 @@ def step_time_lower_bound(
     proportion to them); under context parallelism without the sync's sums, the
     gradient all-reduces over cp that every microbatch leaves exposed. Without
     `cp_layout`, every operator is counted on 1/cp of the microbatch, even those the cp
-    rewrite runs whole: a lower floor that needs no cp layout, which is dear to make.
+    rewrite runs whole, and each attention adds the lesser of its ring and its whole
+    sequence's compute (`context.ring_floor`): a lower floor that needs no cp layout,
+    which is dear to make.
     The search does not price a plan whose floor is slower than a plan it has. `cache`:
     a dict kept across calls on one graph and mesh, for a microbatch's work (the search
     asks for thousands of plans)."""
@@ -354,11 +363,20 @@ def step_time_lower_bound(
             segments = list(summary.sharded({**at, BATCH: at[BATCH] / cp}, choices.tp))
         work = sum(t.total for t in _segment_times(segments, choices, models.compute))
         work += _tp_comm(segments, choices, models.comm)
-        if cp > 1 and cp_layout:  # the rings, conversions and logits' gather it makes
+        if cp > 1:  # the rings, conversions and logits' gather it makes
             again = [choices.recomputes(s) for s in segments]
-            tp, precision, comm = choices.tp, choices.precision, models.comm
-            work += ring_comm(segments, cp, tp, precision, again, comm, models.compute)
-            work += conversion_comm(segments, cp, tp, precision, again, comm)
+            tp, precision, comm, compute = (
+                choices.tp,
+                choices.precision,
+                models.comm,
+                models.compute,
+            )
+            if cp_layout:
+                work += ring_comm(segments, cp, tp, precision, again, comm, compute)
+                work += conversion_comm(segments, cp, tp, precision, again, comm)
+            else:  # each attention's ring, or its whole sequence
+                whole = summary.sharded(at, tp)
+                work += ring_floor(segments, whole, cp, tp, precision, again, comm, compute)
             work += output_gather(segments[-1].output_bytes, cp, tp, comm)
         if cp > 1 and not _cp_in_sync(choices):
             # All stages' parameters: spread over pp below, which only lowers the floor.

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 from autopart.cost_models.context import conversion_comm, ring_comm
@@ -64,9 +64,10 @@ TIME_STEPS = 1 << 24
 @dataclass(frozen=True, slots=True)
 class Unit:
     """One segment of the graph as the inner solver sees it (time and memory in the
-    problem's units)."""
+    problem's units). Units are equal where their figures are, whatever their keys:
+    copies of one block."""
 
-    key: str
+    key: str = field(compare=False)
     kind: str | None  # the block's structure (`BlockInfo.block_id`); None: not recomputable
     time: int  # per microbatch, not recomputed
     states: int  # its parameters, gradients and optimizer state on this rank

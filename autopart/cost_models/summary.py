@@ -100,6 +100,32 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
+class Totals:
+    """What the search reads of a segment's operators for every plan, summed once per
+    tuple of them: the copies of a block share their operators' tuple, and so these."""
+
+    nodes: tuple[NodeWork, ...]
+    flops: float
+    # Bytes saved for backward, and those recomputing the attention cores frees, in fp32
+    # and under mixed precision.
+    saved: tuple[float, float]
+    core_frees: tuple[float, float]
+    attention_core: tuple[NodeWork, ...]
+
+    @classmethod
+    def of(cls, nodes: tuple[NodeWork, ...]) -> Totals:
+        def both(bytes_of: Callable[[NodeWork], float]) -> tuple[float, float]:
+            def at(precision: str) -> float:
+                return sum(bytes_of(w) * bytes_scale(w, precision) for w in nodes)
+
+            return at(Precision.FP32), at(Precision.BF16_MIXED)
+
+        saved, frees = both(lambda w: w.saved_bytes), both(lambda w: w.core_frees_bytes)
+        core = tuple(w for w in nodes if w.in_attention_core)
+        return cls(nodes, sum(w.flops for w in nodes), saved, frees, core)
+
+
+@dataclass(frozen=True, slots=True)
 class SegmentWork:
     """A segment's operators evaluated at one set of dim sizes."""
 
@@ -114,26 +140,12 @@ class SegmentWork:
     # Under context parallelism, the collectives of the cp rewrite's conversions
     # (`cp_layout.py`: the sequence gathered for what runs whole), as `tp_traffic`.
     cp_traffic: Traffic = ()
-    # Bytes saved for backward, and those recomputing the attention core frees, in fp32
-    # and under mixed precision, summed once: the search reads them for every plan.
-    _saved: tuple[float, float] = field(init=False, repr=False, compare=False)
-    _core_frees: tuple[float, float] = field(init=False, repr=False, compare=False)
-    # The operators of its attention cores: one tuple, so their cost is kept with it
-    # (`ComputeModel.cost`).
-    attention_core: tuple[NodeWork, ...] = field(init=False, repr=False, compare=False)
+    # What the search reads of its operators for every plan, summed once (`Totals`).
+    totals: Totals | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        precisions = (Precision.FP32, Precision.BF16_MIXED)
-        saved = tuple(
-            sum(w.saved_bytes * bytes_scale(w, p) for w in self.nodes) for p in precisions
-        )
-        frees = tuple(
-            sum(w.core_frees_bytes * bytes_scale(w, p) for w in self.nodes) for p in precisions
-        )
-        object.__setattr__(self, "_saved", saved)
-        object.__setattr__(self, "_core_frees", frees)
-        core = tuple(w for w in self.nodes if w.in_attention_core)
-        object.__setattr__(self, "attention_core", core)
+        if self.totals is None or self.totals.nodes is not self.nodes:
+            object.__setattr__(self, "totals", Totals.of(self.nodes))
 
     @property
     def key(self) -> str:
@@ -143,22 +155,33 @@ class SegmentWork:
     def is_block(self) -> bool:
         return self.segment.block_id is not None
 
+    def _totals(self) -> Totals:
+        assert self.totals is not None  # set by __post_init__
+        return self.totals
+
     def saved_bytes(self, precision: str = "fp32") -> float:
         """Bytes saved for backward per microbatch at `precision` (`precision.py`)."""
-        return self._saved[is_mixed(precision)]
+        return self._totals().saved[is_mixed(precision)]
 
     def core_frees_bytes(self, precision: str = "fp32") -> float:
         """Bytes per microbatch that recomputing its attention cores alone frees
         (selective recomputation; 0 for a segment without one)."""
-        return self._core_frees[is_mixed(precision)]
+        return self._totals().core_frees[is_mixed(precision)]
 
     @property
     def has_attention_core(self) -> bool:
-        return self._core_frees[0] > 0 or bool(self.attention_core)
+        totals = self._totals()
+        return totals.core_frees[0] > 0 or bool(totals.attention_core)
+
+    @property
+    def attention_core(self) -> tuple[NodeWork, ...]:
+        """The operators of its attention cores: one tuple, so their cost is kept with
+        it (`ComputeModel.cost`)."""
+        return self._totals().attention_core
 
     @property
     def flops(self) -> float:
-        return sum(w.flops for w in self.nodes)
+        return self._totals().flops
 
     @property
     def low_precision_output(self) -> bool:
@@ -183,12 +206,15 @@ class SegmentWork:
         whole = s.expert_param_numel - s.sharded_expert_param_numel
         return (whole + s.sharded_expert_param_numel / tp) / ep
 
-    def sharded(self, tp: int) -> SegmentWork:
+    def sharded(self, tp: int, twin: SegmentWork | None = None) -> SegmentWork:
         """One tp rank's share: its operators', and its output where the layout splits
-        what it hands on (a block's output under sequence parallelism)."""
+        what it hands on (a block's output under sequence parallelism). `twin`: the
+        share of another segment with these operators (a block's other instance)."""
         if tp == 1:
             return self
         output = self.output_bytes / (tp if self.segment.output_split else 1)
+        if twin is not None:
+            return replace(self, nodes=twin.nodes, output_bytes=output, totals=twin.totals)
         return replace(self, nodes=tuple(w.sharded(tp) for w in self.nodes), output_bytes=output)
 
 
@@ -263,7 +289,7 @@ class GraphSummary:
         """`evaluate(dims)` on one rank of a `tp`-way tensor-parallel group (cached)."""
         key = (tuple(sorted(dims.items())), tp)
         if key not in self._sharded:
-            self._sharded[key] = tuple(s.sharded(tp) for s in self.evaluate(dims))
+            self._sharded[key] = _shares(self.evaluate(dims), tp)
         return self._sharded[key]
 
     def context_parallel(
@@ -279,7 +305,7 @@ class GraphSummary:
         key = (tuple(sorted(dims.items())), tp, cp)
         if key not in self._cp_sharded:
             works = self._context_parallel(dims, cp)
-            self._cp_sharded[key] = tuple(s.sharded(tp) for s in works)
+            self._cp_sharded[key] = _shares(works, tp)
         return self._cp_sharded[key]
 
     def _context_parallel(self, dims: Mapping[str, float], cp: int) -> list[SegmentWork]:
@@ -300,19 +326,28 @@ class GraphSummary:
             return (full_bytes if whole else local_bytes)(c, site)
 
         out = []
+        mixed: dict[tuple, SegmentWork] = {}  # a block's copies mix their operators alike
         for seg, mine, all_of, found in zip(self.segments, local, full, conversions):
-            whole = [n in layout.whole for n in seg.nodes]
+            whole = tuple(n in layout.whole for n in seg.nodes)
             if not any(whole) and not found:
                 out.append(mine)
                 continue
-            nodes = tuple(
-                replace(w, cp_whole=True) if at_full else m
-                for m, w, at_full in zip(mine.nodes, all_of.nodes, whole)
-            )
+            twin = mixed.get((id(mine.nodes), whole))
+            if twin is None:
+                nodes = tuple(
+                    replace(w, cp_whole=True) if at_full else m
+                    for m, w, at_full in zip(mine.nodes, all_of.nodes, whole)
+                )
             cp_traffic = _alike(((c, None) for c in found), full_bytes)
-            out.append(
-                replace(mine, nodes=nodes, tp_traffic=_traffic(seg, size), cp_traffic=cp_traffic)
+            work = replace(
+                mine,
+                nodes=nodes if twin is None else twin.nodes,
+                tp_traffic=_traffic(seg, size),
+                cp_traffic=cp_traffic,
+                totals=None if twin is None else twin.totals,
             )
+            mixed.setdefault((id(mine.nodes), whole), work)
+            out.append(work)
         return out
 
     def evaluate(self, dims: Mapping[str, float]) -> tuple[SegmentWork, ...]:
@@ -354,7 +389,8 @@ class GraphSummary:
         scale = self._scale(dims)
         size = self._collective_bytes(dims)
         by_block: dict[str, tuple] = {}
-        out = []
+        first: dict[str, SegmentWork] = {}  # each block's first instance
+        out: list[SegmentWork] = []
         for seg in self.segments:
             if seg.block_id is None or seg.block_id not in by_block:
                 works = tuple(
@@ -372,8 +408,22 @@ class GraphSummary:
                 evaluated, signature = by_block[seg.block_id]
                 if _signature(seg) != signature:  # a copy with other collectives
                     evaluated = (*evaluated[:2], _traffic(seg, size), evaluated[3])
-            out.append(SegmentWork(seg, *evaluated))
+            twin = first.get(seg.block_id) if seg.block_id is not None else None
+            out.append(SegmentWork(seg, *evaluated, totals=twin.totals if twin else None))
+            if seg.block_id is not None:
+                first.setdefault(seg.block_id, out[-1])
         return tuple(out)
+
+
+def _shares(works: Iterable[SegmentWork], tp: int) -> tuple[SegmentWork, ...]:
+    """Each segment's share on one rank of `tp` (`SegmentWork.sharded`), the operators
+    that copies of a block share sharded once."""
+    done: dict[int, SegmentWork] = {}
+    out = []
+    for work in works:
+        out.append(work.sharded(tp, done.get(id(work.nodes))))
+        done.setdefault(id(work.nodes), out[-1])
+    return tuple(out)
 
 
 def _segments(

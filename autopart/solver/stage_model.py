@@ -33,7 +33,6 @@ deterministic.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from fractions import Fraction
 from itertools import accumulate
 
@@ -324,8 +323,8 @@ def _uniform_run(problem: StageProblem) -> tuple[int, int] | None:
     a, b = cuts[0] - 1, cuts[-1] + 1
     if list(cuts) != list(range(a + 1, b)):
         return None
-    figures = {replace(u, key="") for u in problem.units[a:b]}
-    return (a, b) if len(figures) == 1 else None
+    first = problem.units[a]
+    return (a, b) if all(u == first for u in problem.units[a + 1 : b]) else None
 
 
 def _may_fit(problem: StageProblem, run: tuple[int, int] | None) -> bool:

@@ -17,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from autopart.api import captured_for_planning
 from autopart.capture import capture
 from autopart.cost_models.comm import ALL_GATHER
-from autopart.cost_models.context import conversion_comm, ring_comm
+from autopart.cost_models.context import conversion_comm, ring_comm, ring_floor
 from autopart.cost_models.predict import Choices, CostModels, rank_segments
 from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork
 from autopart.cost_models.work import ATTENTION, NodeWork
@@ -163,6 +163,34 @@ def test_masked_attention_is_priced_as_gathered_not_as_a_ring():
     )
     rings, gathers, traffic = comm(plain)
     assert rings > 0.0 and gathers == 0.0 and traffic == []
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["ring", "gathered"])
+def test_the_ring_floor_is_under_what_the_layout_adds(masked):
+    """Without a cp layout, the search's floor charges each attention the lesser of its
+    ring and its whole sequence's compute over the rank's share (`ring_floor`): above 0,
+    and never above what pricing by the layout adds to every operator on 1/cp of the
+    tokens, whether the attention rings or is gathered and runs whole. One device a
+    node, on slow links."""
+    summary = _summary(OneAttentionLayer(masked))
+    models = CostModels.of(Mesh.cluster("a10-24g", nodes=2, per_node=1), "fp32")
+    at = {BATCH: BATCH_SIZE, "seq": SEQ}
+    local = summary.sharded({**at, BATCH: BATCH_SIZE / 2}, 1)
+    whole = summary.sharded(at, 1)
+    laid_out = _segments(summary, 2)
+    again = [False] * len(local)
+    floor = ring_floor(local, whole, 2, 1, "fp32", again, models.comm, models.compute)
+
+    def compute(segments) -> float:
+        return sum(models.compute.cost(s.nodes).total for s in segments)
+
+    added = (
+        compute(laid_out)
+        - compute(local)
+        + ring_comm(laid_out, 2, 1, "fp32", again, models.comm, models.compute)
+        + conversion_comm(laid_out, 2, 1, "fp32", again, models.comm)
+    )
+    assert 0 < floor <= added
 
 
 def test_a_causal_mask_built_from_shapes_is_priced_as_a_ring():
