@@ -80,15 +80,23 @@ def ring_floor(
     evaluated there) less that on the rank's share. Needs no cp layout."""
     if cp == 1:
         return 0.0
-    total = 0.0
-    for mine, all_of, again in zip(local, whole, recomputed):
+
+    def least(mine: SegmentWork, all_of: SegmentWork, again: bool) -> float:
+        total = 0.0
         for work, full in zip(mine.nodes, all_of.nodes):
             if work.kind != ATTENTION:
                 continue
             ring = _ring_seconds(work, cp, tp, precision, again, comm, compute)
             gathered = compute.time(full).total - compute.time(work).total
             total += max(0.0, min(ring, gathered))
-    return total
+        return total
+
+    seconds: dict[tuple, float] = {}  # a block's copies share their operators' tuples
+    for mine, all_of, again in zip(local, whole, recomputed):
+        key = (id(mine.nodes), id(all_of.nodes), again)
+        if key not in seconds:
+            seconds[key] = least(mine, all_of, again)
+    return sum(seconds[id(m.nodes), id(a.nodes), r] for m, a, r in zip(local, whole, recomputed))
 
 
 def _ring_seconds(
