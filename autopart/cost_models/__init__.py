@@ -6,6 +6,7 @@ operator), `CommModel` (alpha-beta collectives on the mesh's topology), `MemoryM
 combines them into a plan's `Predicted` figures.
 """
 
+from autopart.cost_models.choices import Choices, CostModels
 from autopart.cost_models.comm import COLLECTIVES, CommModel, ring_steps, ring_volume
 from autopart.cost_models.compute import ComputeModel, PhaseCost, training_flops
 from autopart.cost_models.memory import (
@@ -14,7 +15,7 @@ from autopart.cost_models.memory import (
     model_state_bytes,
 )
 from autopart.cost_models.pipeline import bubble_fraction, exposed_sync, pipeline_step
-from autopart.cost_models.predict import Choices, CostModels, predict, step_time_lower_bound
+from autopart.cost_models.predict import predict, step_time_lower_bound
 from autopart.cost_models.summary import GraphSummary
 from autopart.cost_models.work import NodeWork, node_work
 

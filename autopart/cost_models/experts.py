@@ -22,7 +22,7 @@ from autopart.cost_models.summary import SegmentWork
 from autopart.degrees import Axis
 
 if TYPE_CHECKING:
-    from autopart.cost_models.predict import Choices
+    from autopart.cost_models.choices import Choices
 
 
 def all_to_all_comm(own: list[SegmentWork], choices: Choices, comm: CommModel) -> float:

@@ -39,14 +39,13 @@ backward (3× forward FLOPs) without recomputation, as in MFU (Chowdhery et al.,
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import fx
-from torch.distributed.tensor import Placement
 
+from autopart.cost_models.choices import Choices, CostModels
 from autopart.cost_models.comm import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -66,9 +65,7 @@ from autopart.cost_models.experts import all_to_all_comm
 from autopart.cost_models.memory import (
     FP32_WEIGHTS,
     Activations,
-    MemoryModel,
     in_flight_microbatches,
-    state_bytes,
     total,
 )
 from autopart.cost_models.offload import host_step_time
@@ -79,160 +76,20 @@ from autopart.cost_models.pipeline import (
     pipeline_step,
 )
 from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
-from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork, TpLayout
-from autopart.degrees import Axis, AxisAttributes, Degrees
+from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork
+from autopart.degrees import Axis
 from autopart.mesh import Mesh
-from autopart.plan import Plan, Predicted, StageFigures
+from autopart.plan import Predicted, StageFigures
 from autopart.policy import (
-    SCHEDULES,
     ZERO3_BUCKET_BYTES,
     ZERO3_REGATHER_AFTER,
-    MasterWeights,
     Precision,
     Schedule,
-    cp_gradients_in_sync,
-    outer_optimizer,
 )
 
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
 TP_ALL_REDUCES_BACKWARD = 2
 LOSS_BYTES = 4  # the fp32 scalar loss all-reduced at the end of every step
-
-
-@dataclass(frozen=True, slots=True)
-class Choices(AxisAttributes):
-    """What a plan decides that the costs depend on (the fields of `Plan`);
-    `choices.dp`, `choices.tp`, ... read `choices.degrees`."""
-
-    global_batch: int
-    degrees: Degrees = field(default_factory=Degrees)
-    zero: int = 0
-    microbatches: int = 1
-    schedule: str | None = None
-    virtual_stages: int = 1
-    precision: str = "fp32"
-    recompute: tuple[str, ...] = ()  # module paths of recomputed blocks (or containers)
-    # Module paths of blocks (or containers) whose attention core alone is recomputed.
-    recompute_attention: tuple[str, ...] = ()
-    stage_cuts: tuple[str, ...] = ()
-    # (FQN, tp placement) of every parameter; None: the Megatron layout (summary.py).
-    tp_placements: tuple[tuple[str, Placement], ...] | None = None
-    sequence_parallel: bool = False
-    grad_compression: str | None = None  # as the runtime compresses the dp all-reduce
-    offload: bool = False  # the optimizer state on the host, stepped there
-    # Local SGD's steady state: parameters averaged every `sync_every` steps instead
-    # of gradients all-reduced every step (its warm-up is priced as data parallelism).
-    sync_every: int | None = None
-    # Copies of the parameters local SGD's outer optimizer keeps: its anchor, and its
-    # momentum where it has one.
-    outer_copies: int = 0
-    # Where the fp32 weights live (`policy.MasterWeights`): on the host, the device's
-    # weights and gradients are 16-bit.
-    master_weights: str = MasterWeights.DEVICE
-
-    def __post_init__(self) -> None:
-        if self.pp > 1 and self.schedule is None:
-            raise ValueError("a pipeline (pp > 1) needs a schedule: one of " + ", ".join(SCHEDULES))
-
-    @classmethod
-    def of(cls, plan: Plan) -> Choices:
-        placements = tuple((fqn, plan.placement(fqn, Axis.TP)) for fqn in sorted(plan.placements))
-        return cls(
-            plan.global_batch,
-            plan.degrees,
-            plan.zero,
-            plan.microbatches,
-            plan.schedule,
-            plan.virtual_stages,
-            plan.precision,
-            plan.recompute,
-            plan.recompute_attention,
-            plan.stage_cuts,
-            placements if plan.tp > 1 and placements else None,
-            plan.sequence_parallel,
-            plan.grad_compression,
-            plan.offload,
-            plan.sync_every,
-            _outer_copies(plan.outer_optimizer),
-            plan.master_weights,
-        )
-
-    @property
-    def state_bytes(self) -> tuple[int, int, int]:
-        """Bytes per parameter of its (weights, gradients, optimizer state)."""
-        return state_bytes(self.precision, self.master_weights)
-
-    def tp_layout(self, gm: fx.GraphModule) -> TpLayout | None:
-        if self.tp == 1 or self.tp_placements is None:
-            return None
-        return TpLayout.of(gm, dict(self.tp_placements), self.tp, self.sequence_parallel)
-
-    @property
-    def microbatch_size(self) -> int:
-        parts = self.degrees.batch_split * self.microbatches
-        if self.global_batch % parts:
-            raise ValueError(
-                f"the global batch of {self.global_batch} does not split into "
-                f"dp={self.dp} × ep={self.ep} × microbatches={self.microbatches} equal parts"
-            )
-        return self.global_batch // parts
-
-    @property
-    def chunks(self) -> int:
-        return self.pp * self.virtual_stages
-
-    def recomputes(self, segment: SegmentWork) -> bool:
-        """Whether a block lies in (or is) one of the recomputed module paths."""
-        return segment.is_block and self.recomputes_block(segment.key)
-
-    def recomputes_block(self, key: str) -> bool:
-        """Whether the block instance `key` lies in (or is) a recomputed module path."""
-        return _within(key, self.recompute)
-
-    def recomputes_attention(self, segment: SegmentWork) -> bool:
-        """Whether only a block's attention core is recomputed (selective)."""
-        return (
-            bool(self.recompute_attention)
-            and segment.is_block
-            and _within(segment.key, self.recompute_attention)
-            and segment.has_attention_core
-            and not self.recomputes(segment)
-        )
-
-
-def _outer_copies(spec: str | None) -> int:
-    if spec is None:
-        return 0
-    return 2 if outer_optimizer(spec).momentum else 1
-
-
-def _within(key: str, paths: tuple[str, ...]) -> bool:
-    """Whether module path `key` lies in (or is) one of `paths`: one set look-up per
-    prefix of it, as the search asks it of every block."""
-    if not paths:
-        return False
-    chosen = _as_set(paths)
-    parts = key.split(".")
-    return any(".".join(parts[:i]) in chosen for i in range(1, len(parts) + 1))
-
-
-@functools.lru_cache(maxsize=256)
-def _as_set(paths: tuple[str, ...]) -> frozenset[str]:
-    return frozenset(paths)
-
-
-@dataclass(frozen=True, slots=True)
-class CostModels:
-    """The models a prediction uses, passed explicitly."""
-
-    compute: ComputeModel
-    comm: CommModel
-    memory: MemoryModel
-
-    @classmethod
-    def of(cls, mesh: Mesh, precision: str) -> CostModels:
-        compute = ComputeModel(mesh.device, precision, half_dim=mesh.device.matmul_half_dim)
-        return cls(compute, CommModel(mesh), MemoryModel(precision))
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,7 +204,7 @@ def step_time_lower_bound(
         choices.tp,
         cp,
         cp > 1 and cp_layout,
-        cp > 1 and _cp_in_sync(choices),
+        cp > 1 and choices.cp_in_sync,
         choices.microbatch_size,
         choices.recompute,
         choices.recompute_attention,
@@ -378,7 +235,7 @@ def step_time_lower_bound(
                 whole = summary.sharded(at, tp)
                 work += ring_floor(segments, whole, cp, tp, precision, again, comm, compute)
             work += output_gather(segments[-1].output_bytes, cp, tp, comm)
-        if cp > 1 and not _cp_in_sync(choices):
+        if cp > 1 and not choices.cp_in_sync:
             # All stages' parameters: spread over pp below, which only lowers the floor.
             params = sum(s.param_numel(choices.tp) for s in segments)
             grad_bytes = choices.state_bytes[1]
@@ -589,7 +446,7 @@ def _cp_comm(
     rings = ring_comm(own, cp, tp, choices.precision, recomputed, comm, models.compute)
     conversions = conversion_comm(own, cp, tp, choices.precision, recomputed, comm)
     grad_bytes = choices.state_bytes[1]
-    in_sync = _cp_in_sync(choices)
+    in_sync = choices.cp_in_sync
     gradients = 0.0 if in_sync else gradient_all_reduces(params, cp, tp, grad_bytes, comm)
     logits = output_gather(last.output_bytes, cp, tp, comm) if last else 0.0
     return rings + conversions + gradients + logits
@@ -785,7 +642,7 @@ def _sync_group(choices: Choices) -> tuple[int, int]:
     """(ranks, stride) of the gradient sync's group: dp, or dp × cp where the sync also
     sums context parallelism's parts (`policy.cp_gradients_in_sync`), or dp × ep (the
     ranks that split the batch) under expert parallelism."""
-    if choices.cp > 1 and _cp_in_sync(choices):
+    if choices.cp > 1 and choices.cp_in_sync:
         return choices.dp * choices.cp, choices.degrees.stride(Axis.CP)
     if choices.ep > 1:
         return choices.dp * choices.ep, choices.degrees.stride(Axis.EP)
@@ -795,10 +652,6 @@ def _sync_group(choices: Choices) -> tuple[int, int]:
 def _expert_group(choices: Choices) -> tuple[int, int]:
     """(ranks, stride) of the experts' gradient sync: their dp replicas."""
     return choices.dp, choices.degrees.stride(Axis.DP)
-
-
-def _cp_in_sync(choices: Choices) -> bool:
-    return cp_gradients_in_sync(choices.zero, choices.sync_every, choices.grad_compression)
 
 
 def _bucketed(

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from torch import fx
 
-from autopart.cost_models.predict import Choices, CostModels
+from autopart.cost_models.choices import Choices, CostModels
 from autopart.cost_models.summary import BATCH, GraphSummary
 from autopart.ops.aten import op_name
 from autopart.ops.meta import BLOCK, MODULE_PATH

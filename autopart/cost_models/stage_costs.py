@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
+from autopart.cost_models.choices import Choices, CostModels
 from autopart.cost_models.context import conversion_comm, ring_comm
 from autopart.cost_models.experts import segment_all_to_all
 from autopart.cost_models.memory import (
@@ -43,8 +44,6 @@ from autopart.cost_models.memory import (
     sharded_state_bytes,
 )
 from autopart.cost_models.predict import (
-    Choices,
-    CostModels,
     attention_recompute_cost,
     p2p_comm,
     rank_segments,

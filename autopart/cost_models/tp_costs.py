@@ -51,7 +51,7 @@ from autopart.passes.tp_decision import Decision, Operands, R
 from autopart.policy import Precision
 
 if TYPE_CHECKING:
-    from autopart.cost_models.predict import CostModels
+    from autopart.cost_models.choices import CostModels
 
 COPY = "copy_to_group"
 

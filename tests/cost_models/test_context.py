@@ -16,9 +16,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopart.api import captured_for_planning
 from autopart.capture import capture
+from autopart.cost_models.choices import Choices, CostModels
 from autopart.cost_models.comm import ALL_GATHER
 from autopart.cost_models.context import conversion_comm, ring_comm, ring_floor
-from autopart.cost_models.predict import Choices, CostModels, rank_segments
+from autopart.cost_models.predict import rank_segments
 from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork
 from autopart.cost_models.work import ATTENTION, NodeWork
 from autopart.degrees import Degrees

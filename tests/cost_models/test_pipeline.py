@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from autopart.cost_models.choices import Choices
 from autopart.cost_models.comm import CommModel
 from autopart.cost_models.pipeline import (
     bubble_fraction,
@@ -12,7 +13,7 @@ from autopart.cost_models.pipeline import (
     exposed_sync,
     pipeline_step,
 )
-from autopart.cost_models.predict import Choices, p2p_comm
+from autopart.cost_models.predict import p2p_comm
 from autopart.degrees import Degrees
 from autopart.mesh import Mesh
 

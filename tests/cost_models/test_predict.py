@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from autopart.capture import capture
-from autopart.cost_models.predict import Choices, predict
+from autopart.cost_models.choices import Choices
+from autopart.cost_models.predict import predict
 from autopart.cost_models.summary import GraphSummary
 from autopart.degrees import Degrees
 from autopart.mesh import Mesh

@@ -10,7 +10,8 @@ import pytest
 from torch.distributed.tensor import Shard
 
 from autopart.capture import capture
-from autopart.cost_models.predict import Choices, predict
+from autopart.cost_models.choices import Choices
+from autopart.cost_models.predict import predict
 from autopart.cost_models.summary import GraphSummary, TpLayout
 from autopart.degrees import Degrees
 from autopart.mesh import PRESETS, Mesh

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopart.cost_models.predict import Choices
+from autopart.cost_models.choices import Choices
 from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
 from autopart.cost_models.summary import Segment, SegmentWork
 from autopart.degrees import Degrees
