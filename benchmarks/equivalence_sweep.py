@@ -1,7 +1,7 @@
 """Property-based equivalence at scale: random models under random pins, each trained
 on a local Gloo world and compared with one device.
 
-    python benchmarks/equivalence_sweep.py [--examples 200] [--only moe,cp,ep]
+    python benchmarks/equivalence_sweep.py [--examples 200] [--only moe,cp,ep] [--seed N]
 
 The cases come from `tests/random_models.py`'s hypothesis strategy (derandomized: the
 same cases every run). Each either matches one device (losses and parameters within
@@ -12,7 +12,8 @@ with the pass / refused / fail counts and the refusals' reasons. `--only` keeps 
 drawn cases that have one of the named blocks or split one of the named axes (`moe`,
 `attention`, ..., `cp`, `ep`, `tp`, ...), to sweep one feature harder. The sweep draws
 the cases of failures already diagnosed and not fixed yet too (`KNOWN_FAILURES`), which
-the quick test leaves out; `--skip-known-failures` leaves them out here.
+the quick test leaves out; `--skip-known-failures` leaves them out here. `--seed`
+draws other cases than the usual ones (the same for one seed), to look further.
 """
 
 from __future__ import annotations
@@ -85,9 +86,12 @@ def main() -> None:
         action="store_true",
         help="leave out the cases of failures already diagnosed (random_models.KNOWN_FAILURES)",
     )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="draw other cases than the usual ones"
+    )
     args = parser.parse_args()
     only = {name for name in args.only.split(",") if name}
-    cases = drawn(args.examples, known_failures=not args.skip_known_failures)
+    cases = drawn(args.examples, not args.skip_known_failures, args.seed)
     cases = [c for c in cases if wanted(c, only)]
     counts: collections.Counter[str] = collections.Counter()
     reasons: collections.Counter[str] = collections.Counter()

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -474,14 +474,15 @@ def outcome(result: dict[str, Any], want: dict[str, Any]) -> str:
     return "pass"
 
 
-def drawn(count: int, known_failures: bool = False) -> list[Case]:
-    """`count` cases from the strategy, the same on every run (derandomized); with
-    `known_failures`, also those of `KNOWN_FAILURES`."""
+def drawn(count: int, known_failures: bool = False, draw_seed: int | None = None) -> list[Case]:
+    """`count` cases from the strategy, the same on every run (derandomized, or drawn
+    from `draw_seed`: other cases, the same for one seed); with `known_failures`, also
+    those of `KNOWN_FAILURES`."""
     found: list[Case] = []
 
     @settings(
         max_examples=count,
-        derandomize=True,
+        derandomize=draw_seed is None,
         database=None,
         deadline=None,
         suppress_health_check=list(HealthCheck),
@@ -490,5 +491,7 @@ def drawn(count: int, known_failures: bool = False) -> list[Case]:
     def collect(case: Case) -> None:
         found.append(case)
 
+    if draw_seed is not None:
+        collect = seed(draw_seed)(collect)
     collect()
     return found[:count]
