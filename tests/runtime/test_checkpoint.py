@@ -63,13 +63,20 @@ def _check(per_rank: list[dict], reference: dict) -> None:
             assert restarted[1] != pytest.approx(reference["losses"][BEFORE + 1], rel=1e-4), case
 
 
-def test_a_checkpoint_resumes_under_another_plan_on_two_ranks(tmp_path):
+# From ZeRO-1 into ZeRO-3 and from tensor parallelism into ZeRO-2; the slow suite also
+# from plain data parallelism into tensor parallelism.
+RESUMED = [
+    ({"dp": 2, "zero": 1}, {"dp": 2, "zero": 3}),
+    ({"tp": 2}, {"dp": 2, "zero": 2}),
+]
+MORE_RESUMED = [({"dp": 2, "zero": 0}, {"tp": 2})]
+
+
+@pytest.mark.parametrize(
+    "cases", [RESUMED, pytest.param(MORE_RESUMED, marks=pytest.mark.slow)], ids=["zero", "more"]
+)
+def test_a_checkpoint_resumes_under_another_plan_on_two_ranks(tmp_path, cases):
     batch = token_batch(8)
-    cases = [
-        ({"dp": 2, "zero": 0}, {"tp": 2}),
-        ({"dp": 2, "zero": 1}, {"dp": 2, "zero": 3}),
-        ({"tp": 2}, {"dp": 2, "zero": 2}),
-    ]
     per_rank = run_world(_resume, 2, cases, str(tmp_path), batch)
     _check(per_rank, train_single_device("llama", "adamw", BEFORE + AFTER, batch))
 
