@@ -43,7 +43,6 @@ from autopart.cost_models.tp_costs import COPY, TpCollective, collectives_of, sp
 from autopart.ops.params import parameter_names
 from autopart.passes.causal_attention import MASK_ARG, shape_only_mask
 from autopart.passes.context_parallel import cp_propagation
-from autopart.passes.tp_propagate import operands_of
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ def _walk(
         if node.op == "output":
             continue
         site = original[node]
-        ops = operands_of(node, result.places, result.grads, cp, context_parallel=True)
+        ops = result.operands[node]
         if not split_by(ops, decision):
             whole.add(site)
         for k, c in enumerate(collectives_of(ops, decision, result.grads[node])):

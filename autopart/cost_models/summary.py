@@ -58,7 +58,7 @@ from autopart.ops.meta import (
 from autopart.ops.params import parameter_names
 from autopart.passes.experts import expert_layers
 from autopart.passes.tp_decision import R
-from autopart.passes.tp_propagate import operands_of, propagate
+from autopart.passes.tp_propagate import propagate
 from autopart.policy import Precision
 
 _NO_WORK = ("placeholder", "get_attr", "output")
@@ -243,7 +243,7 @@ class TpLayout:
         result = propagate(
             gm, parameter_names(gm), placements, tp, sequence_parallel, sharded_logits
         )
-        operands = {n: operands_of(n, result.places, result.grads, tp) for n in result.decisions}
+        operands = result.operands
         decisions = result.decisions
         split = frozenset(n for n, d in decisions.items() if split_by(operands[n], d))
         collectives = {

@@ -45,6 +45,9 @@ class Propagation:
     fused: dict[str, int] = field(default_factory=dict)
     # Replicated weights that a row-parallel product needs sharded: FQN -> dim.
     wants_row: dict[str, int] = field(default_factory=dict)
+    # What each decision was made from (`operands_of` at its turn in the walk): what
+    # a reader of the walk would build again from `places` and `grads`.
+    operands: dict[fx.Node, Operands] = field(default_factory=dict)
 
     @property
     def fallbacks(self) -> list[tuple[fx.Node, str]]:
@@ -83,7 +86,9 @@ def propagate(
             result.places[node] = (input_places or {}).get(node.name, R)
             result.grads[node] = False
             continue
-        ops = operands_of(node, result.places, result.grads, tp, context_parallel)
+        ops = result.operands[node] = operands_of(
+            node, result.places, result.grads, tp, context_parallel
+        )
         decision = decide_node(ops, gm, sequence_parallel, sharded_logits)
         if decision.fused_split and ops.flat[ops.tensors[0]] not in origin:
             # The parts of a dim sharded by no product this walk can cut part by part
