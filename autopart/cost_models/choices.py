@@ -109,7 +109,8 @@ class Choices(AxisAttributes):
 
     def recomputes(self, segment: SegmentWork) -> bool:
         """Whether a block lies in (or is) one of the recomputed module paths."""
-        return segment.is_block and self.recomputes_block(segment.key)
+        # The search asks this of every segment of every plan: most recompute nothing.
+        return bool(self.recompute) and segment.is_block and self.recomputes_block(segment.key)
 
     def recomputes_block(self, key: str) -> bool:
         """Whether the block instance `key` lies in (or is) a recomputed module path."""
