@@ -222,12 +222,8 @@ def step_time_lower_bound(
         work += _tp_comm(segments, choices, models.comm)
         if cp > 1:  # the rings, conversions and logits' gather it makes
             again = [choices.recomputes(s) for s in segments]
-            tp, precision, comm, compute = (
-                choices.tp,
-                choices.precision,
-                models.comm,
-                models.compute,
-            )
+            tp, precision = choices.tp, choices.precision
+            comm, compute = models.comm, models.compute
             if cp_layout:
                 work += ring_comm(segments, cp, tp, precision, again, comm, compute)
                 work += conversion_comm(segments, cp, tp, precision, again, comm)

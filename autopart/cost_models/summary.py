@@ -107,20 +107,18 @@ class Totals:
     nodes: tuple[NodeWork, ...]
     flops: float
     # Bytes saved for backward, and those recomputing the attention cores frees, in fp32
-    # and under mixed precision.
-    saved: tuple[float, float]
-    core_frees: tuple[float, float]
+    # and under mixed precision (indexed by `is_mixed`).
+    saved: tuple[float, ...]
+    core_frees: tuple[float, ...]
     attention_core: tuple[NodeWork, ...]
 
     @classmethod
     def of(cls, nodes: tuple[NodeWork, ...]) -> Totals:
-        def both(bytes_of: Callable[[NodeWork], float]) -> tuple[float, float]:
-            def at(precision: str) -> float:
-                return sum(bytes_of(w) * bytes_scale(w, precision) for w in nodes)
-
-            return at(Precision.FP32), at(Precision.BF16_MIXED)
-
-        saved, frees = both(lambda w: w.saved_bytes), both(lambda w: w.core_frees_bytes)
+        precisions = (Precision.FP32, Precision.BF16_MIXED)
+        saved = tuple(sum(w.saved_bytes * bytes_scale(w, p) for w in nodes) for p in precisions)
+        frees = tuple(
+            sum(w.core_frees_bytes * bytes_scale(w, p) for w in nodes) for p in precisions
+        )
         core = tuple(w for w in nodes if w.in_attention_core)
         return cls(nodes, sum(w.flops for w in nodes), saved, frees, core)
 
@@ -333,18 +331,21 @@ class GraphSummary:
                 out.append(mine)
                 continue
             twin = mixed.get((id(mine.nodes), whole))
-            if twin is None:
-                nodes = tuple(
+            nodes = (
+                twin.nodes
+                if twin
+                else tuple(
                     replace(w, cp_whole=True) if at_full else m
                     for m, w, at_full in zip(mine.nodes, all_of.nodes, whole)
                 )
+            )
             cp_traffic = _alike(((c, None) for c in found), full_bytes)
             work = replace(
                 mine,
-                nodes=nodes if twin is None else twin.nodes,
+                nodes=nodes,
                 tp_traffic=_traffic(seg, size),
                 cp_traffic=cp_traffic,
-                totals=None if twin is None else twin.totals,
+                totals=twin.totals if twin else None,
             )
             mixed.setdefault((id(mine.nodes), whole), work)
             out.append(work)
@@ -388,11 +389,12 @@ class GraphSummary:
     def _evaluate(self, dims: Mapping[str, float]) -> tuple[SegmentWork, ...]:
         scale = self._scale(dims)
         size = self._collective_bytes(dims)
-        by_block: dict[str, tuple] = {}
-        first: dict[str, SegmentWork] = {}  # each block's first instance
+        # Each block's first instance and its collectives: its copies take its work.
+        by_block: dict[str, tuple[SegmentWork, tuple]] = {}
         out: list[SegmentWork] = []
         for seg in self.segments:
-            if seg.block_id is None or seg.block_id not in by_block:
+            first = by_block.get(seg.block_id) if seg.block_id is not None else None
+            if first is None:
                 works = tuple(
                     replace(
                         node_work(n, self.gm, dims, self.param_bytes, s), tp_saves_replicated=r
@@ -401,17 +403,15 @@ class GraphSummary:
                 )
                 output = _output_bytes(seg.nodes, dims) * scale
                 rows = sum(evaluate(r, dims) for r in seg.expert_rows) * scale
-                evaluated = (works, output, _traffic(seg, size), rows)
+                work = SegmentWork(seg, works, output, _traffic(seg, size), rows)
                 if seg.block_id is not None:
-                    by_block[seg.block_id] = (evaluated, _signature(seg))
+                    by_block[seg.block_id] = (work, _signature(seg))
             else:
-                evaluated, signature = by_block[seg.block_id]
-                if _signature(seg) != signature:  # a copy with other collectives
-                    evaluated = (*evaluated[:2], _traffic(seg, size), evaluated[3])
-            twin = first.get(seg.block_id) if seg.block_id is not None else None
-            out.append(SegmentWork(seg, *evaluated, totals=twin.totals if twin else None))
-            if seg.block_id is not None:
-                first.setdefault(seg.block_id, out[-1])
+                twin, signature = first
+                alike = _signature(seg) == signature  # else a copy with other collectives
+                traffic = twin.tp_traffic if alike else _traffic(seg, size)
+                work = replace(twin, segment=seg, tp_traffic=traffic)
+            out.append(work)
         return tuple(out)
 
 
