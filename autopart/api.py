@@ -34,6 +34,7 @@ from autopart.policy import (
     zero_refusal,
 )
 from autopart.runtime.parallel_module import LossFn, OptimizerFactory, ParallelModule
+from autopart.runtime.training import TrainingOptions
 from autopart.solver import Pins, make_plan
 
 
@@ -71,6 +72,9 @@ def parallelize(
     example_kwargs: Mapping[str, Any] | None = None,
     weights: Weights | None = None,
     timeout: float | timedelta = COLLECTIVE_TIMEOUT_S,
+    max_grad_norm: float | None = None,
+    batch: str = "global",
+    skip_nonfinite: bool = False,
     **pins: Any,
 ) -> ParallelModule:
     """Capture, plan (unless `plan` is given), rewrite and return the per-rank module.
@@ -79,7 +83,15 @@ def parallelize(
     a state dict of whole tensors or a torch.distributed.checkpoint directory; each
     rank loads only its own pieces. A collective that waits more than `timeout`
     (seconds, or a timedelta) for a peer fails the step on every rank that waits: a
-    peer that stopped responding stops the job instead of hanging it."""
+    peer that stopped responding stops the job instead of hanging it.
+
+    Training options, which leave the plan as it is (runtime/training.py):
+    `max_grad_norm` clips each step's gradients to that global norm; `batch` says what
+    each rank passes to `train_step`, "global" (the global batch, the same on every
+    rank) or "per_rank" (each data-parallel rank its own share, as under DDP); a step
+    whose loss or gradient norm is not finite is skipped, and raises NonFiniteLoss
+    unless `skip_nonfinite`."""
+    training = TrainingOptions(max_grad_norm, batch, skip_nonfinite)
     captured = captured_for_planning(model, example_inputs, example_kwargs)
     kind = optimizer_class(optimizer) if optimizer else None
     refusal = optimizer_refusal(kind)
@@ -96,7 +108,11 @@ def parallelize(
     elif pins:
         raise TypeError(f"pass either a plan or pins, not both (got pins {sorted(pins)})")
     plan.check_compatible(captured.fingerprint, mesh)
-    refusal = zero_refusal(plan.zero, kind) or _host_masters_refusal(plan, captured, model)
+    refusal = (
+        zero_refusal(plan.zero, kind)
+        or _host_masters_refusal(plan, captured, model)
+        or _clipping_refusal(plan, training)
+    )
     if refusal:
         raise PlanError(refusal)
     limit = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
@@ -106,9 +122,33 @@ def parallelize(
     target = RankTarget(plan, groups, weights, loss)
     program = _rank_program(model, captured, example_kwargs, target)
     shapes, ranges = captured.input_shapes(), captured.dim_ranges
-    again = functools.partial(_program_again, model, plan, groups, example_kwargs, loss, program)
+    example = captured.example_args
+    again = functools.partial(
+        _program_again, model, plan, groups, example_kwargs, loss, program, example
+    )
     return ParallelModule(
-        program, plan, groups, loss_fn, optimizer, shapes, ranges, again, recognized_loss=loss
+        program,
+        plan,
+        groups,
+        loss_fn,
+        optimizer,
+        shapes,
+        ranges,
+        again,
+        recognized_loss=loss,
+        training=training,
+        example_batch=batch_size((captured.example_args, captured.example_kwargs)),
+    )
+
+
+def _clipping_refusal(plan: Plan, training: TrainingOptions) -> str | None:
+    """Why the step cannot clip as asked, or None: under local SGD each replica steps on
+    its own gradients, and one global norm over them is no norm any replica has."""
+    if training.max_grad_norm is None or plan.sync_every is None:
+        return None
+    return (
+        "max_grad_norm does not combine with local SGD (sync_every): each replica steps "
+        "on its own gradients. Clip without sync_every, or train local SGD unclipped"
     )
 
 
@@ -176,14 +216,20 @@ def _program_again(
     example_kwargs: Any,
     loss: CrossEntropy | None,
     held: RankProgram,
-    inputs: tuple,
+    example_inputs: tuple,
+    inputs: tuple | None = None,
+    *,
+    evaluating: bool = False,
 ) -> tuple[RankProgram, tuple[TensorInfo | None, ...], dict[str, tuple[int, float]]]:
     """This rank's program of `plan` for inputs of other shapes than the example's,
-    which the program `held` does not take: `model` captured again at them, rewritten
-    as `held` was, and given `held`'s tensors (trained since; not loaded again from the
-    weights), with the inputs it takes."""
-    with _as_captured(model, plan):
-        captured = captured_for_planning(model, inputs, example_kwargs)
+    which the program `held` does not take (None: the example's), or `evaluating`
+    (the model in eval mode): `model` captured again, rewritten as `held` was, and
+    given `held`'s tensors (trained since; not loaded again from the weights), with
+    the inputs it takes."""
+    with _as_captured(model, plan), _in_mode(model, evaluating):
+        captured = captured_for_planning(
+            model, example_inputs if inputs is None else inputs, example_kwargs
+        )
         target = RankTarget(plan, groups, loss=loss)
         program = _rank_program(model, captured, example_kwargs, target, _KEEPS_TENSORS)
     return sharing_tensors(program, held), captured.input_shapes(), captured.dim_ranges
@@ -191,6 +237,21 @@ def _program_again(
 
 # A program made again takes the first one's tensors: no weights are loaded into it.
 _KEEPS_TENSORS = frozenset({pass_name(materialize_pass)})
+
+
+@contextlib.contextmanager
+def _in_mode(model: nn.Module, evaluating: bool) -> Iterator[None]:
+    """`model` in eval mode while it is captured, where `evaluating`: dropout and batch
+    normalization are traced as `model.eval()` runs them. Each module's own mode comes
+    back after (a model may hold some modules in eval mode while it trains)."""
+    modes = [(module, module.training) for module in model.modules()]
+    if evaluating:
+        model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def captured_for_planning(

@@ -72,22 +72,33 @@ def microbatch_shares(
     over the others: there a part's weight is its share of the counted tokens, times
     dp, so that the step's loss and gradient are one device's however the ignored
     tokens fall."""
-    m = microbatches
-    even = [1.0 / m] * m
+    counts = counted_tokens(loss, target, dp, microbatches)
+    return shares_of(counts, dp_rank, microbatches)
+
+
+def counted_tokens(
+    loss: CrossEntropy | None, target: Any, parts: int, microbatches: int
+) -> list[list[int]] | None:
+    """The tokens `loss` counts in each microbatch of each of `parts` slices of
+    `target`; None where every part counts alike (another loss, a target of values)."""
     if loss is None or not isinstance(target, torch.Tensor) or target.is_floating_point():
-        return even
+        return None
     counted = target != loss.ignore_index
-    counts = [
-        [
-            int(split_batch(split_batch(counted, r, dp), i, m, "microbatches").sum())
-            for i in range(m)
-        ]
-        for r in range(dp)
-    ]
+    m = microbatches
+    slices = [split_batch(counted, r, parts) for r in range(parts)]
+    return [[int(split_batch(s, i, m, "microbatches").sum()) for i in range(m)] for s in slices]
+
+
+def shares_of(counts: list[list[int]] | None, dp_rank: int, microbatches: int) -> list[float]:
+    """The weights of rank `dp_rank`'s microbatches, given every rank's counted tokens
+    (`counted_tokens`, one row a rank)."""
+    even = [1.0 / microbatches] * microbatches
+    if counts is None:
+        return even
     total = sum(map(sum, counts))
     if total == 0 or len({c for row in counts for c in row}) == 1:
         return even  # no counted token at all is 0/0 on one device too
-    return [c * dp / total for c in counts[dp_rank]]
+    return [c * len(counts) / total for c in counts[dp_rank]]
 
 
 def whole_output(output: Any, sharded: CrossEntropy | None, group: dist.ProcessGroup | None) -> Any:
