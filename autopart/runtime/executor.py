@@ -33,16 +33,26 @@ class LocalExecutor:
     def run(self, args: tuple, target: Any, shares: list[float]) -> torch.Tensor:
         """Forward and backward over the rank's batch, each microbatch's loss weighted
         by its share (`StepLoss.shares`); returns the rank's loss (detached)."""
-        m = self.microbatches
         losses = []
-        for i in range(m):
-            with self.precision.autocast():
-                output = self.program(*split_batch(args, i, m, "microbatches"))
-                part = split_batch(target, i, m, "microbatches")
-                loss = self.loss_fn.part(output, part, shares[i])
+        for i in range(self.microbatches):
+            loss = self._part(args, target, shares, i)
             self.precision.scale(loss).backward()
             losses.append(loss.detach().float())
         return torch.stack(losses).sum()
+
+    def evaluate(self, args: tuple, target: Any, shares: list[float]) -> torch.Tensor:
+        """The rank's loss as `run` returns it, forward only: no gradient."""
+        with torch.no_grad():
+            losses = [self._part(args, target, shares, i).float() for i in range(self.microbatches)]
+        return torch.stack(losses).sum()
+
+    def _part(self, args: tuple, target: Any, shares: list[float], i: int) -> torch.Tensor:
+        """Microbatch `i`'s term of the rank's loss."""
+        m = self.microbatches
+        with self.precision.autocast():
+            output = self.program(*split_batch(args, i, m, "microbatches"))
+            part = split_batch(target, i, m, "microbatches")
+            return self.loss_fn.part(output, part, shares[i])
 
     def for_program(self, program: RankProgram) -> LocalExecutor:
         """The same over another program of the plan (made for inputs of other shapes)."""

@@ -112,15 +112,26 @@ class PipelineExecutor:
     def run(self, args: tuple, target: Any, shares: list[float]) -> torch.Tensor:
         """Forward and backward over the rank's batch. Returns its mean loss (detached)
         where this rank runs the last stage, zero elsewhere."""
+        return self._run(args, target, shares, forward_only=False)
+
+    def evaluate(self, args: tuple, target: Any, shares: list[float]) -> torch.Tensor:
+        """The loss `run` returns, forward only: no gradient."""
+        with torch.no_grad():
+            return self._run(args, target, shares, forward_only=True)
+
+    def _run(
+        self, args: tuple, target: Any, shares: list[float], forward_only: bool
+    ) -> torch.Tensor:
         m = self.microbatches
-        schedule = self._schedule(split_batch(args, 0, m, "microbatches"))
+        schedule = self._schedule(split_batch(args, 0, m, "microbatches"), forward_only)
         # Pipelining splits `target` along dim 0; handing it microbatch indices lets any
         # target (a pytree) be split exactly as LocalExecutor splits it.
         self._targets = [split_batch(target, i, m, "microbatches") for i in range(m)]
         self._shares = shares
         self._losses = []
+        # The replicas of tied weights take the owner's value, trained since they last did.
         self.shared.begin()
-        schedule.step(
+        (schedule.eval if forward_only else schedule.step)(
             *(args if self.runs_first else ()),
             target=torch.arange(m) if self.runs_last else None,
             return_outputs=False,
@@ -138,13 +149,17 @@ class PipelineExecutor:
         self._losses.append(loss.detach().float())
         return self.precision.scale(loss)
 
-    def _schedule(self, microbatch: tuple):
+    def _schedule(self, microbatch: tuple, forward_only: bool = False):
+        """The schedule for microbatches of this shape. A forward-only run (`evaluate`)
+        has schedules of its own: pipelining sets a schedule's stages up again each time
+        it switches between forward only and forward and backward."""
         leaves = pytree.tree_leaves(microbatch)
-        key = tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor))
+        shapes = tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor))
+        key = (forward_only, shapes)
         if key not in self._schedules:
             sizes = _bind_dims(self.infos[0].model_inputs, leaves)
-            if self._schedules:  # the first shape is the example's
-                log.info("pipeline stages for a new microbatch shape %s", key)
+            if self._schedules and shapes not in {s for _, s in self._schedules}:
+                log.info("pipeline stages for a new microbatch shape %s", shapes)
             stages = [
                 self._stage(module, info, sizes, leaves)
                 for module, info in zip(self.modules, self.infos)

@@ -99,7 +99,7 @@ class ProgramsByShape(Generic[Runner]):
         assert self.make_again is not None, "the first program refused what it takes"
         shapes = ", ".join(str(s) for s, _ in _shapes(inputs))
         try:
-            with _quiet():
+            with quiet():
                 program = self.make_again(inputs)
             check_inputs(inputs, program.input_shapes, program.dim_ranges, multiples)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, then raise
@@ -129,7 +129,7 @@ class ProgramsByShape(Generic[Runner]):
 
 
 @contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     """autopart's loggers held at WARNING: a program made again repeats the first one's
     capture and rewrite, whose INFO lines (tensor-parallel fallbacks, ...) would repeat
     the first program's; one line says what happened instead."""
