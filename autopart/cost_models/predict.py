@@ -87,6 +87,9 @@ from autopart.policy import (
     Schedule,
 )
 
+# The step's sums (runtime/step_sums.py): the loss, the squared gradient norm and the
+# inputs' checksums, a few float64 values.
+STEP_SUMS_BYTES = 64.0
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
 TP_ALL_REDUCES_BACKWARD = 2
 LOSS_BYTES = 4  # the fp32 scalar loss all-reduced at the end of every step
@@ -669,11 +672,34 @@ def _optimizer_time(
     1/(dp·ep)), whose optimizer steps one flat shard per bucket instead of the
     parameter tensors (`ops/flat_buckets.py`): ZeRO-1/2 bucket the gradients as
     data parallelism does, ZeRO-3 the parameters of each block and of each run of
-    segments between blocks (`passes/zero.py`). Offloaded, it runs on the host."""
+    segments between blocks (`passes/zero.py`). Offloaded, it runs on the host. Before
+    it, every step reads the gradients it steps once for their norm, and sums the
+    loss, the norm and the inputs' checksums over the world (runtime/step_sums.py)."""
     params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
     experts = sum(s.expert_numel(choices.ep, choices.tp) for s in own)
-    per_param = sum(choices.state_bytes)
     shard = (params - experts) / choices.degrees.batch_split + experts / choices.dp
+    update = _update_time(own, shard, compute, choices, models)
+    return _step_sums_time(shard, choices, models) + update
+
+
+def _step_sums_time(shard: float, choices: Choices, models: CostModels) -> float:
+    """The gradient norm's read of this rank's gradients, and the step's one all-reduce
+    of a few values over every rank."""
+    norm = shard * choices.state_bytes[1] / models.compute.device.memory_bandwidth
+    world = choices.degrees.world_size
+    return norm + (models.comm.time(ALL_REDUCE, STEP_SUMS_BYTES, world) if world > 1 else 0.0)
+
+
+def _update_time(
+    own: list[SegmentWork],
+    shard: float,
+    compute: PhaseCost,
+    choices: Choices,
+    models: CostModels,
+) -> float:
+    """The optimizer's own pass over the rank's `shard` of the parameters."""
+    params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
+    per_param = sum(choices.state_bytes)
     if choices.offload:
         # ZeRO-1/2's buckets and a single replica's parameters go down as they become
         # final, during backward; ZeRO-3's shards once it is over.
