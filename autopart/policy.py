@@ -6,6 +6,7 @@ predicts it; both import it from here, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import re
 from collections.abc import Callable
@@ -133,7 +134,10 @@ def check_choice(kind: type[Enum], value: object, what: str) -> str | None:
     names = [m.value for m in kind]
     if value in names:
         return None
-    return f"{what} must be one of {names}, not {value!r}"
+    # A near miss ('1F1B', 'bf16_mixed') names the member it was meant to.
+    nearest = difflib.get_close_matches(str(value).lower(), names, n=1)
+    guess = f" (did you mean {nearest[0]!r}?)" if nearest else ""
+    return f"{what} must be one of {names}, not {value!r}{guess}"
 
 
 POWERSGD = re.compile(r"powersgd:rank=([1-9]\d*)$")
@@ -245,12 +249,12 @@ def outer_optimizer_refusal(spec: str | None, sync_every: int | None) -> str | N
     """Why an outer optimizer cannot run as asked, or None."""
     if spec is None:
         return None
-    if sync_every is None:
-        return "outer_optimizer steps local SGD's averaged parameters: it needs sync_every=H"
-    try:
+    try:  # the spec's form first: it is wrong whatever sync_every is
         outer_optimizer(spec)
     except ValueError as e:
         return str(e)
+    if sync_every is None:
+        return "outer_optimizer steps local SGD's averaged parameters: it needs sync_every=H"
     return None
 
 

@@ -11,6 +11,7 @@ named as on one device, so the files do not depend on the plan that wrote them:
                                 or another shape, for a parameter held whole (Adafactor's
                                 row and column statistics)
     optimizer/param_groups      the groups' settings (learning rate, betas...)
+    optimizer/lr_scheduler      the learning-rate scheduler's state, where one is given
     autopart/steps              training steps taken; autopart/loss_scale for fp16
 
 A ZeRO flat shard spans many parameters: its scalar state (the step) is written under
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.optim.lr_scheduler import LRScheduler
 
 from autopart.runtime.dcp_planners import LoadPieces, PieceState, SavePieces
 from autopart.runtime.holdings import Held, Holdings
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
 
 OPTIMIZER = "optimizer"
 PARAM_GROUPS = "optimizer/param_groups"
+SCHEDULER = "optimizer/lr_scheduler"
 STEPS = "autopart/steps"
 LOSS_SCALE = "autopart/loss_scale"
 
@@ -65,7 +68,7 @@ def _stepped(pm: ParallelModule) -> list[tuple[torch.Tensor, dict[str, Any], dic
 # -- saving ------------------------------------------------------------------------------
 
 
-def _to_save(pm: ParallelModule) -> PieceState:
+def _to_save(pm: ParallelModule, scheduler: LRScheduler | None) -> PieceState:
     holdings = Holdings(pm)
     state: PieceState = dict(holdings.parameters(loading=False))
     entries: dict[str, list[Piece]] = {}
@@ -87,6 +90,8 @@ def _to_save(pm: ParallelModule) -> PieceState:
         state[PARAM_GROUPS] = [
             {k: v for k, v in group.items() if k != "params"} for group in pm.optimizer.param_groups
         ]
+    if scheduler is not None:
+        state[SCHEDULER] = scheduler.state_dict()
     state[STEPS] = pm.steps
     if pm.precision.scaler is not None:
         state[LOSS_SCALE] = pm.precision.scaler.value
@@ -123,10 +128,15 @@ def _state_pieces(
     return [Piece(f"{OPTIMIZER}/{name}/{key}", tuple(value.shape), (0,) * value.dim(), value)]
 
 
-def save_checkpoint(pm: ParallelModule, path: str | os.PathLike) -> None:
+def save_checkpoint(
+    pm: ParallelModule, path: str | os.PathLike, *, scheduler: LRScheduler | None = None
+) -> None:
     """Write `pm`'s parameters and optimizer state as a sharded distributed checkpoint
     (collective: every rank calls it, and writes only its own pieces). It loads under
     any plan of the same model (`load_checkpoint`), and as `weights=` of `parallelize`.
+    With the learning-rate `scheduler` stepping `pm.optimizer`, its state is saved too
+    (its `state_dict()`: the step it is at, the base rates), so that a resumed run goes
+    on along its schedule instead of starting its warm-up again.
 
     The write is atomic: the checkpoint is written beside `path` (`<path>.partial`) and
     takes its place only once every rank has written, so a job that dies mid-write
@@ -136,7 +146,7 @@ def save_checkpoint(pm: ParallelModule, path: str | os.PathLike) -> None:
     final = Path(path)
     partial = final.with_name(final.name + ".partial")
     previous = final.with_name(final.name + ".previous")
-    state = _to_save(pm)
+    state = _to_save(pm, scheduler)
     leader = not dist.is_initialized() or dist.get_rank() == 0
     if leader:
         shutil.rmtree(partial, ignore_errors=True)  # what an earlier, interrupted save left
@@ -155,13 +165,24 @@ def save_checkpoint(pm: ParallelModule, path: str | os.PathLike) -> None:
 # -- loading -----------------------------------------------------------------------------
 
 
-def load_checkpoint(pm: ParallelModule, path: str | os.PathLike) -> None:
+def load_checkpoint(
+    pm: ParallelModule, path: str | os.PathLike, *, scheduler: LRScheduler | None = None
+) -> None:
     """Load a checkpoint written by `save_checkpoint`, under this plan or any other of
     the same model, into `pm`'s parameters and optimizer state (collective). Training
-    then goes on as if it had never stopped."""
+    then goes on as if it had never stopped. A `scheduler` built over `pm.optimizer`
+    (fresh: its construction set the first rate) takes the saved scheduler's state,
+    after the optimizer's groups take theirs, so the groups' rates are the ones the
+    saved scheduler last set; a checkpoint saved without one is refused."""
     if not Path(path).is_dir():
         raise CheckpointError(f"{path}: no checkpoint there (save_checkpoint writes a directory)")
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    if scheduler is not None and SCHEDULER not in metadata.state_dict_metadata:
+        raise CheckpointError(
+            f"{path} holds no learning-rate scheduler's state: it was saved without "
+            "save_checkpoint(..., scheduler=...); load it without scheduler=, and set the "
+            "scheduler to its step yourself"
+        )
     holdings = Holdings(pm)
     state: PieceState = dict(holdings.parameters(loading=True))
     _check_parameters(state, metadata, path)
@@ -169,11 +190,13 @@ def load_checkpoint(pm: ParallelModule, path: str | os.PathLike) -> None:
     for tensor, values, group in _stepped(pm):
         held = holdings.of(tensor)
         state.update(_state_request(held, tensor, values, group, metadata, scalars))
-    extras = [PARAM_GROUPS, STEPS, LOSS_SCALE]
+    extras = [PARAM_GROUPS, STEPS, LOSS_SCALE] + ([SCHEDULER] if scheduler is not None else [])
     state.update((k, None) for k in extras if k in metadata.state_dict_metadata)
     planner = LoadPieces()
     dcp.load(state, checkpoint_id=str(path), planner=planner)
     _restore_extras(pm, planner.objects)
+    if scheduler is not None:  # after the groups: it reads none of them, sets no rate
+        scheduler.load_state_dict(planner.objects[SCHEDULER])
 
 
 def _check_parameters(state: PieceState, metadata: Metadata, path: str | os.PathLike) -> None:

@@ -1,5 +1,5 @@
 """Choosing a plan: the mesh factorization and everything else the user did not pin."""
 
-from autopart.solver.pins import Pins, make_plan
+from autopart.solver.pins import Pins, make_plan, recompute_refusal
 
-__all__ = ["Pins", "make_plan"]
+__all__ = ["Pins", "make_plan", "recompute_refusal"]

@@ -6,12 +6,14 @@ pinned by name (`dp=2`, `tp=4`, ...: every axis of `Degrees`).
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
+from torch import fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from autopart.batch import batch_size, check_divisible
@@ -20,6 +22,7 @@ from autopart.cost_models import Choices, CostModels, predict
 from autopart.cost_models.resharding import resharding
 from autopart.degrees import Axis, Degrees, MeshError, axis_names
 from autopart.mesh import Mesh
+from autopart.ops.meta import BLOCK
 from autopart.passes.batch_mixing import batch_mixing
 from autopart.passes.context_parallel import sequence_length
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
@@ -28,6 +31,7 @@ from autopart.policy import (
     PRECISION_ALIASES,
     MasterWeights,
     Precision,
+    Schedule,
     check_choice,
     master_weights_refusal,
     outer_optimizer_refusal,
@@ -38,6 +42,8 @@ from autopart.solver.pipeline import choose_pipeline
 from autopart.solver.search import Candidate, NoPlanFits, TpLayouts, search
 
 MAX_ALTERNATIVES = 4
+# A recomputation pin's words for "every block" and "none".
+RECOMPUTE_WORDS = {"all": True, "none": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +92,16 @@ class Pins:
         if recompute == "attention":  # every block's attention core, nothing else
             pins["recompute"], pins["recompute_attention"] = False, True
         elif isinstance(recompute, str):  # "all", "none", or one module path
-            pins["recompute"] = {"all": True, "none": False}.get(recompute, (recompute,))
-        if isinstance(pins.get("recompute_attention"), str):  # one module path
-            pins["recompute_attention"] = (pins["recompute_attention"],)
+            pins["recompute"] = RECOMPUTE_WORDS.get(recompute, (recompute,))
+        attention = pins.get("recompute_attention")
+        if isinstance(attention, str):  # "all", "none", or one module path
+            pins["recompute_attention"] = RECOMPUTE_WORDS.get(attention, (attention,))
+        # Module paths are checked against the model's blocks in make_plan, which has
+        # its graph (recompute_refusal).
+        schedule = pins.get("schedule")
+        problem = check_choice(Schedule, schedule, "schedule") if schedule is not None else None
+        if problem:
+            raise PlanError(problem)
         precision = pins.get("precision")
         if precision is not None:
             pins["precision"] = PRECISION_ALIASES.get(precision, precision)
@@ -134,6 +147,9 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     mixing = batch_mixing(captured.gm, statistics=not pins.per_part_statistics)
     pins = _whole_batch(pins, mixing, mesh)
     _check_pins(pins, mesh, batch)
+    refusal = recompute_refusal(captured.gm, pins.recompute, pins.recompute_attention)
+    if refusal:
+        raise PlanError(refusal)
     dims = {k: v for k, v in captured.dim_sizes.items() if k != BATCH}
     layouts = TpLayouts(
         captured.gm, captured.parameter_names, mesh, dims, pins.precision, pins.sharded_logits
@@ -221,6 +237,51 @@ def _check_pins(pins: Pins, mesh: Mesh, batch: int) -> None:
             f"{pinned.world_size} devices do not divide the {mesh.world_size} of "
             f"{mesh.describe()}: pin degrees whose product divides {mesh.world_size}"
         )
+
+
+def recompute_refusal(
+    gm: fx.GraphModule,
+    recompute: Iterable[str] | bool | None,
+    recompute_attention: Iterable[str] | bool | None = None,
+) -> str | None:
+    """Why the module paths pinned for recomputation (or a plan's) do not fit the
+    analyzed model `gm`, or None: each must be one of its repeated blocks
+    (`passes.blocks`), which the cost models price recomputed, or a module holding some
+    (`model.layers`). Any other path would be printed as recomputed while nothing, or
+    something unpriced, is."""
+    blocks = _block_paths(gm)
+    holders = {b.rsplit(".", k)[0] for b in blocks for k in range(b.count(".") + 1)}
+    for pin, paths in (("recompute", recompute), ("recompute_attention", recompute_attention)):
+        if paths is None or isinstance(paths, bool):
+            continue
+        unknown = [p for p in paths if p not in holders]
+        if unknown:
+            return _not_a_block(pin, unknown[0], blocks, holders)
+    return None
+
+
+def _block_paths(gm: fx.GraphModule) -> list[str]:
+    """The module paths of the model's repeated blocks, in the order they run."""
+    found = {block.instance: None for n in gm.graph.nodes if (block := BLOCK.get(n))}
+    return list(found)
+
+
+def _not_a_block(pin: str, path: object, blocks: list[str], holders: set[str]) -> str:
+    """What a recomputation pin takes, and the paths nearest the one that is wrong."""
+    words = [*RECOMPUTE_WORDS, "attention"] if pin == "recompute" else [*RECOMPUTE_WORDS]
+    takes = f"{pin} takes {', '.join(map(repr, words))}, or module paths of blocks"
+    if not blocks:
+        return f"{pin} names {path!r}, but the model has no repeated blocks: {takes}"
+    nearest = difflib.get_close_matches(str(path), [*words, *sorted(holders)], n=3)
+    guess = f" (nearest: {', '.join(map(repr, nearest))})" if nearest else ""
+    shown = [repr(b) for b in blocks]
+    examples = shown if len(shown) <= 3 else [*shown[:2], "...", shown[-1]]
+    stacks = sorted({b.rpartition(".")[0] for b in blocks} - {""})
+    of_stacks = f", or of what holds them ({', '.join(map(repr, stacks))})" if stacks else ""
+    return (
+        f"{pin} names {path!r}, which is no block of the model{guess}. {takes} "
+        f"({', '.join(examples)}){of_stacks}"
+    )
 
 
 def _check_context_pin(pins: Pins, layouts: TpLayouts) -> None:
