@@ -35,7 +35,7 @@ from autopart.policy import (
 )
 from autopart.runtime.parallel_module import LossFn, OptimizerFactory, ParallelModule
 from autopart.runtime.training import TrainingOptions
-from autopart.solver import Pins, make_plan
+from autopart.solver import Pins, make_plan, recompute_refusal
 
 
 def plan(
@@ -112,6 +112,7 @@ def parallelize(
         zero_refusal(plan.zero, kind)
         or _host_masters_refusal(plan, captured, model)
         or _clipping_refusal(plan, training)
+        or recompute_refusal(captured.gm, plan.recompute, plan.recompute_attention)
     )
     if refusal:
         raise PlanError(refusal)

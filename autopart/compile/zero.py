@@ -40,6 +40,7 @@ from torch import fx, nn
 
 from autopart.ops.aten import VIEW_OPS, op_name
 from autopart.runtime.grad_sync import GradientSync
+from autopart.runtime.parallel_module import ParallelModule
 from autopart.runtime.zero_owners import OwnedParameters, broadcast_from_owners, owners
 
 _Sync = GradientSync | OwnedParameters
@@ -204,7 +205,17 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     `autopart.backend(zero=2)` or `zero=3`, where each rank holds the gradients of the
     parameters it owns only: the norm is summed over the world first, so every rank
     clips by the norm of the whole gradient, as one device does. Collective: every rank
-    calls it. Returns that norm."""
+    calls it. Returns that norm.
+
+    A ParallelModule clips inside its step, where the gradients are final and before
+    the optimizer steps them: `parallelize(..., max_grad_norm=...)`."""
+    if isinstance(model, ParallelModule):
+        raise TypeError(
+            "autopart.clip_grad_norm_ serves models compiled with backend='autopart'. A "
+            "ParallelModule clips inside train_step, after the gradient sync and before "
+            "the optimizer step: pass max_grad_norm=... to autopart.parallelize, and read "
+            "each step's norm before clipping from pm.grad_norm"
+        )
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     device = params[0].device if params else torch.device("cpu")

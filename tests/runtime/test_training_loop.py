@@ -340,3 +340,11 @@ def test_a_broken_batch_convention_raises_on_every_rank(convention):
     for message in messages:
         assert message.startswith("True: step 1:"), message
         assert f"batch='{convention}'" in message
+
+
+def test_clip_grad_norm_names_the_supported_way_for_a_parallel_module():
+    """A ParallelModule's gradients are final only inside its step: the public helper
+    refuses it and names max_grad_norm."""
+    pm = object.__new__(autopart.ParallelModule)
+    with pytest.raises(TypeError, match="max_grad_norm"):
+        autopart.clip_grad_norm_(pm, 1.0)
