@@ -96,13 +96,13 @@ class EvalPrograms:
     def _made(self, inputs: tuple | None) -> ShapedProgram[EvalProgram]:
         with quiet():
             program, shapes, ranges = self.make_program(
-                _filled(inputs, self.groups.device), evaluating=True
+                filled(inputs, self.groups.device), evaluating=True
             )
         executor = self.executor.for_program(program) if self.executor is not None else None
         return ShapedProgram(EvalProgram(program, executor), tuple(shapes), dict(ranges))
 
 
-def _filled(inputs: tuple | None, device: torch.device) -> tuple | None:
+def filled(inputs: tuple | None, device: torch.device) -> tuple | None:
     """`inputs` with stand-ins that hold no values (the per-rank convention's meta
     tensors for the global batch) made zeros: the capture reads shapes alone."""
     return pytree.tree_map_only(

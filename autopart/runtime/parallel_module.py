@@ -31,7 +31,7 @@ from autopart.runtime.faults import peer_lost, register_process
 from autopart.runtime.full_state import full_state_dict
 from autopart.runtime.grad_norm import GradientNorm
 from autopart.runtime.loss import StepLoss, counted_tokens, shares_of, whole_output
-from autopart.runtime.modes import EvalPrograms, MakeProgram
+from autopart.runtime.modes import EvalPrograms, MakeProgram, filled
 from autopart.runtime.precision import Precision
 from autopart.runtime.programs import ProgramsByShape, ShapedProgram
 from autopart.runtime.step_sums import StepSums, input_hashes, is_finite, sum_step
@@ -150,15 +150,8 @@ class ParallelModule(nn.Module):
     def _again(self, make_program: MakeProgram) -> Callable[[tuple], ShapedProgram]:
         def again(inputs: tuple) -> ShapedProgram:
             assert self.executor is not None, "programs are made again for train_step only"
-            # The per-rank convention's stand-ins for the global batch hold no values:
-            # the capture reads shapes, and zeros are valid inputs of any kind.
-            device = self.groups.device
-            inputs = pytree.tree_map_only(
-                torch.Tensor,
-                lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if t.is_meta else t,
-                inputs,
-            )
-            program, shapes, ranges = make_program(inputs)
+            # per-rank stand-ins for the global batch: zeros
+            program, shapes, ranges = make_program(filled(inputs, self.groups.device))
             runner = self.executor.for_program(program)
             return ShapedProgram(runner, tuple(shapes), dict(ranges))
 
@@ -209,6 +202,18 @@ class ParallelModule(nn.Module):
         if self.plan.master_weights == MasterWeights.HOST:
             return self.precision.autocast()
         return contextlib.nullcontext()
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shares the global batch is split into (dp × ep): with
+        `batch="per_rank"`, a DistributedSampler's `num_replicas`."""
+        return self.groups.batch_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's share of the batch: a DistributedSampler's `rank`. The tensor,
+        context and pipeline-parallel ranks of one share have the same."""
+        return self.groups.batch_rank
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's share of a step's batch, on this rank's device: its slice of the
@@ -293,7 +298,7 @@ class ParallelModule(nn.Module):
             return shares_of(mine, 0, m)
         local = torch.tensor(mine[0], dtype=torch.int64, device=self.groups.device)
         every = torch.empty(dp * m, dtype=torch.int64, device=self.groups.device)
-        dist.all_gather_into_tensor(every, local, group=self.groups.batch_group())
+        dist.all_gather_single(every, local, group=self.groups.batch_group())
         return shares_of(every.view(dp, m).tolist(), rank, m)
 
     def _sum_step(self, local_loss: torch.Tensor, square_sum: torch.Tensor, batch: Any) -> StepSums:
