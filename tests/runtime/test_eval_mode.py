@@ -10,6 +10,7 @@ with the reference model holding the weights the ranks hold then (gathered whole
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -98,7 +99,9 @@ PLANS = [
     {"pp": 2, "microbatches": 2},
     pytest.param({"dp": 2}, marks=pytest.mark.slow),
     pytest.param({"dp": 2, "zero": 1}, marks=pytest.mark.slow),
+    pytest.param({"dp": 2, "zero": 2}, marks=pytest.mark.slow),
     pytest.param({"tp": 2}, marks=pytest.mark.slow),
+    pytest.param({"dp": 2, "tp": 2, "zero": 1}, marks=pytest.mark.slow),  # on 4 ranks
 ]
 
 
@@ -106,7 +109,8 @@ PLANS = [
 def test_eval_mode_gives_the_models_eval_numbers_between_training_steps(pins):
     batch = token_batch(batch=8)
     ids, target = batch
-    for rank, result in enumerate(run_world(_rounds, 2, pins, batch)):
+    world = math.prod(pins.get(axis, 1) for axis in ("dp", "tp", "pp"))
+    for rank, result in enumerate(run_world(_rounds, world, pins, batch)):
         for i, weights in enumerate(result["weights"]):
             model = _holding(weights, _layers(pins))
             with torch.no_grad():

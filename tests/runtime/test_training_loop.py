@@ -20,6 +20,8 @@ from tests.models import (
     lm_loss,
     make_optimizer,
     snapshot,
+    tiny_llama,
+    tiny_mixtral,
     token_batch,
 )
 
@@ -27,9 +29,12 @@ STEPS = 3
 MAX_NORM = 0.5  # below every step's norm here: each step clips
 
 
-def _clipped_reference(batch, steps: int = STEPS) -> dict:
+MODELS = {"llama": tiny_llama, "mixtral": tiny_mixtral}
+
+
+def _clipped_reference(batch, name: str = "llama", steps: int = STEPS) -> dict:
     """One device: torch.nn.utils.clip_grad_norm_ before each SGD step."""
-    model = LM_FACTORIES["llama"]()
+    model = MODELS[name]()
     opt = make_optimizer("sgd")(model.parameters())
     ids, target = batch
     losses, norms = [], []
@@ -43,16 +48,16 @@ def _clipped_reference(batch, steps: int = STEPS) -> dict:
     return {"losses": losses, "params": snapshot(model), "norms": norms}
 
 
-def _train_clipped(cases, batch) -> dict:
+def _train_clipped(cases, batch, name: str = "llama") -> dict:
     results = {}
     for pins in cases:
-        pm = parallelize_lm(LM_FACTORIES["llama"](), batch, "sgd", max_grad_norm=MAX_NORM, **pins)
+        pm = parallelize_lm(MODELS[name](), batch, "sgd", max_grad_norm=MAX_NORM, **pins)
         ids, target = batch
         losses, norms = [], []
         for _ in range(STEPS):
             losses.append(pm.train_step(ids, target).item())
             norms.append(pm.grad_norm)
-        results[case_key("llama", pins)] = {
+        results[case_key(name, pins)] = {
             "losses": losses,
             "norms": norms,
             "params": pm.full_state_dict(),
@@ -94,6 +99,24 @@ def test_clipped_composition_matches_one_device():
     reference = _clipped_reference(batch)
     for results in run_world(_train_clipped, 4, [pins], batch):
         got = results[case_key("llama", pins)]
+        assert_matches(got, reference)
+        assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "pins", "seq"),
+    [("llama", {"cp": 2}, 32), ("mixtral", {"ep": 2}, 16), ("mixtral", {"ep": 2, "zero": 1}, 16)],
+    ids=["cp2", "ep2", "ep2,zero1"],
+)
+def test_clipped_training_under_cp_and_ep_matches_one_device(name, pins, seq):
+    """Under cp each rank holds a part of the replicated weights' gradient until the
+    sync sums it; under ep each rank holds its own experts: counted once each."""
+    batch = token_batch(batch=8, seq=seq)
+    reference = _clipped_reference(batch, name)
+    assert all(n > MAX_NORM for n in reference["norms"]), "every step must clip"
+    for results in run_world(_train_clipped, 2, [pins], batch, name):
+        got = results[case_key(name, pins)]
         assert_matches(got, reference)
         assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5)
 
@@ -176,6 +199,14 @@ def test_a_nan_step_leaves_the_weights_and_raises(pins):
         }
     for result in run_world(_train_through_nan, 2, pins, True, batch):
         assert result["raised"] is None and result["unchanged"] and result["skipped"] == 1
+
+
+@pytest.mark.slow
+def test_a_nan_step_under_a_composition_leaves_the_weights_and_raises():
+    batch = token_batch(batch=8)
+    pins = {"dp": 2, "tp": 2, "zero": 1}
+    for result in run_world(_train_through_nan, 4, pins, False, batch):
+        assert result["raised"] == 2 and result["unchanged"] and result["next_finite"]
 
 
 def _per_rank_against_ddp(pins, batches) -> dict:
@@ -348,3 +379,31 @@ def test_clip_grad_norm_names_the_supported_way_for_a_parallel_module():
     pm = object.__new__(autopart.ParallelModule)
     with pytest.raises(TypeError, match="max_grad_norm"):
         autopart.clip_grad_norm_(pm, 1.0)
+
+
+def _break_per_rank_under_tp() -> str:
+    """dp × tp, per rank: the two tp ranks of one dp rank pass different batches."""
+    ids, target = token_batch(batch=4, seed=1 + dist.get_rank())
+    pm = autopart.parallelize(
+        LM_FACTORIES["llama"](),
+        autopart.Mesh.local(),
+        (token_batch(batch=8)[0],),
+        loss_fn=lm_loss,
+        optimizer=make_optimizer("sgd"),
+        batch="per_rank",
+        dp=2,
+        tp=2,
+    )
+    try:
+        pm.train_step(ids, target)
+    except ConventionMismatch as e:
+        return str(e)
+    finally:
+        pm.close()
+    return "no error"
+
+
+@pytest.mark.slow
+def test_per_rank_batches_must_agree_within_a_tensor_parallel_group():
+    for message in run_world(_break_per_rank_under_tp, 4):
+        assert "must pass the same batch" in message, message
