@@ -15,8 +15,7 @@ stages 1-3 shard optimizer state, gradients and parameters (runtime/zero.py). Lo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -26,11 +25,10 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 
 from autopart.ops.params import lower, parameters_named
 from autopart.policy import OuterOptimizer
+from autopart.runtime.dp_types import ContextSums, ExpertShards, OptimizerFactory, SyncSettings
 from autopart.runtime.grad_sync import GradientSync, params_in_backward_order
 from autopart.runtime.offload import HostOptimizer
 from autopart.runtime.zero import zero_state
-
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 class DataParallelState(Protocol):
@@ -109,30 +107,6 @@ class LocalState:
         arrived = self._arrivals[id(p)] = self._arrivals.get(id(p), 0) + 1
         if arrived == self.accumulation and self.offloaded is not None:
             self.offloaded.send_down(p)
-
-
-@dataclass(frozen=True)
-class ContextSums:
-    """Parameters whose gradient each context-parallel rank holds a part of (`fqns`,
-    `RankProgram.cp_summed`), summed over `group` (dp × cp) and divided by the dp
-    replicas: the whole gradient's mean over the replicas."""
-
-    group: dist.ProcessGroup
-    fqns: frozenset[str]
-
-
-@dataclass(frozen=True)
-class ExpertShards:
-    """Stacked expert weights split over ep (`fqns`, `RankProgram.ep_sharded`): each
-    rank's gradient already sums every ep rank's tokens, so it is summed over `group`
-    (the dp replicas of the same experts) and divided by `shares`, the batch's shares
-    (dp × ep), as the other weights' are averaged over them. `replica` is the ep group:
-    the ranks of one replica of the model, each with its share of the replica's batch."""
-
-    group: dist.ProcessGroup
-    fqns: frozenset[str]
-    shares: int
-    replica: dist.ProcessGroup
 
 
 class ReplicatedState:
@@ -317,48 +291,35 @@ class LocalSgdState:
 
 
 def build_data_parallel_state(
-    zero: int,
+    settings: SyncSettings,
     stages: list[fx.GraphModule],
     group: dist.ProcessGroup,
     optimizer: OptimizerFactory,
-    accumulation: int,
-    sync_every: int | None = None,
-    sync_warmup: int = 0,
-    grad_compression: str | None = None,
-    outer: OuterOptimizer | None = None,
-    offload: bool = False,
+    *,
     context: ContextSums | None = None,
     experts: ExpertShards | None = None,
-    masters_dtype: torch.dtype | None = None,
 ) -> DataParallelState:
-    """The state for ZeRO stage `zero` of this rank's `stages` over the data-parallel
-    `group`. `accumulation` is how many backward passes (microbatches) contribute to
-    each step's gradients; `sync_every`, where set, makes it local SGD (with `outer`,
-    its outer optimizer); `grad_compression` compresses stage 0's gradient all-reduce;
-    `offload` keeps the optimizer state on the host (ZeRO's shards of it, or a
-    single replica's whole); `context`, the gradients the sync also sums over cp;
+    """The state `settings` (the plan's dp axis) ask for, over this rank's `stages` and
+    the data-parallel `group`; `context`, the gradients the sync also sums over cp;
     `experts`, the expert shards synced over their dp replicas only (`group` is then
-    dp × ep); `masters_dtype`, with `offload`, keeps the fp32 master weights on the host
-    too, the device's copies in that 16-bit dtype.
-    """
+    dp × ep)."""
     optimizer = _allowing_no_parameters(optimizer, _device_of(stages))
-    if experts is not None and zero:
-        return zero_state(
-            zero, stages, group, optimizer, accumulation, offload, experts, masters_dtype
-        )
+    s = settings
+    if experts is not None and s.zero:
+        return zero_state(s, stages, group, optimizer, experts)
     if context is not None and context.fqns:  # plain data parallelism (cp_gradients_in_sync)
-        return ReplicatedState(stages, group, optimizer, accumulation, None, context, experts)
+        return ReplicatedState(stages, group, optimizer, s.accumulation, None, context, experts)
     if dist.get_world_size(group) == 1:
-        return LocalState(stages, optimizer, offload, accumulation, masters_dtype)
-    if sync_every is not None:
+        return LocalState(stages, optimizer, s.offload, s.accumulation, s.masters_dtype)
+    if s.sync_every is not None:
         return LocalSgdState(
-            stages, group, optimizer, accumulation, sync_every, sync_warmup, outer, experts
+            stages, group, optimizer, s.accumulation, s.sync_every, s.sync_warmup, s.outer, experts
         )
-    if zero == 0:
+    if s.zero == 0:
         return ReplicatedState(
-            stages, group, optimizer, accumulation, grad_compression, None, experts
+            stages, group, optimizer, s.accumulation, s.compression, None, experts
         )
-    return zero_state(zero, stages, group, optimizer, accumulation, offload, None, masters_dtype)
+    return zero_state(s, stages, group, optimizer)
 
 
 def _allowing_no_parameters(optimizer: OptimizerFactory, device: torch.device) -> OptimizerFactory:

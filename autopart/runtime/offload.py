@@ -35,15 +35,13 @@ ways, widened to fp32 on the host before the step and narrowed after it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from autopart.policy import ELEMENTWISE_OPTIMIZERS, GRAD_BUCKET_BYTES, optimizer_class
-
-if TYPE_CHECKING:
-    from autopart.runtime.data_parallel import OptimizerFactory
+from autopart.runtime.dp_types import OptimizerFactory
 
 
 class HostOptimizer:

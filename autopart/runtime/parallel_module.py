@@ -19,13 +19,9 @@ from autopart.ops.loss_match import CrossEntropy
 from autopart.ops.meta import COLLECTIVE, CollectiveInfo, TensorInfo
 from autopart.ops.program import RankProgram
 from autopart.plan import Plan
-from autopart.policy import MasterWeights, outer_optimizer, sequence_multiple
-from autopart.runtime.data_parallel import (
-    ContextSums,
-    ExpertShards,
-    OptimizerFactory,
-    build_data_parallel_state,
-)
+from autopart.policy import MasterWeights, sequence_multiple
+from autopart.runtime.data_parallel import build_data_parallel_state
+from autopart.runtime.dp_types import ContextSums, ExpertShards, OptimizerFactory, SyncSettings
 from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.faults import peer_lost, register_process
 from autopart.runtime.full_state import full_state_dict
@@ -107,20 +103,14 @@ class ParallelModule(nn.Module):
         )
         self.state = (
             build_data_parallel_state(
-                plan.zero,
+                SyncSettings.of(plan),
                 program.stages,
                 groups.batch_group(),
                 optimizer,
-                plan.microbatches,
-                plan.sync_every,
-                plan.sync_warmup,
-                plan.grad_compression,
-                outer_optimizer(plan.outer_optimizer) if plan.outer_optimizer else None,
-                plan.offload,
-                ContextSums(groups.group(Axis.DP, Axis.CP), program.cp_summed)
+                context=ContextSums(groups.group(Axis.DP, Axis.CP), program.cp_summed)
                 if program.cp_summed
                 else None,
-                ExpertShards(
+                experts=ExpertShards(
                     groups.group(Axis.DP),
                     program.ep_sharded,
                     groups.batch_size,
@@ -128,7 +118,6 @@ class ParallelModule(nn.Module):
                 )
                 if program.ep_sharded
                 else None,
-                self.precision.dtype if plan.master_weights == MasterWeights.HOST else None,
             )
             if optimizer
             else None

@@ -21,7 +21,7 @@ and ZeRO-3 is refused for it (`policy.zero_refusal`).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,13 +30,11 @@ from torch import fx, nn
 from autopart.ops.params import parameter_attributes, parameters_named
 from autopart.ops.zero3 import sharded_parameters
 from autopart.policy import ELEMENTWISE_OPTIMIZERS, GRAD_BUCKET_BYTES, optimizer_class
+from autopart.runtime.dp_types import ExpertShards, OptimizerFactory, SyncSettings
 from autopart.runtime.grad_sync import params_in_backward_order
 from autopart.runtime.offload import HostOptimizer
 from autopart.runtime.zero_owners import OwnedParameters
 from autopart.runtime.zero_replicas import ReplicaShards
-
-if TYPE_CHECKING:
-    from autopart.runtime.data_parallel import ExpertShards, OptimizerFactory
 
 
 class ShardedPart(Protocol):
@@ -114,22 +112,20 @@ class ZeroState:
 
 
 def zero_state(
-    zero: int,
+    settings: SyncSettings,
     stages: list[fx.GraphModule],
     group: dist.ProcessGroup,
     optimizer: OptimizerFactory,
-    accumulation: int,
-    offload: bool = False,
     experts: ExpertShards | None = None,
-    masters_dtype: torch.dtype | None = None,
 ) -> ZeroState:
-    """ZeRO stage `zero` (1-3) for this rank's `stages` over the data-parallel `group`,
-    its optimizer state on the host where `offload` (and the fp32 master weights, the
-    device holding `masters_dtype` copies, where that is given). Under expert
+    """ZeRO stage `settings.zero` (1-3) for this rank's `stages` over the data-parallel
+    `group`, its optimizer state on the host where `settings.offload` (and the fp32
+    master weights, the device holding `masters_dtype` copies, where that is given). Under expert
     parallelism (`group` is dp × ep) the experts' shards are another part, over the dp
     replicas of the same experts (`experts.group`), their summed gradients divided by
     the batch's shares as the rest are averaged over them; at stage 3 the stages'
     `ShardedParameters` hold both kinds of bucket, each over its own group."""
+    zero, accumulation, masters_dtype = settings.zero, settings.accumulation, settings.masters_dtype
     whole = _trained_in_backward_order(stages)
     parts: list[ShardedPart] = []
     if zero == 3:
@@ -154,7 +150,7 @@ def zero_state(
             )
         else:
             parts.append(OwnedParameters(params, over, accumulation, min(zero, 2), divisor))
-    return ZeroState(parts, optimizer, offload, masters_dtype)
+    return ZeroState(parts, optimizer, settings.offload, masters_dtype)
 
 
 def _trained_in_backward_order(stages: list[fx.GraphModule]) -> list[nn.Parameter]:
