@@ -110,7 +110,7 @@ class Predicted:
 
 @dataclass(frozen=True, slots=True)
 class Alternative(AxisAttributes):
-    """A ranked runner-up: its axes and predicted step time and memory."""
+    """A ranked runner-up: what it switches on, and its predicted step time and memory."""
 
     degrees: Degrees
     zero: int
@@ -119,6 +119,11 @@ class Alternative(AxisAttributes):
     step_time_s: float
     peak_memory_bytes: int
     note: str = ""
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    recompute: int = 0  # blocks recomputed whole
+    recompute_attention: int = 0  # blocks whose attention core alone is recomputed
+    offload: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +177,10 @@ class Plan(AxisAttributes):
     stage_cuts: tuple[str, ...] = ()  # module paths where stages 1, 2, ... begin
     predicted: Predicted | None = None
     alternatives: tuple[Alternative, ...] = ()
+    # The plan was edited (`with_changes`) after `predicted` and the alternatives were
+    # made: they describe the plan before the edit. Pricing needs the captured graph,
+    # which a plan does not hold; planning again with the edit pinned prices it.
+    predictions_stale: bool = False
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -243,12 +252,18 @@ class Plan(AxisAttributes):
 
     def with_changes(self, **changes: Any) -> Plan:
         """A copy with some fields changed (validated again): how a user edits a plan.
-        Axes are changed by name: `plan.with_changes(dp=4, tp=2)`."""
+        Axes are changed by name: `plan.with_changes(dp=4, tp=2)`. The predictions stay
+        those of the plan before the edit, marked stale (`predictions_stale`), unless
+        the changes give new ones."""
         axes = {k: changes.pop(k) for k in self.degrees.names if k in changes}
         if axes:
             changes["degrees"] = changes.get("degrees", self.degrees).replace(**axes)
         if "placements" in changes:  # the roles described the layout being replaced
             changes.setdefault("tp_roles", {})
+        if "predicted" in changes:
+            changes.setdefault("predictions_stale", False)
+        elif _edits(self, changes):
+            changes.setdefault("predictions_stale", self.predicted is not None)
         return replace(self, **changes)
 
     # -- text -----------------------------------------------------------------------------
@@ -320,6 +335,18 @@ class Plan(AxisAttributes):
         except json.JSONDecodeError as e:
             raise PlanError(f"{path} is not a plan file (not JSON: {e})") from e
         return cls.from_json(data)
+
+
+# Fields that say what was predicted of a plan, not how it runs: changing them leaves
+# its predictions as they are.
+PREDICTION_FIELDS = frozenset({"predicted", "alternatives", "offload_reason", "predictions_stale"})
+
+
+def _edits(plan: Plan, changes: Mapping[str, Any]) -> bool:
+    """Whether `changes` change how `plan` runs."""
+    return any(
+        k not in PREDICTION_FIELDS and getattr(plan, k, None) != v for k, v in changes.items()
+    )
 
 
 def _degrees(data: dict[str, Any]) -> Degrees:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
 
 from autopart.degrees import Axis
 from autopart.placements import placement_to_str
-from autopart.policy import MasterWeights, cp_gradients_in_sync
+from autopart.policy import CHOICE_SLACK, MasterWeights, cp_gradients_in_sync
 
 if TYPE_CHECKING:
-    from autopart.plan import Plan, Resharding, StageFigures
+    from autopart.plan import Alternative, Plan, Predicted, Resharding, StageFigures
 
 
 def format_bytes(n: float) -> str:
@@ -80,6 +83,7 @@ def format_plan(plan: Plan) -> str:
         )
     if plan.stage_cuts:
         lines.append(f"  stages begin at: {', '.join(plan.stage_cuts)}")
+    lines += [f"  {line}" for line in _opt_in_lines(plan)]
     p = plan.predicted
     if p is not None:
         lines.append(
@@ -88,6 +92,8 @@ def format_plan(plan: Plan) -> str:
             f"peak memory {format_bytes(p.peak_memory_bytes)}; "
             f"{p.model_flops_per_device / 1e12:.3f} model TFLOP/s per device"
         )
+        if plan.predictions_stale:
+            lines.append(f"  {STALE}")
     if plan.placements:
         axes, placed = _shown_placements(plan)
         rows = _collapse_layers(placed)
@@ -97,14 +103,83 @@ def format_plan(plan: Plan) -> str:
         for name, ps in rows:
             lines.append("  " + name.ljust(width) + "".join(p.ljust(6) for p in ps))
     if plan.alternatives:
-        lines += ["", "  alternatives:"]
-        for a in plan.alternatives:
-            lines.append(
-                f"    {a.degrees} zero={a.zero} m={a.microbatches}"
-                f"{f' {a.schedule}' if a.schedule else ''}: "
-                f"{a.step_time_s * 1e3:.2f} ms, {format_bytes(a.peak_memory_bytes)} {a.note}"
-            )
+        lines += ["", "  alternatives that fit, fastest first:"]
+        lines += [f"    {alternative_line(plan, a)}" for a in plan.alternatives]
+        lines.append(
+            f"  chosen: the simplest plan within {CHOICE_SLACK:.0%} of the fastest "
+            "(the fewest mechanisms switched on; explain() says which count)"
+        )
     return "\n".join(lines)
+
+
+# How the search chooses (solver/search.py `_solve`), where the alternatives are shown.
+CHOICE_RULE = (
+    f"the simplest plan within {CHOICE_SLACK:.0%} of the fastest that fits, by the "
+    "search's prices; simplest: the fewest mechanisms switched on (axes besides dp, "
+    "ZeRO, recomputation, interleaving, gradient accumulation, sequence parallelism), "
+    "the fastest among equally simple"
+)
+STALE = (
+    "stale: these predictions are the plan's before it was edited (with_changes); plan "
+    "again with the edit pinned to price it"
+)
+
+
+def _opt_in_lines(plan: Plan) -> list[str]:
+    """What the plan switches on beyond its axes and ZeRO: where the optimizer state and
+    the master weights live, and the opt-ins that change the math."""
+    lines = []
+    if plan.offload:
+        why = "no plan keeping it on the device fits" if plan.offload_reason else "as pinned"
+        lines.append(f"offload: the optimizer state lives and steps in host memory ({why})")
+    if plan.master_weights == MasterWeights.HOST:
+        low = plan.precision.split("-")[0]
+        lines.append(f"master weights: fp32 on the host, {low} copies on the device")
+    if plan.grad_compression is not None:
+        lines.append(f"gradient compression: {plan.grad_compression} (changes the math)")
+    if plan.sync_every is not None:
+        warmup = f" after {plan.sync_warmup} plain steps" if plan.sync_warmup else ""
+        outer = f", outer optimizer {plan.outer_optimizer}" if plan.outer_optimizer else ""
+        lines.append(
+            f"local SGD: parameters averaged every {plan.sync_every} steps{warmup}{outer} "
+            "(changes the math)"
+        )
+    if plan.per_part_statistics:
+        lines.append("per-part statistics: over each part's examples (changes the math)")
+    return lines
+
+
+def alternative_label(a: Alternative) -> str:
+    """What an alternative switches on, in the words of `str(plan)`."""
+    parts = [str(a.degrees), f"zero={a.zero}", f"m={a.microbatches}"]
+    parts += [a.schedule] if a.schedule else []
+    parts += [f"v={a.virtual_stages}"] if a.virtual_stages > 1 else []
+    parts += ["sequence_parallel"] if a.sequence_parallel else []
+    parts += [f"recompute {_count(a.recompute, 'block')}"] if a.recompute else []
+    if a.recompute_attention:
+        parts.append(f"recompute {_count(a.recompute_attention, 'attention core')}")
+    parts += ["offload"] if a.offload else []
+    parts += [a.note] if a.note else []
+    return " ".join(parts)
+
+
+def alternative_gap(plan: Plan, a: Alternative) -> str:
+    """An alternative's step time and peak memory against the plan's:
+    `+3.4% step time, -20.0% memory`."""
+    p = plan.predicted
+    if p is None or p.step_time_s <= 0 or p.peak_memory_bytes <= 0:
+        return ""
+    time = a.step_time_s / p.step_time_s - 1
+    memory = a.peak_memory_bytes / p.peak_memory_bytes - 1
+    return f"{time:+.1%} step time, {memory:+.1%} memory"
+
+
+def alternative_line(plan: Plan, a: Alternative) -> str:
+    gap = alternative_gap(plan, a)
+    return (
+        f"{alternative_label(a)}: {a.step_time_s * 1e3:.2f} ms, "
+        f"{format_bytes(a.peak_memory_bytes)}{f' ({gap})' if gap else ''}"
+    )
 
 
 def _folded(names: list[str]) -> str:
@@ -227,11 +302,13 @@ def explain_plan(plan: Plan) -> str:
     if plan.per_part_statistics and parts > 1:
         lines.append(
             "As asked (per_part_statistics=True), each of the batch's "
-            f"{parts} parts takes the model's statistics over the batch (a load-balancing "
-            "loss's token fractions and router probabilities) and its routing over the "
-            "batch's tokens (an expert's capacity, expert choice), if any, over its own "
-            "examples, as Megatron-LM does. This changes the math: one device takes them "
-            "over the whole batch."
+            f"{parts} parts takes the model's statistics over the batch over its own "
+            "examples, if any: its batch norms' means and variances, as DDP without "
+            "SyncBatchNorm does (each forward starts from the first replica's running "
+            "statistics, as DDP's broadcast of buffers does); a load-balancing loss's "
+            "token fractions and router probabilities, and its routing over the batch's "
+            "tokens (an expert's capacity, expert choice), as Megatron-LM does. This "
+            "changes the math: one device takes them over the whole batch."
         )
     if plan.grad_compression is not None and plan.degrees.batch_split > 1:
         who = (
@@ -255,7 +332,24 @@ def explain_plan(plan: Plan) -> str:
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in p.memory.items())
             + ")."
         )
-    return "\n".join(lines)
+        if plan.predictions_stale:
+            lines.append(STALE[0].upper() + STALE[1:] + ".")
+    return "\n".join([*lines, *_choice_lines(plan)])
+
+
+def _choice_lines(plan: Plan) -> list[str]:
+    """The rule the plan was chosen by, and how the fastest plan it left compares."""
+    if not plan.alternatives:
+        return []
+    fastest = min(plan.alternatives, key=lambda a: a.step_time_s)
+    gap = alternative_gap(plan, fastest)
+    return [
+        f"Chosen as {CHOICE_RULE}. The fastest of the "
+        f"{_count(len(plan.alternatives), 'alternative')} listed with the plan, "
+        f"{alternative_label(fastest)}, is predicted at "
+        f"{fastest.step_time_s * 1e3:.2f} ms and {format_bytes(fastest.peak_memory_bytes)}"
+        + (f" ({gap})." if gap else ".")
+    ]
 
 
 def _tensor_parallel_lines(plan: Plan) -> list[str]:
@@ -377,11 +471,29 @@ def _recomputed_what(s: StageFigures) -> str:
     return " and ".join(parts)
 
 
-# Unit roundoff of the dtype each kind of sum runs in: gradients are fp32 under every
-# precision (fp32 master weights); a row-parallel product's partial sums are in the
-# compute dtype.
+# Unit roundoff u of each dtype a sum runs in (half the gap between 1 and the next
+# number): 2^-p for p bits of significand.
 _ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
 _COMPUTE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+# Rounding to nearest errs by up to half a unit in the last place, evenly; over the
+# values of a binade (log-uniform) that is u·√(1/(8 ln 2)) ≈ 0.42 u of the value, rms.
+ROUNDING_RMS = math.sqrt(1 / (8 * math.log(2)))
+# A matmul accumulates in fp32 in blocks whose order follows its shape, so a part of a
+# batch's product and the whole batch's differ by a few of fp32's units however the
+# parts are then summed.
+ACCUMULATION_UNITS = 4
+
+
+def reordering_difference(dtype: str, parts: int) -> float:
+    """How far a sum of `parts` partial results in `dtype`, added one after another,
+    lies from the same sum computed whole on one device: the norm of the difference
+    relative to the sum's. Each of the parts - 1 additions rounds a partial sum that
+    grows as √k, by ROUNDING_RMS·u of it: relative to the whole, √(parts/2) roundings;
+    the rounding of each part and of one device's result add about 3 more. fp32's
+    accumulation inside the matmuls (`ACCUMULATION_UNITS`) is the least difference.
+    tests/test_plan.py measures it on the CPU against this."""
+    rounded = ROUNDING_RMS * _ROUNDOFF[dtype] * math.sqrt(parts / 2 + 3)
+    return math.hypot(rounded, ACCUMULATION_UNITS * _ROUNDOFF["fp32"])
 
 
 COMPRESSION_WHAT = {
@@ -421,51 +533,142 @@ def _local_sgd_lines(plan: Plan) -> list[str]:
 
 def _reduction_order(plan: Plan) -> str:
     """Which sums the plan runs in another order than one device, and the size of the
-    difference that makes."""
-    sums = []
-    if plan.dp > 1:
-        summed = "gradients" if plan.sync_every is None else "parameters"
-        sums.append(f"{summed} over the {plan.dp} data-parallel ranks (fp32)")
-    if plan.microbatches > 1:
-        sums.append(f"gradients over {plan.microbatches} microbatches (fp32)")
-    if plan.tp > 1:
-        sums.append(
-            f"row-parallel products over the {plan.tp} tp ranks ({_COMPUTE[plan.precision]})"
-        )
-    if plan.cp > 1:
-        sums.append(
-            f"weight gradients over the {plan.cp} cp ranks, and attention's softmax over "
-            f"their {2 * plan.cp} chunks of keys (fp32)"
-        )
+    difference that makes (`reordering_difference`)."""
+    sums = _reordered_sums(plan)
     if not sums:
         return "Every sum runs in the order it runs on one device."
-    worst = max(
-        [_ROUNDOFF["fp32"]] + ([_ROUNDOFF[_COMPUTE[plan.precision]]] if plan.tp > 1 else [])
+    described = "; ".join(
+        f"{what} ({dtype}: about {reordering_difference(dtype, parts):.0e})"
+        for what, dtype, parts in sums
     )
-    terms = max(plan.dp * plan.microbatches, plan.tp, 2 * plan.cp)
+    low = {dtype for _, dtype, _ in sums} - {"fp32"}
+    own = "".join(
+        f"; a {dtype} result is itself rounded by up to {_ROUNDOFF[dtype]:.0e}" for dtype in low
+    )
     return (
-        f"Sums in another order than on one device: {'; '.join(sums)}. Results differ by "
-        f"rounding: about {worst * terms**0.5:.0e} relative per sum, accumulating slowly "
-        "over steps (autopart's tests hold fp32 losses and parameters within 1e-5 of one "
+        f"Sums in another order than on one device: {described}. Each differs from one "
+        "device's by rounding, by about the figure given relative to its size (the norm "
+        f"of the difference over the sum's){own}. The differences accumulate slowly over "
+        "steps (autopart's tests hold fp32 losses and parameters within 1e-5 of one "
         "device over 5 AdamW steps)."
     )
 
 
-def diff_plans(a: Plan, b: Plan) -> list[str]:
-    """One line per field that differs: `name: a -> b`."""
-    from dataclasses import fields
+def _reordered_sums(plan: Plan) -> list[tuple[str, str, int]]:
+    """(what is summed, the dtype it is summed in, how many parts) for each sum the plan
+    orders otherwise than one device. Gradients are fp32 (fp32 master weights) but for
+    master weights on the host, whose device copies' gradients are 16-bit; a row-parallel
+    product's partial sums are in the compute dtype."""
+    compute = _COMPUTE[plan.precision]
+    gradients = compute if plan.master_weights == MasterWeights.HOST else "fp32"
+    sums = []
+    if plan.dp > 1 and plan.sync_every is not None:
+        sums.append((f"parameters over the {plan.dp} data-parallel ranks", "fp32", plan.dp))
+    parts = (plan.dp if plan.sync_every is None else 1) * plan.microbatches
+    if parts > 1:
+        over = " × ".join(
+            [f"the {plan.dp} data-parallel ranks"] * (plan.sync_every is None and plan.dp > 1)
+            + [f"{plan.microbatches} microbatches"] * (plan.microbatches > 1)
+        )
+        sums.append((f"gradients over {over}", gradients, parts))
+    if plan.tp > 1:
+        sums.append((f"row-parallel products over the {plan.tp} tp ranks", compute, plan.tp))
+    if plan.cp > 1:
+        sums.append(
+            (
+                f"weight gradients over the {plan.cp} cp ranks, and attention's softmax over "
+                f"their {2 * plan.cp} chunks of keys",
+                "fp32",
+                2 * plan.cp,
+            )
+        )
+    return sums
 
+
+def diff_plans(a: Plan, b: Plan) -> list[str]:
+    """One short line per difference: `name: a -> b`, a parameter's placements as
+    `str(plan)` shows them (repeated layers folded), the predictions by their figures."""
     out = []
     for f in fields(a):
         va, vb = getattr(a, f.name), getattr(b, f.name)
-        if f.name == "degrees":
-            out += [
-                f"{axis}: {va[axis]} -> {vb[axis]}" for axis in va.names if va[axis] != vb[axis]
-            ]
-        elif f.name == "placements":
-            for fqn in sorted(set(va) | set(vb)):
-                if va.get(fqn) != vb.get(fqn):
-                    out.append(f"placements[{fqn}]: {va.get(fqn)} -> {vb.get(fqn)}")
-        elif va != vb:
-            out.append(f"{f.name}: {va} -> {vb}")
+        if va != vb:
+            out += _DIFFS.get(f.name, _diff_value)(f.name, va, vb)
     return out
+
+
+def _diff_value(name: str, a: Any, b: Any) -> list[str]:
+    return [f"{name}: {_shown(a)} -> {_shown(b)}"]
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple) and all(isinstance(v, str) for v in value):
+        return ", ".join(compact_paths(value)) or "none"
+    return str(value)
+
+
+def _diff_degrees(name: str, a: Any, b: Any) -> list[str]:
+    return [f"{axis}: {a[axis]} -> {b[axis]}" for axis in a.names if a[axis] != b[axis]]
+
+
+def _diff_per_parameter(name: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
+    """`name[parameter]: a -> b`, one line for the copies of a repeated layer alike."""
+    changed: dict[tuple[str, str, str], int] = {}
+    for fqn in sorted(set(a) | set(b), key=lambda n: (re.sub(r"\.\d+\.", ".*.", n), n)):
+        va, vb = _per_parameter(a.get(fqn)), _per_parameter(b.get(fqn))
+        if va != vb:
+            key = (re.sub(r"\.\d+\.", ".*.", fqn), va, vb)
+            changed[key] = changed.get(key, 0) + 1
+    return [
+        f"{name}[{pattern}{f' (×{n})' if n > 1 else ''}]: {va} -> {vb}"
+        for (pattern, va, vb), n in changed.items()
+    ]
+
+
+def _per_parameter(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, tuple):
+        return " ".join(placement_to_str(p) for p in value)
+    return str(value)
+
+
+def _diff_predicted(name: str, a: Predicted | None, b: Predicted | None) -> list[str]:
+    if a is None or b is None:
+        return [f"{name}: {_predicted_figures(a)} -> {_predicted_figures(b)}"]
+    out = []
+    if a.step_time_s != b.step_time_s:
+        out.append(f"predicted step: {a.step_time_s * 1e3:.2f} -> {b.step_time_s * 1e3:.2f} ms")
+    if a.peak_memory_bytes != b.peak_memory_bytes:
+        out.append(
+            f"predicted peak memory: {format_bytes(a.peak_memory_bytes)} -> "
+            f"{format_bytes(b.peak_memory_bytes)}"
+        )
+    return out or [f"{name}: other figures, the same step time and peak memory"]
+
+
+def _predicted_figures(p: Predicted | None) -> str:
+    if p is None:
+        return "none"
+    return f"step {p.step_time_s * 1e3:.2f} ms, peak {format_bytes(p.peak_memory_bytes)}"
+
+
+def _diff_alternatives(name: str, a: tuple, b: tuple) -> list[str]:
+    def listed(alternatives: tuple) -> str:
+        return "; ".join(alternative_label(x) for x in alternatives) or "none"
+
+    return [f"{name}: {listed(a)} -> {listed(b)}"]
+
+
+def _diff_stale(name: str, a: bool, b: bool) -> list[str]:
+    words = {False: "current", True: "stale (made before an edit)"}
+    return [f"predictions: {words[a]} -> {words[b]}"]
+
+
+_DIFFS: dict[str, Callable[[str, Any, Any], list[str]]] = {
+    "degrees": _diff_degrees,
+    "placements": _diff_per_parameter,
+    "tp_roles": _diff_per_parameter,
+    "predicted": _diff_predicted,
+    "alternatives": _diff_alternatives,
+    "predictions_stale": _diff_stale,
+}

@@ -54,6 +54,11 @@ LOW_DTYPES: dict[str, torch.dtype] = {
     Precision.FP16_MIXED.value: torch.float16,
 }
 
+# The plan chosen is the simplest within this fraction of the fastest plan that fits
+# (solver/search.py); `str(plan)` and `plan.explain()` state the rule beside the
+# alternatives it left.
+CHOICE_SLACK = 0.05
+
 # How long a collective waits for its peers before it fails the step (parallelize's
 # `timeout`): NCCL's own default, bounded where Gloo's is half an hour.
 COLLECTIVE_TIMEOUT_S = 600.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from torch.distributed.tensor import Replicate, Shard
 import autopart
 from autopart.degrees import Degrees
 from autopart.mesh import Mesh
-from autopart.plan import MeshSpec, Plan, PlanError, Predicted, StageFigures
+from autopart.plan import Alternative, MeshSpec, Plan, PlanError, Predicted, StageFigures
+from autopart.plan_format import alternative_label, reordering_difference
 from tests.models import tiny_gpt2, tiny_llama, tiny_mixtral, token_batch
 
 
@@ -82,9 +84,91 @@ def test_invalid_plans_say_what_is_wrong():
 def test_edits_are_validated_and_diffed():
     plan = _plan()
     edited = plan.with_changes(zero=2)
-    assert plan.diff(edited) == ["zero: 1 -> 2"]
+    stale = "predictions: current -> stale (made before an edit)"
+    assert plan.diff(edited) == ["zero: 1 -> 2", stale]
     with pytest.raises(PlanError):
         plan.with_changes(zero=5)
+
+
+def test_an_edit_marks_the_predictions_stale(tmp_path):
+    """The predictions describe the plan they were made for: an edit keeps them, marked
+    stale in the table, the explanation and the plan file; new predictions, or a change
+    to what was predicted alone, are not stale."""
+    plan = _plan()
+    assert not plan.predictions_stale and "stale" not in str(plan) + plan.explain()
+    edited = plan.with_changes(zero=2)
+    assert edited.predictions_stale
+    assert edited.predicted == plan.predicted
+    assert "stale: these predictions are the plan's before it was edited" in str(edited)
+    assert "Stale: these predictions" in edited.explain()
+    path = tmp_path / "plan.json"
+    edited.save(path)
+    assert Plan.load(path).predictions_stale
+    assert not plan.with_changes(zero=1).predictions_stale  # no change
+    assert not plan.with_changes(alternatives=()).predictions_stale
+    assert not edited.with_changes(predicted=plan.predicted).predictions_stale
+    assert not _plan(predicted=None).with_changes(zero=2).predictions_stale  # nothing to be
+
+
+def test_diff_lines_are_short_and_fold_repeated_layers():
+    layers = {f"model.layers.{i}.mlp.weight": (Replicate(), Shard(0)) for i in range(32)}
+    plan = _plan(placements=layers, alternatives=(_alternative(0.6),))
+    other = plan.with_changes(
+        placements={k: (Replicate(), Replicate()) for k in layers},
+        predicted=replace(plan.predicted, step_time_s=0.45, peak_memory_bytes=12 * 1024**3),
+        alternatives=(),
+    )
+    assert plan.diff(other) == [
+        "placements[model.layers.*.mlp.weight (×32)]: R S(0) -> R R",
+        "predicted step: 500.00 -> 450.00 ms",
+        "predicted peak memory: 10.00 GiB -> 12.00 GiB",
+        "alternatives: pp=2 dp=4 ep=1 cp=1 tp=2 zero=1 m=4 1f1b -> none",
+    ]
+    assert plan.diff(plan.with_changes(predicted=None)) == [
+        "predicted: step 500.00 ms, peak 10.00 GiB -> none"
+    ]
+
+
+def _alternative(step_time_s: float, memory: int = 8 * 1024**3, **changes) -> Alternative:
+    fields = dict(degrees=Degrees(dp=4, tp=2, pp=2), zero=1, microbatches=4, schedule="1f1b")
+    return Alternative(**(fields | changes), step_time_s=step_time_s, peak_memory_bytes=memory)
+
+
+def test_alternatives_show_what_they_switch_on_and_their_gap():
+    """Alternatives that differ in virtual stages, sequence parallelism or recomputation
+    read differently, each with its gap to the plan, beside the rule that chose it."""
+    alternatives = (
+        _alternative(0.483, schedule="interleaved-1f1b", virtual_stages=2),
+        _alternative(0.49, schedule="interleaved-1f1b", virtual_stages=4, recompute=3),
+        _alternative(0.52, 12 * 1024**3, sequence_parallel=True, recompute_attention=2),
+    )
+    plan = _plan(alternatives=alternatives)
+    labels = [alternative_label(a) for a in alternatives]
+    assert len(set(labels)) == 3
+    assert labels[1].endswith("zero=1 m=4 interleaved-1f1b v=4 recompute 3 blocks")
+    assert labels[2].endswith("1f1b sequence_parallel recompute 2 attention cores")
+    text = str(plan)
+    assert f"{labels[0]}: 483.00 ms, 8.00 GiB (-3.4% step time, -20.0% memory)" in text
+    assert "(+4.0% step time, +20.0% memory)" in text
+    assert "chosen: the simplest plan within 5% of the fastest" in text
+    explained = plan.explain()
+    assert "Chosen as the simplest plan within 5% of the fastest that fits" in explained
+    assert f"{labels[0]}, is predicted at 483.00 ms and 8.00 GiB (-3.4% step time" in explained
+
+
+def test_print_shows_offload_master_weights_compression_and_local_sgd():
+    offloaded = _plan(offload=True, offload_reason="needs 90 GiB", master_weights="host")
+    text = str(offloaded)
+    assert "offload: the optimizer state lives and steps in host memory" in text
+    assert "master weights: fp32 on the host, bf16 copies on the device" in text
+    compressed = _plan(zero=0, grad_compression="powersgd:rank=4")
+    assert "gradient compression: powersgd:rank=4 (changes the math)" in str(compressed)
+    local = _plan(zero=0, sync_every=8, sync_warmup=100, outer_optimizer="sgd:lr=0.7")
+    assert (
+        "local SGD: parameters averaged every 8 steps after 100 plain steps, outer optimizer "
+        "sgd:lr=0.7 (changes the math)"
+    ) in str(local)
+    assert not any(w in str(_plan()) for w in ("offload", "master weights", "compression", "SGD"))
 
 
 def test_plan_for_another_model_or_mesh_is_refused(tmp_path):
@@ -129,7 +213,13 @@ def test_recomputed_layers_print_as_one_run():
 
 
 def test_explain_says_which_sums_change_order():
-    assert "Sums in another order than on one device" in _plan().explain()
+    explained = _plan().explain()
+    assert "Sums in another order than on one device" in explained
+    assert (
+        f"gradients over the 4 data-parallel ranks × 4 microbatches (fp32: about "
+        f"{reordering_difference('fp32', 16):.0e})"
+    ) in explained
+    assert f"over the 2 tp ranks (bf16: about {reordering_difference('bf16', 2):.0e})" in explained
     alone = _plan(
         mesh=MeshSpec("h100-80g", 1, 1),
         global_batch=1,
@@ -161,3 +251,38 @@ def test_an_expert_parallel_plan_shows_the_experts_split_over_ep(tmp_path):
     plan.save(path)
     assert Plan.load(path).ep_params == plan.ep_params
     assert len(plan.ep_params) == 4  # two layers' gate_up and down
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _added(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Partial results added one after another, in their dtype, as a ring does."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+@pytest.mark.parametrize(("dtype", "tp"), [("bf16", 2), ("bf16", 8), ("fp16", 8), ("fp32", 8)])
+def test_the_rounding_estimate_matches_a_row_parallel_product(dtype, tp):
+    """A row-parallel product, as one device computes it and as tp ranks do (each its
+    columns' product in the dtype, then added), differs as `explain()` says."""
+    torch.manual_seed(0)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    x, w = torch.randn(64, 4096).to(dt), torch.randn(4096, 256).to(dt)
+    ranks = _added([xc @ wc for xc, wc in zip(x.chunk(tp, 1), w.chunk(tp, 0))])
+    measured = _relative(ranks, x @ w)
+    assert 0.5 < measured / reordering_difference(dtype, tp) < 2
+
+
+@pytest.mark.parametrize("parts", [2, 16, 1024])
+def test_the_rounding_estimate_matches_a_gradient_summed_over_parts(parts):
+    """A weight's fp32 gradient over a batch of 1024, taken whole and as the sum of
+    `parts` parts' gradients (data-parallel ranks × microbatches)."""
+    torch.manual_seed(0)
+    x, dy = torch.randn(1024, 256), torch.randn(1024, 256)
+    summed = _added([xc.T @ dc for xc, dc in zip(x.chunk(parts), dy.chunk(parts))])
+    measured = _relative(summed, x.T @ dy)
+    assert 0.5 < measured / reordering_difference("fp32", parts) < 2

@@ -176,8 +176,7 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
             f"{format_bytes(predicted.peak_memory_bytes)} per rank; use more devices or a "
             "smaller batch"
         )
-    others = [c for c in found if c is not candidate]
-    alternatives = tuple(_alternative(c) for c in others[:MAX_ALTERNATIVES])
+    alternatives = _alternatives(c for c in found if c is not candidate)
     models = CostModels.of(mesh, plan.precision)
     collectives = resharding(summary, Choices.of(plan), models, dims)
     predicted = replace(predicted, resharding=collectives)
@@ -414,9 +413,21 @@ def _what_fits(
     )
 
 
+def _alternatives(others: Iterable[Candidate]) -> tuple[Alternative, ...]:
+    """The first MAX_ALTERNATIVES of `others` (fastest first) that differ in what they
+    switch on: plans that differ only in where they cut or which blocks they recompute
+    are listed once, by the fastest."""
+    out: dict[Alternative, Alternative] = {}
+    for candidate in others:
+        alternative = _alternative(candidate)
+        out.setdefault(replace(alternative, step_time_s=0.0, peak_memory_bytes=0), alternative)
+        if len(out) == MAX_ALTERNATIVES:
+            break
+    return tuple(out.values())
+
+
 def _alternative(candidate: Candidate) -> Alternative:
     c, p = candidate.choices, candidate.predicted
-    note = "recompute" if c.recompute else ""
     return Alternative(
         c.degrees,
         c.zero,
@@ -424,7 +435,11 @@ def _alternative(candidate: Candidate) -> Alternative:
         c.schedule,
         p.step_time_s,
         p.peak_memory_bytes,
-        note,
+        virtual_stages=c.virtual_stages,
+        sequence_parallel=c.sequence_parallel,
+        recompute=len(c.recompute),
+        recompute_attention=len(c.recompute_attention),
+        offload=c.offload,
     )
 
 

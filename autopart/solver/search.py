@@ -79,6 +79,7 @@ from autopart.passes.tp_propagate import propagate
 from autopart.plan import Predicted
 from autopart.plan_format import format_bytes
 from autopart.policy import (
+    CHOICE_SLACK,
     LOW_DTYPES,
     MasterWeights,
     Precision,
@@ -114,7 +115,7 @@ class Progress:
             log.info("%s: %d of %d (%.0f s)", self.what, done, self.total, now - self.start)
 
 
-SLACK = 0.05
+SLACK = CHOICE_SLACK
 # How much faster the inner model's stage cuts can make a pipeline than the cuts balanced
 # by compute that the search prices first: measured on Llama-3-8B's candidates, at most
 # 1e-4; a margin, so that no plan the inner model could make the fastest is skipped.
