@@ -507,7 +507,7 @@ def _solve(candidates: list[Candidate], memory: int) -> Candidate:
         sum((c.simplicity * n + rank[i]) * v for i, (c, v) in enumerate(zip(candidates, x)))
     )
     chosen = _run(model, x, candidates, memory)
-    log.info(
+    log.debug(
         "solver: %d candidate plans, %.3fs; chose %s",
         len(candidates),
         time.perf_counter() - start,

@@ -49,7 +49,7 @@ def choose_tp_placements(
                 if fallbacks <= baseline:
                     places, baseline = paired, fallbacks
     places = _copy_to_repeated_blocks(gm, places)
-    log.info("tp=%d shards %d parameters", tp, len(places))
+    log.debug("tp=%d shards %d parameters", tp, len(places))
     return places
 
 

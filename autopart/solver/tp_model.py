@@ -304,7 +304,7 @@ def solve_layout(
         if isinstance(place := chosen[var], Shard)
     }
     seconds = time.perf_counter() - start
-    log.info(
+    log.debug(
         "tp=%d layout: %d groups, %d terms, %s in %.3fs; %d parameters sharded",
         problem.tp,
         len(problem.groups),
