@@ -200,8 +200,6 @@ class Plan(AxisAttributes):
         out.append(check_choice(Precision, self.precision, "precision"))
         if self.schedule is not None:
             out.append(check_choice(Schedule, self.schedule, "schedule"))
-        if (self.recompute or self.recompute_attention) and self.zero == 3:
-            out.append("recomputation together with ZeRO-3 is not supported: choose one")
         if self.sync_warmup < 0:
             out.append(f"sync_warmup must be at least 0, not {self.sync_warmup}")
         out.append(replica_opt_in_refusal(self.zero, self.sync_every, self.grad_compression))

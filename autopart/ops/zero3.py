@@ -21,6 +21,17 @@ stage runs forward, saved-tensor hooks replace a saved tensor that lies in a gat
 bucket by a small token (bucket, offset, size, stride); backward turns the token back
 into a tensor by gathering the bucket again, once, and prefetches the bucket it will
 need next. A bucket gathered for backward is dropped once its gradients are reduced.
+
+Recomputation. A recomputed region (passes/recompute.py, non-reentrant checkpointing)
+saves its inputs under the hooks in force, as an operator saves its own, so the
+parameters it reads leave tokens too and nothing it gathered stays whole until
+backward. Its recomputation turns them back into tensors there: that is backward's
+gather of those buckets, shared by the recomputed operators and their gradients, as
+FSDP gathers a checkpointed block once in backward. The recomputation takes them all
+at once, not one after another as operators' backward does, so backward gathers a
+region's buckets together (`gathered_with`), and prefetches the previous region's
+whole while the region runs: two regions' parameters at most, each dropped once its
+gradients are reduced.
 """
 
 from __future__ import annotations
@@ -87,12 +98,15 @@ class ShardedParameters(nn.Module):
         names: Sequence[Sequence[str]],
         params: Sequence[Sequence[torch.Tensor]],
         over: Sequence[ShardGroup],
+        gathered_with: Sequence[Sequence[int]] = (),
     ) -> None:
         """`names[b]` and `params[b]`: the FQNs and values of bucket b's parameters,
-        sharded over `over[b]`."""
+        sharded over `over[b]`; `gathered_with[b]`: the buckets backward gathers with
+        it (those of the recomputed regions that read it; none where not given)."""
         super().__init__()
         self.names = [tuple(n) for n in names]
         self.over = tuple(over)
+        self.gathered_with = tuple(tuple(g) for g in gathered_with) or tuple(() for _ in names)
         self.layouts = [FlatLayout.of(ps, g.size) for ps, g in zip(params, over)]
         self.shards = nn.ParameterList(
             nn.Parameter(
@@ -200,12 +214,19 @@ class ShardedParameters(nn.Module):
     def _gathered_for_backward(self, bucket: int) -> torch.Tensor:
         flat = self._for_backward.get(bucket)
         if flat is None:
-            pending = self._prefetched.pop(bucket, None) or self.start_gather(bucket)
-            flat = self._for_backward[bucket] = pending.wait()
+            self._prefetch(bucket)
+            flat = self._for_backward[bucket] = self._prefetched.pop(bucket).wait()
             following = self._next_in_backward.get(bucket)
-            if following is not None and following not in (*self._for_backward, *self._prefetched):
-                self._prefetched[following] = self.start_gather(following)
+            if following is not None:
+                self._prefetch(following)
         return flat
+
+    def _prefetch(self, bucket: int) -> None:
+        """Issue the gathers of `bucket`, then of the buckets backward gathers with it,
+        but for those held or issued already."""
+        for b in dict.fromkeys((bucket, *self.gathered_with[bucket])):
+            if b not in self._for_backward and b not in self._prefetched:
+                self._prefetched[b] = self.start_gather(b)
 
     # -- saved-tensor hooks ------------------------------------------------------------
 

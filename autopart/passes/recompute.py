@@ -5,7 +5,9 @@ runs under `torch.utils.checkpoint` (non-reentrant): forward saves only the bloc
 inputs, and backward runs the block's forward again to get what its gradients need.
 Parameters stay attributes of the stage (read outside, passed in), so their FQNs, the
 optimizer and the gradient sync are untouched; collectives inside a block run again in
-backward, on every rank alike.
+backward, on every rank alike. Under ZeRO-3 (whose pass runs after this one) what is
+passed in is the gathered parameters, which the checkpoint saves as tokens: the
+recomputation gathers them again, as backward does (ops/zero3.py).
 
 Selective recomputation: for the blocks in the plan's `recompute_attention`, only each
 attention core (`attention_core`: scores, mask, softmax, dropout, weighted values) is

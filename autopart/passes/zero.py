@@ -5,7 +5,8 @@
                          read becomes a view of its bucket, all-gathered before use
     zero3_prefetch_pass  each all-gather is issued as the previous bucket's is taken, so
                          it travels while that bucket computes; each wait stays just
-                         before the first use (about two buckets gathered at a time)
+                         before the first use (about two buckets gathered at a time;
+                         the buckets one node reads at once are issued together)
 
 Buckets follow first use in forward: one per repeated block (a transformer layer),
 the parameters between blocks in runs, split at ZERO3_BUCKET_BYTES (policy.py), one
@@ -18,6 +19,11 @@ A pipeline stage's parameters that other stages read too (tied weights) stay who
 the pipeline keeps their replicas in step through the owner (runtime/shared_params.py),
 and the runtime shards their optimizer state and gradients as ZeRO-2 does.
 
+A recomputed region (passes/recompute.py runs first) reads its parameters as inputs,
+so their views become its inputs too; its recomputation in backward takes them all
+at once, and the stage's shards gather each region's buckets together there
+(`ShardedParameters.gathered_with`, ops/zero3.py).
+
 Under expert parallelism the batch is split over dp × ep: the experts' weights (split
 over ep already) go in buckets of their own, sharded over their dp replicas, and the
 other weights' over dp × ep, as ZeRO-1/2 shard their state. With dp = 1 an expert has
@@ -26,6 +32,7 @@ one replica, and its weights stay whole (stepped as tied weights are).
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass, field
 
@@ -52,6 +59,7 @@ from autopart.ops.zero3 import (
     all_gather_start,
     all_gather_wait,
 )
+from autopart.passes.recompute import Recomputed
 from autopart.passes.runner import PassContext, run_passes
 from autopart.policy import ZERO3_BUCKET_BYTES, ZERO3_REGATHER_AFTER
 
@@ -81,15 +89,16 @@ def zero3_shard_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         Axis.DP.value,
         groups.batch_size,
     )
+    where = {id(p): (b, i) for b, bucket in enumerate(buckets) for i, p in enumerate(bucket)}
     module = ShardedParameters(
         [[names[id(p)] for p in bucket] for bucket in buckets],
         buckets,
         [replicas if id(bucket[0]) in experts else rest for bucket in buckets],
+        _gathered_with(gm, reads, where, len(buckets)),
     )
     _remove_parameters(gm, {id(p) for bucket in buckets for p in bucket})
     gm.add_submodule(ZERO3, module)
     module.install(gm)
-    where = {id(p): (b, i) for b, bucket in enumerate(buckets) for i, p in enumerate(bucket)}
     _Reads(gm, module).rewrite(reads, where)
     gm.graph.lint()
     gm.recompile()
@@ -101,10 +110,19 @@ def zero3_prefetch_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     waits = sorted(
         gm.graph.find_nodes(op="call_function", target=all_gather_wait), key=position.__getitem__
     )
-    for previous, wait in zip(waits, waits[1:]):
-        start = wait.args[2]
-        if position[start] > position[previous]:
-            previous.append(start)  # issued as soon as the previous bucket is taken
+
+    def first_reader(wait: fx.Node) -> int:
+        return min(position[user] for view in wait.users for user in view.users)
+
+    # The buckets one node reads (a recomputed region reads its block's) are waited for
+    # one after another: all of them are issued as the previous reader's are taken.
+    runs = [list(run) for _, run in itertools.groupby(waits, key=first_reader)]
+    for before, run in zip(runs, runs[1:]):
+        previous = before[-1]
+        for wait in reversed(run):  # each goes right after `previous`: run order
+            start = wait.args[2]
+            if position[start] > position[previous]:
+                previous.append(start)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -177,6 +195,24 @@ def _block(node: fx.Node | None) -> str | None:
     return info.instance if info is not None else None
 
 
+def _gathered_with(
+    gm: fx.GraphModule,
+    reads: dict[int, tuple[nn.Parameter, list[fx.Node]]],
+    where: dict[int, tuple[int, int]],
+    count: int,
+) -> list[tuple[int, ...]]:
+    """For each of the `count` buckets, the other buckets read by the recomputed regions
+    that read it: a recomputation needs all of its region's parameters at once."""
+    bucket_of = {node: where[key][0] for key, (_, nodes) in reads.items() for node in nodes}
+    together: list[set[int]] = [set() for _ in range(count)]
+    for node in gm.graph.find_nodes(op="call_module"):
+        if isinstance(gm.get_submodule(str(node.target)), Recomputed):
+            read = {bucket_of[arg] for arg in node.all_input_nodes if arg in bucket_of}
+            for b in read:
+                together[b] |= read - {b}
+    return [tuple(sorted(t)) for t in together]
+
+
 def _canonical_names(gm: fx.GraphModule) -> dict[int, str]:
     """id(parameter) -> its first FQN (a tied parameter's other names are aliases)."""
     names: dict[int, str] = {}
@@ -217,6 +253,7 @@ class _Reads:
         SHAPE.set(self.holder, None)
         self.latest: dict[int, _Gather] = {}
         self.serial = 0
+        self.user_from = 0  # the serial before the user being rewritten gathered
 
     def rewrite(
         self,
@@ -226,7 +263,11 @@ class _Reads:
         """Point every reader of a parameter at a view of its bucket's latest gather."""
         place = {node: where[key] for key, (_, nodes) in reads.items() for node in nodes}
         for user in list(self.graph.nodes):
-            for attr in dict.fromkeys(a for a in user.all_input_nodes if a in place):
+            # A user reading many buckets (a recomputed region takes its parameters as
+            # inputs) gathers them in bucket order, each once.
+            attrs = dict.fromkeys(a for a in user.all_input_nodes if a in place)
+            self.user_from = self.serial
+            for attr in sorted(attrs, key=place.__getitem__):
                 bucket, index = place[attr]
                 user.replace_input_with(attr, self._view(bucket, index, attr, user))
         for attr in place:
@@ -234,7 +275,9 @@ class _Reads:
 
     def _view(self, bucket: int, index: int, attr: fx.Node, user: fx.Node) -> fx.Node:
         gather = self.latest.get(bucket)
-        if gather is None or self.serial - gather.serial >= ZERO3_REGATHER_AFTER:
+        if gather is None or (
+            self.serial - gather.serial >= ZERO3_REGATHER_AFTER and gather.serial <= self.user_from
+        ):
             gather = self.latest[bucket] = self._gather(bucket, user)
         if index not in gather.views:
             with self.graph.inserting_before(user):

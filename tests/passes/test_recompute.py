@@ -1,14 +1,15 @@
 """Activation recomputation: the plan's blocks save only their inputs and train to the
-same losses and parameters as one device."""
+same losses and parameters as one device, under ZeRO-3 too."""
 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
-import pytest
 from torch.autograd.graph import saved_tensors_hooks
 
-import autopart
+from autopart.ops.zero3 import sharded_parameters
+from autopart.passes import zero
 from autopart.testing import run_world
 from tests.harness import case_key, train_case
 from tests.models import LM_FACTORIES, assert_matches, lm_loss, token_batch, train_single_device
@@ -108,13 +109,71 @@ def test_recomputed_attention_cores_free_the_scores_and_train_the_same():
         assert_matches(selective, train_single_device(name, "adamw", STEPS, batch))
 
 
-def test_recompute_with_zero3_is_refused():
-    mesh = autopart.Mesh.cluster("cpu", nodes=1, per_node=2)
-    with pytest.raises(autopart.PlanError, match="ZeRO-3"):
-        autopart.plan(
-            LM_FACTORIES["llama"](),
-            mesh,
-            (token_batch(4)[0],),
-            zero=3,
-            recompute=EVERY_LAYER["llama"],
+# Each block of the tiny models spans several ZeRO-3 buckets at this cap (bytes), as a
+# large model's blocks do at the policy's.
+SMALL_BUCKETS = 40_000
+ZERO3_CASES = [
+    ("llama", {"recompute": EVERY_LAYER["llama"]}),
+    ("llama", {"recompute": ("model.layers.1",)}),
+    ("llama-eager", {"recompute": "attention"}),
+]
+
+
+def _zero3_report(batch, pm) -> dict:
+    """One more step, counting each bucket's gathers, and what the stage held gathered."""
+    zero3 = sharded_parameters(pm.graph)
+    gathers: Counter[int] = Counter()
+    start = zero3.start_gather
+
+    def counted(bucket: int):
+        gathers[bucket] += 1
+        return start(bucket)
+
+    zero3.start_gather = counted
+    pm.train_step(*batch)
+    blocks: Counter[str] = Counter()  # gathered bytes of each block's buckets
+    for names, layout in zip(zero3.names, zero3.layouts):
+        block = names[0].split(".")[:3]
+        blocks[".".join(block)] += layout.padded * 4 if block[1] == "layers" else 0
+    return {
+        "gathers": [gathers[b] for b in range(len(zero3.layouts))],
+        "buckets": [".".join(names[0].split(".")[:3]) for names in zero3.names],
+        "gathered_with": zero3.gathered_with,
+        "peak_gathered": zero3.peak_gathered_bytes,
+        "gathered_after_step": zero3.gathered_bytes(),
+        "largest_block": max(blocks.values()),
+        "outlined": sum(1 for n, _ in pm.graph.named_children() if "recompute" in n),
+    }
+
+
+def _train_zero3(batch):
+    zero.ZERO3_BUCKET_BYTES = SMALL_BUCKETS  # this rank's process only
+    report = functools.partial(_zero3_report, batch)
+    return {
+        case_key(name, pins): train_case(
+            LM_FACTORIES[name](), batch, STEPS, inspect=report, dp=2, zero=3, **pins
         )
+        for name, pins in ZERO3_CASES
+    }
+
+
+def test_zero3_gathers_a_recomputed_block_again_and_trains_the_same():
+    """Under ZeRO-3 a recomputed block (every block, one, or the attention cores alone)
+    leaves its gathered parameters to backward as tokens: its recomputation gathers its
+    buckets again, all at once, and that is backward's gather, not a third. At most two
+    blocks are held gathered (the memory model's ZeRO-3 buffer), none after the step,
+    and training matches one device."""
+    batch = token_batch(8)
+    results = run_world(_train_zero3, 2, batch)[0]
+    for name, pins in ZERO3_CASES:
+        got = results[case_key(name, pins)]
+        recomputed = pins["recompute"] if pins["recompute"] != "attention" else ()
+        mine = {b for b, block in enumerate(got["buckets"]) if block in recomputed}
+        assert len(mine) > len(recomputed) or not recomputed, "blocks span several buckets"
+        assert {b for b, others in enumerate(got["gathered_with"]) if others} == mine
+        assert all(n in (1, 2) for n in got["gathers"]), got["gathers"]
+        assert all(got["gathers"][b] == 2 for b in mine)
+        assert 0 < got["peak_gathered"] <= 2 * got["largest_block"]
+        assert got["gathered_after_step"] == 0
+        assert got["outlined"] == (len(recomputed) or 2), (name, pins)
+        assert_matches(got, train_single_device(name, "adamw", STEPS, batch))

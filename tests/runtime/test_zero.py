@@ -1,5 +1,6 @@
 """ZeRO-1, -2 and -3 train to the single-device losses and parameters (fp32, 5 AdamW
-steps, Gloo), and ZeRO-3 holds 1/N of the model states. One world of 4 runs every case
+steps, Gloo), with a pipeline, and ZeRO-3 with recomputation under tp and pp; ZeRO-3
+holds 1/N of the model states. One world of 4 runs every case
 (slow: the quick suite trains ZeRO-1 to -3 on worlds of 2 in test_master_weights.py,
 test_offload.py, test_checkpoint.py and below). ZeRO-1 and -2 with Adafactor, which is
 not elementwise, step whole parameters, each on its owner, and match too (a world of
@@ -26,8 +27,18 @@ ZERO3 = {"dp": 4, "zero": 3}
 DP4 = [(m, {"dp": 4, "zero": z}) for m in ("gpt2", "llama") for z in (1, 2, 3)]
 # A pipeline's tied embedding stays whole under ZeRO-3 and is trained as under ZeRO-2,
 # with one reduce-scatter per microbatch.
-COMPOSED = [("gpt2", {"dp": 2, "pp": 2, "zero": 3, "schedule": "1f1b", "microbatches": 2})]
-CASES = DP4 + COMPOSED
+PIPELINE = {"dp": 2, "pp": 2, "zero": 3, "schedule": "1f1b", "microbatches": 2}
+COMPOSED = [("gpt2", PIPELINE)]
+# ZeRO-3 with recomputation (every block, one, or the attention cores alone) under tp
+# and pp; alone, on 2 ranks, in tests/passes/test_recompute.py.
+EVERY_LAYER = ("model.layers.0", "model.layers.1")
+RECOMPUTED = [
+    ("llama", {"dp": 2, "tp": 2, "zero": 3, "recompute": EVERY_LAYER}),
+    ("llama-eager", {"dp": 2, "tp": 2, "zero": 3, "recompute": "attention"}),
+    ("llama", {**PIPELINE, "recompute": EVERY_LAYER}),
+    ("gpt2", {**PIPELINE, "recompute": ("transformer.h.1",)}),
+]
+CASES = DP4 + COMPOSED + RECOMPUTED
 
 
 def _train(cases, batch) -> dict:
