@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,3 +61,25 @@ def test_the_70b_planning_example_writes_the_plan_and_its_report(tmp_path):
     page = (report / "index.html").read_text()
     assert all(f'id="{figure}"' in page for figure in ("timeline", "memory", "alternatives"))
     assert "planned in" in output
+
+
+@pytest.mark.slow  # launches processes of its own: kept out of the quick suite
+def test_the_resume_example_writes_to_a_temporary_directory_and_removes_it(tmp_path):
+    """Both attempts of the job (the first loses a rank, torchrun relaunches it) find one
+    temporary directory; nothing is written where it runs."""
+    output = _run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+            *("--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "5"),
+            *(str(EXAMPLES / "resume.py"), "--steps", "4", "--kill-at", "2"),
+        ],
+        tmp_path,
+    )
+    assert "attempt 1: dp=1 tp=2 pp=1 zero=0, resuming after step 2" in output
+    assert "4 steps over 2 attempts vs one device: losses match" in output
+    removed = re.search(r"removed (\S+), the temporary directory", output)
+    assert removed is not None, output[-2000:]
+    directory = Path(removed[1])
+    assert directory.parent == Path(tempfile.gettempdir()) and not directory.exists()
+    assert f"attempt 0: dp=2 tp=1 pp=1 zero=1, starting afresh in {directory}" in output
+    assert list(tmp_path.iterdir()) == []

@@ -24,9 +24,7 @@ def _single_device_losses() -> list[float]:
     return module.train_single_device(STEPS, BATCH)
 
 
-@pytest.mark.slow  # launches processes of its own: kept out of the quick suite
-def test_a_job_that_loses_a_rank_resumes_from_its_checkpoint_after_a_relaunch(tmp_path):
-    log = tmp_path / "losses.jsonl"
+def _resume(out: Path) -> str:
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
         *("--nproc-per-node", "2", "--max-restarts", "1"),
@@ -36,12 +34,19 @@ def test_a_job_that_loses_a_rank_resumes_from_its_checkpoint_after_a_relaunch(tm
         *("--monitor-interval", "5"),
         str(EXAMPLES / "resume.py"),
         *("--steps", str(STEPS), "--kill-at", str(KILL_AT), "--batch", str(BATCH)),
-        *("--checkpoint", str(tmp_path / "checkpoint"), "--losses", str(log)),
+        *("--out", str(out)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     job = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     output = job.stdout + job.stderr
     assert job.returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.mark.slow  # launches processes of its own: kept out of the quick suite
+def test_a_job_that_loses_a_rank_resumes_from_its_checkpoint_after_a_relaunch(tmp_path):
+    log = tmp_path / "losses.jsonl"
+    output = _resume(tmp_path)
     # the first attempt died after KILL_AT steps, naming the lost rank
     assert "rank 1's process has exited" in output
     entries = [json.loads(line) for line in log.read_text().splitlines()]
@@ -51,3 +56,9 @@ def test_a_job_that_loses_a_rank_resumes_from_its_checkpoint_after_a_relaunch(tm
     assert "attempt 1: dp=1 tp=2" in output  # resumed under another plan
     reference = _single_device_losses()
     assert [e["loss"] for e in entries] == pytest.approx(reference, rel=1e-5)
+    # Run again into the same directory, the first attempt finds the finished run's
+    # checkpoint, says so, and resumes from it: nothing is left to train.
+    again = _resume(tmp_path)
+    assert f"found an earlier run's checkpoint in {tmp_path}, after step {STEPS}" in again
+    assert "rank 1's process has exited" not in again
+    assert len(log.read_text().splitlines()) == STEPS
