@@ -49,6 +49,10 @@ class Choices(AxisAttributes):
     # Where the fp32 weights live (`policy.MasterWeights`): on the host, the device's
     # weights and gradients are 16-bit.
     master_weights: str = MasterWeights.DEVICE
+    # Batch norms normalize each part of the batch by its own statistics (taking the
+    # first replica's running ones), not by the whole batch's over the replicas
+    # (`passes/batch_norm.py`).
+    per_part_statistics: bool = False
 
     def __post_init__(self) -> None:
         if self.pp > 1 and self.schedule is None:
@@ -75,6 +79,7 @@ class Choices(AxisAttributes):
             plan.sync_every,
             _outer_copies(plan.outer_optimizer),
             plan.master_weights,
+            plan.per_part_statistics,
         )
 
     @property

@@ -19,6 +19,8 @@ blocks) and chunks to pipeline ranks; then per rank:
       reduce-scatters each bucket's gradients; the gathers hide behind forward and
       backward compute, each pass's first gather and the last bucket's reduce-scatter
       do not (on a CPU, a bucket costs what the profile measured its three add);
+    batch norms over the global batch: one all-reduce of per-channel sums per norm in
+      forward and one in backward, over dp × ep (`batch_norm.py`);
   gradient synchronization over dp (stride tp), once per step after the last
     microbatch: bucketed all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1/2), hidden behind
     the last microbatch's backward but for its last bucket (`pipeline.exposed_sync`);
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from autopart.cost_models.batch_norm import norm_sync_comm
 from autopart.cost_models.choices import Choices, CostModels
 from autopart.cost_models.comm import (
     ALL_GATHER,
@@ -309,7 +312,8 @@ class _StageWork:
     blocks: int
     gathered: float
     tp: float
-    other_comm: float  # ZeRO-3's, context parallelism's and the experts' all_to_alls
+    # ZeRO-3's, context parallelism's, the experts' all_to_alls, the batch norms' sums
+    other_comm: float
     ep: float
     activations: Activations
     unrecomputed: Activations
@@ -342,7 +346,8 @@ def _stage_work(
         tp=_tp_comm(own, choices, models.comm),
         other_comm=_zero3_comm(own, compute, choices, models)
         + _cp_comm(own, last, params, choices, models)
-        + ep,
+        + ep
+        + norm_sync_comm(own, choices, models.comm),
         ep=ep,
         activations=_activations(own, choices),
         unrecomputed=Activations(kept=sum(s.saved_bytes(choices.precision) for s in own)),

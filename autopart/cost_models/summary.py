@@ -56,6 +56,7 @@ from autopart.ops.meta import (
     tensor_info,
 )
 from autopart.ops.params import parameter_names
+from autopart.passes.batch_mixing import reduced_over_replicas
 from autopart.passes.experts import expert_layers
 from autopart.passes.tp_decision import R
 from autopart.passes.tp_propagate import propagate
@@ -97,6 +98,9 @@ class Segment:
     expert_param_numel: int = 0
     expert_rows: tuple[sympy.Expr, ...] = ()
     sharded_expert_param_numel: int = 0  # of the experts, split over tp too
+    # The channels of each batch norm that takes the whole batch's statistics over the
+    # replicas where the batch is split (`passes/batch_norm.py`).
+    norm_channels: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,9 +474,17 @@ def _segments(
                 for p in owners[i]
                 if p in experts and _is_sharded_param(gm, nodes, p, layout)
             ),
+            norm_channels=_norm_channels(nodes),
         )
         for i, (key, block_id, nodes) in enumerate(runs)
     )
+
+
+def _norm_channels(nodes: list[fx.Node]) -> tuple[int, ...]:
+    """The channels of each batch norm among `nodes` that the batch-norm rewrite reduces
+    over the replicas."""
+    inputs = [n.args[0] for n in nodes if reduced_over_replicas(n)]
+    return tuple(int(tensor_info(x).shape[1]) for x in inputs if isinstance(x, fx.Node))
 
 
 def _experts(

@@ -22,6 +22,12 @@ Four kinds are recognized, from the shapes in the named dims (the shape analysis
   only a comparison, or a slice that keeps the first, makes a row's fate depend on
   the rows before it.
 
+Batch normalization as torch.export captures it (`aten.batch_norm`) is exact under a
+split of the batch over replicas once the batch-norm rewrite reduces its statistics over
+them (`reduced_over_replicas`, passes/batch_norm.py): the planner asks for those apart
+(`norms_over_replicas`), since microbatches within a replica still split what it
+normalizes.
+
 Found only where the capture keeps the batch dynamic (the default; not a model captured
 on the meta device, whose batch is static). A reduction over the batch that only feeds
 the loss linearly (a mean of per-example losses, scaled) is not flagged: the runtime
@@ -31,6 +37,7 @@ averages the parts' losses, which is that mean.
 from __future__ import annotations
 
 import sympy
+import torch
 from torch import fx
 
 from autopart.batch import BATCH
@@ -49,24 +56,51 @@ _BATCH_NORMS = {
 }
 
 
-def batch_mixing(gm: fx.GraphModule, statistics: bool = True) -> list[str]:
+def batch_mixing(
+    gm: fx.GraphModule, statistics: bool = True, reduced_norms: bool = True
+) -> list[str]:
     """How and where `gm` mixes the examples of its batch, one line per kind ("batch_norm
     in training mode normalizes over the batch, at blocks.0.1, blocks.1.1"); empty
-    where the examples are computed apart. Without `statistics`, statistics combined
-    over the batch and routing over its rows are not counted (the user accepts them per
-    part). Needs the shape and module-path analyses."""
+    where the examples are computed apart. Without `statistics`, batch norms,
+    statistics combined over the batch and routing over its rows are not counted (the
+    user accepts them per part); without `reduced_norms`, the batch norms the batch-norm
+    rewrite reduces over the replicas are not. Needs the shape and module-path
+    analyses."""
     found: dict[str, dict[str, None]] = {}  # kind -> module paths, ordered, no repeats
     seen: set[fx.Node] = set()  # values reduced over the batch, and what they feed
     ordered: dict[fx.Node, str] = {}  # positions among the batch's rows, sorted rows
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        why = _mixes(node) or (
-            (_combines_statistics(node, seen) or _routes_rows(node, ordered)) if statistics else ""
-        )
+        counted = statistics and (reduced_norms or not reduced_over_replicas(node))
+        why = (_normalizes(node) if counted else "") or _mixes(node)
+        if not why and statistics:
+            why = _combines_statistics(node, seen) or _routes_rows(node, ordered)
         if why:
-            found.setdefault(why, {})[MODULE_PATH.get(node) or "the top level"] = None
+            found.setdefault(why, {})[_path(node)] = None
     return [f"{why}, at {', '.join(paths)}" for why, paths in found.items()]
+
+
+def norms_over_replicas(gm: fx.GraphModule) -> list[str]:
+    """The batch norms the batch-norm rewrite reduces over the replicas, as
+    `batch_mixing` words them: exact under a split over replicas, not over microbatches
+    (a replica's first microbatch would be normalized before its last is seen)."""
+    paths = {_path(n): None for n in gm.graph.nodes if reduced_over_replicas(n)}
+    if not paths:
+        return []
+    return [f"batch_norm in training mode normalizes over the batch, at {', '.join(paths)}"]
+
+
+def reduced_over_replicas(node: fx.Node) -> bool:
+    """Whether `node` is a batch norm in training mode over the batch, as torch.export
+    captures it (`aten.batch_norm`), which the batch-norm rewrite replaces by one over
+    the whole batch (ops/batch_norm.py). Its lowerings, which return their saved
+    statistics, and a traced module are left as they are, and so split nothing."""
+    return node.target is torch.ops.aten.batch_norm.default and bool(_normalizes(node))
+
+
+def _path(node: fx.Node) -> str:
+    return MODULE_PATH.get(node) or "the top level"
 
 
 # Reductions whose result, taken over the batch, is a statistic of it.
@@ -211,13 +245,20 @@ def _data_operands(node: fx.Node) -> list[fx.Node]:
     return found
 
 
-def _mixes(node: fx.Node) -> str:
+def _normalizes(node: fx.Node) -> str:
+    """Why `node` is a batch norm in training mode whose statistics run over the batch."""
     name = op_name(node)
     if name in _BATCH_NORMS and _training(node):
         shape = _info(node.args[0])
         # Statistics per channel (dim 1), over every other dim.
         if shape and any(map(batched, shape.shape[:1] + shape.shape[2:])):
             return f"{name} in training mode normalizes over the batch"
+    return ""
+
+
+def _mixes(node: fx.Node) -> str:
+    """Why `node` gives a batch × batch result, where it arises."""
+    name = op_name(node)
     out = _info(node)
     # Only where the batch × batch tensor arises, not every operator that carries it on.
     inputs = [_info(a) for a in node.all_input_nodes]

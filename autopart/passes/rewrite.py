@@ -10,6 +10,9 @@ disabled by name (`PassContext.disabled`).
     tensor parallelism        shard parameters, insert tp collectives (tp > 1)
     context parallelism       shard the sequence, ring attention (cp > 1)
     expert parallelism        split each routed layer's experts, all_to_all (ep > 1)
+    batch norm                training-mode batch norms take the whole batch's
+                              statistics over the replicas, or per part, the first
+                              replica's running ones (dp × ep > 1)
     ── pipeline split ──       cut the graph into stages, keep this rank's (pp > 1)
     materialize               real memory for this rank's pieces of a meta model
     retarget devices          device arguments and tensors on this rank's device
@@ -29,6 +32,7 @@ from torch import fx
 
 from autopart.ops.meta import CP_SUMMED, EP_SHARDED, TP_LAYOUT, VOCAB_PARALLEL_LOSS
 from autopart.ops.program import RankProgram
+from autopart.passes.batch_norm import batch_norm_pass, splits_norms
 from autopart.passes.causal_attention import causal_attention_pass
 from autopart.passes.context_parallel import context_parallel_pass
 from autopart.passes.expert_parallel import expert_parallel_pass
@@ -64,6 +68,7 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite(tensor_parallel_pass, lambda plan: plan.tp > 1),
     Rewrite(context_parallel_pass, lambda plan: plan.cp > 1),
     Rewrite(expert_parallel_pass, lambda plan: plan.ep > 1),
+    Rewrite(batch_norm_pass, splits_norms),
     Rewrite(materialize_pass, per_stage=True),
     Rewrite(retarget_devices_pass, per_stage=True),
     Rewrite(

@@ -23,7 +23,7 @@ from autopart.cost_models.resharding import resharding
 from autopart.degrees import Axis, Degrees, MeshError, axis_names
 from autopart.mesh import Mesh
 from autopart.ops.meta import BLOCK
-from autopart.passes.batch_mixing import batch_mixing
+from autopart.passes.batch_mixing import batch_mixing, norms_over_replicas
 from autopart.passes.context_parallel import sequence_length
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
@@ -62,9 +62,9 @@ class Pins:
     sync_every: int | None = None  # local SGD: the user's choice only (it changes the math)
     sync_warmup: int = 0
     outer_optimizer: str | None = None  # local SGD's, the user's choice only
-    # The model's statistics over its batch (a load-balancing loss) and its routing over
-    # the batch's rows (capacity, expert choice) taken over each part's examples: the
-    # user's choice only (it changes the math).
+    # The model's statistics over its batch (batch norms, a load-balancing loss) and its
+    # routing over the batch's rows (capacity, expert choice) taken over each part's
+    # examples: the user's choice only (it changes the math).
     per_part_statistics: bool = False
     grad_compression: str | None = None  # the user's choice only (it changes the math)
     offload: bool | None = None  # None: only where no plan fits without it
@@ -144,8 +144,10 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     """The plan for `captured` on `mesh`: the search's choice among what `pins` allow,
     with its tensor-parallel layout, pipeline cuts, predictions and runners-up."""
     batch = batch_size((captured.example_args, captured.example_kwargs))
-    mixing = batch_mixing(captured.gm, statistics=not pins.per_part_statistics)
-    pins = _whole_batch(pins, mixing, mesh)
+    per_part = pins.per_part_statistics
+    mixing = batch_mixing(captured.gm, statistics=not per_part, reduced_norms=False)
+    norms = [] if per_part else norms_over_replicas(captured.gm)
+    pins = _whole_batch(pins, mixing, mesh, norms)
     _check_pins(pins, mesh, batch)
     refusal = recompute_refusal(captured.gm, pins.recompute, pins.recompute_attention)
     if refusal:
@@ -159,9 +161,8 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     try:
         found = search(layouts, mesh, pins, batch, dims)
     except NoPlanFits as e:
-        whole = f"; the batch stays whole (dp=1, one microbatch): {'; '.join(mixing)}"
-        fits = _what_fits(captured, mesh, pins, batch, dims, mixing)
-        raise PlanError(f"{e}{whole if mixing else ''}{fits}") from None
+        fits = _what_fits(captured, mesh, pins, batch, dims, mixing, norms)
+        raise PlanError(f"{e}{_kept_whole(mixing, norms)}{fits}") from None
     # The plan as it will run (its own stage cuts) is priced again; should it no longer
     # fit, the next plan that fits takes its place.
     for candidate in found:
@@ -185,12 +186,13 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     )
 
 
-def _whole_batch(pins: Pins, mixing: list[str], mesh: Mesh) -> Pins:
+def _whole_batch(pins: Pins, mixing: list[str], mesh: Mesh, norms: list[str]) -> Pins:
     """`pins` with dp and microbatches fixed at 1 where the model mixes the examples of
     its batch (`mixing`, passes.batch_mixing): splitting the batch would change what it
-    computes. Pins that split it are refused, saying where the model mixes them."""
+    computes. Pins that split it are refused, saying where the model mixes them. Batch
+    norms the rewrite reduces over the replicas (`norms`) fix microbatches alone."""
     if not mixing:
-        return pins
+        return _one_microbatch(pins, norms) if norms else pins
     split = {
         "dp": pins.degree(Axis.DP) or _dp_left(pins, mesh),
         "ep": pins.degree(Axis.EP),
@@ -204,12 +206,38 @@ def _whole_batch(pins: Pins, mixing: list[str], mesh: Mesh) -> Pins:
             "else than one device does on the whole batch. Pin dp=1 and microbatches=1 "
             "(tensor or pipeline parallelism), or keep the examples apart (for BatchNorm: "
             "GroupNorm or LayerNorm, or BatchNorm in eval mode, its statistics frozen; for "
-            "a load-balancing loss or routing over the batch's tokens (capacity, expert "
-            "choice), per_part_statistics=True takes it over each part's examples, as "
-            "Megatron-LM does, which changes the math)"
+            "BatchNorm, a load-balancing loss or routing over the batch's tokens (capacity, "
+            "expert choice), per_part_statistics=True takes it over each part's examples, "
+            "as DDP without SyncBatchNorm and Megatron-LM do, which changes the math)"
         )
     whole = {str(Axis.DP): 1, str(Axis.EP): 1}
     return replace(pins, degrees={**pins.degrees, **whole}, microbatches=1)
+
+
+def _one_microbatch(pins: Pins, norms: list[str]) -> Pins:
+    """`pins` with one microbatch per replica: the batch norms in `norms` take the
+    whole batch's statistics over the replicas, which a replica's first microbatch
+    would need before its last is computed. A pin of more is refused, saying why."""
+    if pins.microbatches is not None and pins.microbatches > 1:
+        raise PlanError(
+            f"microbatches={pins.microbatches} would split each replica's batch, but the "
+            f"model's batch norms take their statistics over the whole batch: "
+            f"{'; '.join(norms)}. autopart reduces them over the data-parallel replicas, "
+            "but a replica runs its microbatches one after another, and the first would "
+            "be normalized before the last is computed. Pin microbatches=1 (more replicas "
+            "instead), or per_part_statistics=True normalizes each part by its own "
+            "statistics, as DDP without SyncBatchNorm does, which changes the math"
+        )
+    return replace(pins, microbatches=1)
+
+
+def _kept_whole(mixing: list[str], norms: list[str]) -> str:
+    """What a refusal adds where the batch, or each replica's part of it, stays whole."""
+    if mixing:
+        return f"; the batch stays whole (dp=1, one microbatch): {'; '.join(mixing)}"
+    if norms:
+        return f"; each replica runs one microbatch: {'; '.join(norms)}"
+    return ""
 
 
 def _dp_left(pins: Pins, mesh: Mesh) -> int | None:
@@ -390,11 +418,17 @@ def _plan_of(
 
 
 def _what_fits(
-    captured: Captured, mesh: Mesh, pins: Pins, batch: int, dims: dict, mixing: list[str]
+    captured: Captured,
+    mesh: Mesh,
+    pins: Pins,
+    batch: int,
+    dims: dict,
+    mixing: list[str],
+    norms: list[str],
 ) -> str:
     """With every axis unpinned, the plan that would fit, as advice."""
     open_pins = _whole_batch(
-        Pins(precision=pins.precision, sharded_logits=pins.sharded_logits), mixing, mesh
+        Pins(precision=pins.precision, sharded_logits=pins.sharded_logits), mixing, mesh, norms
     )
     if pins == open_pins:
         return ""

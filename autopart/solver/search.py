@@ -638,6 +638,7 @@ def _choices(
                         offload=offload,
                         master_weights=pins.master_weights,
                         sync_every=pins.sync_every,
+                        per_part_statistics=pins.per_part_statistics,
                     )
 
 

@@ -5,7 +5,9 @@ drifted from one device (each rank normalized by its half's statistics), and CLI
 image × caption scores under dp=2 crashed in its loss; and by the equivalence sweep:
 expert-choice routing at dp=2 trained to 2.8686 where one device gave 2.8648, and a
 capacity-limited layer likewise, unrefused. The plans of such models keep the batch
-whole (tests/solver/test_search.py, and below)."""
+whole (tests/solver/test_search.py, and below), but for batch norms as torch.export
+captures them, which the batch-norm rewrite reduces over the replicas
+(passes/batch_norm.py): only microbatches keep them whole."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from torch import nn
 import autopart
 from autopart.capture import capture
 from autopart.passes import analyze
-from autopart.passes.batch_mixing import batch_mixing
+from autopart.passes.batch_mixing import batch_mixing, norms_over_replicas
 from tests.models import MLP, tiny_mixtral, token_batch
 from tests.random_models import Case, RandomLM, batch_of
 
@@ -57,6 +59,18 @@ IMAGES = torch.randn(4, 3, 8, 8)
 def test_batch_norm_in_training_mode_mixes_the_batch_and_is_named_by_module():
     (found,) = _mixing(ConvNorm(nn.BatchNorm2d(4)), IMAGES)
     assert found == "batch_norm in training mode normalizes over the batch, at norm"
+
+
+def test_batch_norms_the_rewrite_reduces_over_replicas_are_told_apart():
+    """A training-mode batch norm as torch.export captures it is exact over replicas
+    once rewritten (passes/batch_norm.py), but not over microbatches; per-part
+    statistics take it over each part."""
+    captured = capture(ConvNorm(nn.BatchNorm2d(4)), (IMAGES,))
+    analyze(captured.gm, captured.context())
+    assert batch_mixing(captured.gm, reduced_norms=False) == []
+    assert batch_mixing(captured.gm, statistics=False) == []
+    (norm,) = norms_over_replicas(captured.gm)
+    assert norm == "batch_norm in training mode normalizes over the batch, at norm"
 
 
 @pytest.mark.parametrize(

@@ -149,8 +149,8 @@ def _classes(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, target)
 
 
-# Batch normalization in training mode mixes the batch's examples: plans that split the
-# batch are refused (passes/batch_mixing.py), so these keep it whole.
+# Plans that keep the batch whole: tests/runtime/test_batch_norm.py checks the running
+# statistics that plans splitting it over replicas leave (passes/batch_norm.py).
 BATCH_NORM_PLANS = [{"tp": 2}, {"pp": 2, "microbatches": 1}]
 
 

@@ -191,36 +191,81 @@ class BatchNormNet(nn.Module):
         return self.layers(x)
 
 
+class Similarities(nn.Module):
+    """Every example's embedding scored against every other's (a batch × batch product,
+    as CLIP's image × caption scores), after a small MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Flatten(), nn.Linear(48, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        embedded = self.layers(x)
+        return embedded @ embedded.T
+
+
 TWO_CPUS = Mesh.cluster("cpu", nodes=1, per_node=2)
 FOUR_CPUS = Mesh.cluster("cpu", nodes=1, per_node=4)
 IMAGES = torch.randn(8, 3, 4, 4)
 
 
 def test_a_model_that_mixes_its_examples_is_planned_on_the_whole_batch():
-    plan = autopart.plan(BatchNormNet(), TWO_CPUS, (IMAGES,))
+    plan = autopart.plan(Similarities(), TWO_CPUS, (IMAGES,))
     assert (plan.dp, plan.microbatches) == (1, 1)
     # A pipeline of one microbatch runs GPipe: 1F1B needs pp microbatches.
-    piped = autopart.plan(BatchNormNet(), TWO_CPUS, (IMAGES,), pp=2)
+    piped = autopart.plan(Similarities(), TWO_CPUS, (IMAGES,), pp=2)
     assert (piped.pp, piped.microbatches, piped.schedule) == (2, 1, "gpipe")
 
 
 @pytest.mark.parametrize("pins", [{"dp": 2}, {"dp": 2, "zero": 3}, {"microbatches": 2}])
 def test_pins_that_split_the_batch_of_such_a_model_are_refused_saying_where(pins):
     with pytest.raises(
-        autopart.PlanError, match=r"mixes the examples of a batch: batch_norm .* at layers\.1"
+        autopart.PlanError, match=r"mixes the examples of a batch: matmul gives a batch × batch"
     ):
+        autopart.plan(Similarities(), TWO_CPUS, (IMAGES,), **pins)
+
+
+@pytest.mark.parametrize("pins", [{"dp": 2}, {"dp": 2, "zero": 3}])
+def test_batch_norms_split_over_replicas_one_microbatch_each(pins):
+    """The batch-norm rewrite reduces their statistics over the replicas
+    (passes/batch_norm.py): dp splits the batch, microbatches do not."""
+    plan = autopart.plan(BatchNormNet(), TWO_CPUS, (IMAGES,), **pins)
+    assert (plan.dp, plan.microbatches) == (2, 1)
+
+
+@pytest.mark.parametrize("pins", [{"microbatches": 2}, {"pp": 2, "microbatches": 2}])
+def test_microbatches_of_a_batch_norm_model_are_refused_unless_per_part(pins):
+    with pytest.raises(
+        autopart.PlanError,
+        match=r"microbatches=2 would split each replica's batch, .* batch_norm .* at layers\.1",
+    ) as refused:
         autopart.plan(BatchNormNet(), TWO_CPUS, (IMAGES,), **pins)
+    assert "per_part_statistics=True" in str(refused.value)
+    accepted = autopart.plan(BatchNormNet(), TWO_CPUS, (IMAGES,), per_part_statistics=True, **pins)
+    assert accepted.microbatches == 2
+    assert "as DDP without SyncBatchNorm does" in accepted.explain()
 
 
 def test_axes_pinned_so_that_dp_must_split_such_a_batch_are_refused():
     with pytest.raises(autopart.PlanError, match="dp=4 would split the batch"):
-        autopart.plan(BatchNormNet(), FOUR_CPUS, (IMAGES,), tp=1, pp=1, cp=1, ep=1)
+        autopart.plan(Similarities(), FOUR_CPUS, (IMAGES,), tp=1, pp=1, cp=1, ep=1)
+
+
+class PairScores(nn.Module):
+    """A batch × batch product of one projection: too few segments for pp=4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(48, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        embedded = self.proj(x.flatten(1))
+        return embedded @ embedded.T
 
 
 def test_with_no_plan_on_the_whole_batch_the_refusal_says_why():
-    conv_bn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))  # 2 blocks: no pp=4
     with pytest.raises(autopart.PlanError, match=r"the batch stays whole \(dp=1, one microbatch\)"):
-        autopart.plan(conv_bn, FOUR_CPUS, (IMAGES,), tp=1)
+        autopart.plan(PairScores(), FOUR_CPUS, (IMAGES,), tp=1)
 
 
 def test_offload_is_chosen_only_where_nothing_fits_on_the_device():
