@@ -97,7 +97,10 @@ def _factory(spec: str) -> Callable[[], Any]:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name is None or not f"{module_name}.".startswith(f"{e.name}."):
-            raise UsageError(f"--model {spec}: importing {module_name} failed: {e}") from e
+            raise UsageError(
+                f"--model {spec}: importing {module_name} failed: {e}: install it, or "
+                f"mend the import in {module_name}"
+            ) from e
         raise UsageError(
             f"--model {spec}: no module {module_name} in {os.getcwd()} or on the Python "
             "path: run autopart from the directory that holds it, or add that directory "

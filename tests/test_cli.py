@@ -85,6 +85,10 @@ def test_a_model_that_cannot_be_imported_is_one_line(tmp_path, monkeypatch, caps
     argv = ["plan", "--mesh", "cpu:1x1", "--model"]
     assert main([*argv, "no_such_models:small"]) == 2
     _one_line(capsys, "no module no_such_models in", str(tmp_path), "PYTHONPATH")
+    (tmp_path / "cli_broken_import.py").write_text("import no_such_dependency\n")
+    assert main([*argv, "cli_broken_import:small"]) == 2
+    sys.modules.pop("cli_broken_import", None)
+    _one_line(capsys, "importing cli_broken_import failed: No module named 'no_such_dependency'")
     assert main([*argv, "tests.test_cli:no_such_factory"]) == 2
     _one_line(capsys, "has no function 'no_such_factory'")
     assert main([*argv, "tests.test_cli"]) == 2
