@@ -209,6 +209,10 @@ class PlacementRewriter:
             with self.graph.inserting_after(reduced):
                 last = self.graph.call_function(torch.ops.aten.add.Tensor, (reduced, bias))
             inherit(last, node, SHAPE.get(node))
+            if isinstance(target, Shard) and isinstance(bias, fx.Node):
+                # Each rank adds the bias to its own tokens alone: its gradient is a
+                # partial sum of the whole's.
+                last.replace_input_with(bias, self.copy_to_group(bias, last))
         for user in users:
             user.replace_input_with(node, last)
         axis = self.fns.axis.value
