@@ -24,7 +24,9 @@ it computes. Backward recomputes each pair's probabilities from the final log-su
 (as flash attention's backward does), and the key and value gradients travel round
 the ring with their keys until they reach their owner. Saved for backward: q, k, v,
 the output and the log-sum-exp, as a fused kernel saves. The pairs are computed in
-plain tensor operations, which run on every device and dtype.
+plain tensor operations, which run on every device and dtype; the output is laid out
+as the captured attention's was (`ops.layout`: a fused kernel's [batch, seq, heads,
+head_dim] order, which the graph's views after attention rely on).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.autograd import Function
 from torch.distributed import GroupName
+
+from autopart.ops.layout import DimOrder, empty_in_order
 
 
 def _group(group: GroupName) -> tuple[dist.ProcessGroup, int, int]:
@@ -164,11 +168,11 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> t
 
 class _RingAttention(Function):
     @staticmethod
-    def forward(ctx: Any, q, k, v, group: GroupName, causal: bool, scale: float):
+    def forward(ctx: Any, q, k, v, group: GroupName, causal: bool, scale: float, order):
         ring = _Ring(group)
         cp, rank = ring.size, dist.get_rank(ring.pg)
         q_halves = q.chunk(2, -2)
-        out = [torch.zeros_like(_acc(h)) for h in q_halves]
+        out = [_acc(h).new_zeros((*h.shape[:-1], v.shape[-1])) for h in q_halves]
         lse = [
             torch.full(h.shape[:-1], float("-inf"), dtype=out[0].dtype, device=q.device)
             for h in q_halves
@@ -189,7 +193,7 @@ class _RingAttention(Function):
                 lse[qi] = merged
             if pending is not None:
                 kv = _Ring.finish(pending)
-        output = torch.cat(out, -2).to(q.dtype)
+        output = _laid_out(out, order, q)
         ctx.save_for_backward(q, k, v, output, torch.cat(lse, -1))
         ctx.group, ctx.causal, ctx.scale = group, causal, scale
         return output
@@ -224,7 +228,18 @@ class _RingAttention(Function):
             received = _Ring.finish(ring.start(moving))
             dkv, kv = received[:2], received[2:] or kv
         dq_all = torch.cat(dq, -2).to(q.dtype)
-        return dq_all, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq_all, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def _laid_out(halves: list[torch.Tensor], order: DimOrder | None, q: torch.Tensor) -> torch.Tensor:
+    """The attention's output from its two halves (along the sequence), in q's dtype and
+    in `order`, the dim order of the attention the ring replaces: the captured graph's
+    views of it were traced against that layout (`ops.layout`)."""
+    shape = (*halves[0].shape[:-2], 2 * halves[0].shape[-2], halves[0].shape[-1])
+    output = empty_in_order(shape, order, q, q.dtype)
+    for place, half in zip(output.chunk(2, -2), halves):
+        place.copy_(half)
+    return output
 
 
 # scaled_dot_product_attention's arguments after q, k and v, in their positional order.
@@ -274,15 +289,21 @@ def ring_refusal(named: dict[str, Any] | None) -> str:
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *args: Any,
+    dim_order: DimOrder | None = None,
+    **kwargs: Any,
 ) -> torch.Tensor:
     """`scaled_dot_product_attention(q, k, v, ...)` of [batch, heads, seq, head_dim]
     tensors sharded over the sequence in the mirrored layout of the cp group, causal or
     not, with its scale and grouped-query flag. Called as the rewrite leaves the
     attention's node: its own arguments after v, positional (`attention_arguments`) and
-    keyword, with the cp group appended as the last positional one. Masks and dropout
-    are not taken (`ring_refusal`: the rewrite gathers the sequence for such
-    attention)."""
+    keyword, with the cp group appended as the last positional one, and the dim order
+    of the captured attention's output (`ops.layout`), which the output keeps. Masks
+    and dropout are not taken (`ring_refusal`: the rewrite gathers the sequence for
+    such attention)."""
     *positional, group = args
     named = attention_arguments(positional, kwargs)
     refusal = ring_refusal(named)
@@ -293,4 +314,4 @@ def ring_attention(
         k, v = k.repeat_interleave(repeats, -3), v.repeat_interleave(repeats, -3)
     scale = named["scale"]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, group, named["is_causal"], scale)
+    return _RingAttention.apply(q, k, v, group, named["is_causal"], scale, dim_order)

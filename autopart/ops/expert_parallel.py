@@ -31,6 +31,8 @@ import torch.distributed as dist
 from torch.autograd import Function
 from torch.distributed import GroupName
 
+from autopart.ops.layout import DimOrder, in_dim_order
+
 
 @dataclass(frozen=True)
 class ExpertRoute:
@@ -132,5 +134,9 @@ def ep_to_experts(rows: torch.Tensor, route: ExpertRoute) -> torch.Tensor:
     return _ToExperts.apply(rows, route)
 
 
-def ep_from_experts(rows: torch.Tensor, route: ExpertRoute) -> torch.Tensor:
-    return _FromExperts.apply(rows, route)
+def ep_from_experts(
+    rows: torch.Tensor, route: ExpertRoute, dim_order: DimOrder | None = None
+) -> torch.Tensor:
+    """The experts' output rows back on their ranks, standing in for the layer's last
+    grouped multiply: in that multiply's captured `dim_order` (`ops.layout`)."""
+    return in_dim_order(_FromExperts.apply(rows, route), dim_order)

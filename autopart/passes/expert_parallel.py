@@ -37,6 +37,7 @@ from autopart.ops.expert_parallel import (
     ep_route,
     ep_to_experts,
 )
+from autopart.ops.layout import captured_dim_order
 from autopart.ops.meta import COLLECTIVE, EP_SHARDED, SHAPE, CollectiveInfo, TensorInfo, inherit
 from autopart.passes.experts import ExpertLayer, expert_layers
 from autopart.passes.runner import PassContext
@@ -100,7 +101,7 @@ def _route_layer(gm: fx.GraphModule, layer: ExpertLayer, group: str) -> None:
         entry.replace_input_with(rows, arrived)
     for exit in layer.exits:
         with graph.inserting_after(exit):
-            back = graph.call_function(ep_from_experts, (exit, route))
+            back = graph.call_function(ep_from_experts, (exit, route, captured_dim_order(exit)))
         inherit(back, exit, SHAPE.get(exit))
         _count(back, group, exit)
         for user in [u for u in exit.users if u is not back]:

@@ -8,7 +8,8 @@ context-parallel passes alike:
   (one per source and target, shared by all consumers), with `COLLECTIVE` metadata;
 - size arguments are made local (a view to 32 heads becomes a view to 32/tp; a view
   to the sequence's symbolic length, to the length divided by cp);
-- a rule's local operator replaces the node's (`ops.local_ops.LOCAL_OPS`);
+- a rule's local operator replaces the node's (`ops.local_ops.LOCAL_OPS`), and returns
+  its value in the node's captured dim order (`ops.layout`);
 - a row-parallel product is reduced right after it (all-reduce, or reduce-scatter along
   the sequence under sequence parallelism), and its bias is added once, after that.
 
@@ -35,6 +36,7 @@ from autopart.degrees import Axis
 from autopart.ops import collectives as c
 from autopart.ops.aten import op_name
 from autopart.ops.context_parallel import cp_gather, cp_shard
+from autopart.ops.layout import captured_dim_order
 from autopart.ops.local_ops import LOCAL_OPS
 from autopart.ops.meta import COLLECTIVE, SHAPE, TP_PLACE, CollectiveInfo, inherit, tensor_info
 from autopart.passes.tp_decision import LocalSize, NodePlacement, flatten_args
@@ -94,6 +96,7 @@ class PlacementRewriter:
         if decision.local_op:
             node.target = LOCAL_OPS[decision.local_op]
             node.args = (*node.args, self.group)
+            node.kwargs = {**node.kwargs, "dim_order": captured_dim_order(node)}
         if decision.reduce_to is not None:
             self.reduce_after(node, decision.reduce_to, decision.has_bias)
 

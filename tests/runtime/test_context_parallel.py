@@ -220,3 +220,72 @@ def test_ring_attention_over_views_trains_like_one_device():
         assert_every_rank_matches(per_rank, form, reference)
         assert [r[form]["rings"] for r in per_rank] == [2, 2], form
         assert [r[form]["kinds"][("cp", "all_gather")] for r in per_rank] == [1, 1], form
+
+
+# -- attention over a fused projection, laid out as the captured kernel's -------------
+
+
+class FusedProjectionLM(nn.Module):
+    """A GPT-2-style causal language model written as nanoGPT writes it: learned
+    positions, q, k and v split out of one fused projection, and the attention's output
+    made `.transpose(1, 2).contiguous().view(b, s, w)`. The fused kernel returned that
+    output laid out as [batch, seq, heads, head_dim] at capture, so torch.export dropped
+    the `.contiguous()` as a no-op: ring attention must return the same layout for the
+    view to hold."""
+
+    def __init__(self, width: int = 64, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads = heads
+        self.embed, self.positions = nn.Embedding(VOCAB, width), nn.Embedding(SEQ, width)
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
+        self.c_attn = nn.ModuleList(nn.Linear(width, 3 * width) for _ in range(layers))
+        self.c_proj = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.head = nn.Linear(width, VOCAB)
+        with torch.no_grad():  # a key bias off zero (`tests.models.key_biases_off_zero`)
+            for c_attn in self.c_attn:
+                c_attn.bias.normal_(0.0, 0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        x = self.embed(ids) + self.positions(torch.arange(s, device=ids.device))
+        for norm, c_attn, c_proj in zip(self.norms, self.c_attn, self.c_proj):
+            w = x.shape[-1]
+            q, k, v = c_attn(norm(x)).split(w, dim=2)
+            q, k, v = (t.view(b, s, self.heads, w // self.heads).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + c_proj(y.transpose(1, 2).contiguous().view(b, s, w))
+        return self.head(x)
+
+
+# On 4 ranks, besides cp=2 × tp=2, tp=2 with sequence parallelism: each rank adds the
+# row-parallel projection's bias to its own tokens, so the bias's gradient is summed
+# over tp.
+FUSED_CASES = {
+    2: [{"cp": 2}],
+    4: [{"cp": 2, "tp": 2}, {"dp": 2, "tp": 2, "sequence_parallel": True}],
+}
+
+
+def _train_fused(batch, cases) -> dict:
+    return {
+        case_key("fused", pins): train_case(
+            FusedProjectionLM(), batch, STEPS, inspect=_graph_of, **pins
+        )
+        for pins in cases
+    }
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_ring_attention_over_a_fused_projection_keeps_the_captured_layout(world):
+    """cp=2 on 2 Gloo ranks, and cp=2 × tp=2 on 4, of the nanoGPT-style model (2 layers,
+    8 sequences of 64 tokens): the captured view after attention holds on ring
+    attention's output, each layer's attention runs as a ring, and every rank's losses
+    and parameters are one device's (on 4, under sequence parallelism too)."""
+    batch = token_batch(8, SEQ)
+    reference = train_reference(FusedProjectionLM(), "adamw", STEPS, (batch[0],), batch[1])
+    per_rank = run_world(_train_fused, world, batch, FUSED_CASES[world])
+    for pins in FUSED_CASES[world]:
+        key = case_key("fused", pins)
+        assert_every_rank_matches(per_rank, key, reference, label=pins)
+        assert all(r[key]["rings"] == (2 if "cp" in pins else 0) for r in per_rank), pins
