@@ -171,7 +171,12 @@ def alternative_gap(plan: Plan, a: Alternative) -> str:
         return ""
     time = a.step_time_s / p.step_time_s - 1
     memory = a.peak_memory_bytes / p.peak_memory_bytes - 1
-    return f"{time:+.1%} step time, {memory:+.1%} memory"
+    return f"{_percent(time)} step time, {_percent(memory)} memory"
+
+
+def _percent(x: float) -> str:
+    # Rounded first, so that a gap too small to show reads +0.0%, not -0.0%.
+    return f"{round(x, 3) + 0.0:+.1%}"
 
 
 def alternative_line(plan: Plan, a: Alternative) -> str:

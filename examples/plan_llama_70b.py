@@ -1,6 +1,6 @@
 """Plan Llama-3-70B for 1024 H100s without allocating it, and write the HTML report.
 
-    python examples/plan_llama_70b.py --out llama70b-report
+    python examples/plan_llama_70b.py [--out DIR]
 
 The model is built on the meta device from its published shape (hidden 8192, 80 layers,
 64 heads with 8 key/value heads, FFN 28672, vocabulary 128256), so nothing is allocated
@@ -8,13 +8,15 @@ and the machine planning it needs no GPU. autopart captures it, prices every pla
 pins leave open on 128 nodes of 8 H100s (sequences of 8192 tokens, a global batch of
 1024, bf16 mixed precision), prints the chosen plan and why, saves it, and writes the
 report page: the pipeline timeline, memory per rank against the device, layers per
-stage, collectives, and the alternatives the solver weighed.
+stage, collectives, and the alternatives the solver weighed. They go to `--out`, by
+default a new temporary directory, whose path it prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +44,7 @@ def llama3_70b() -> LlamaForCausalLM:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="llama70b-report", help="the report's directory")
+    parser.add_argument("--out", help="the report's directory (default: a temporary one)")
     parser.add_argument("--nodes", type=int, default=128, help="nodes of 8 H100s")
     parser.add_argument("--batch", type=int, default=1024, help="global batch (sequences)")
     parser.add_argument("--seq", type=int, default=8192)
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = autopart.plan(model, mesh, (ids,), precision="bf16-mixed")
     print(plan, end="\n\n")
     print(plan.explain(), end="\n\n")
-    out = Path(args.out)
+    out = Path(args.out or tempfile.mkdtemp(prefix="llama70b-report-"))
     out.mkdir(parents=True, exist_ok=True)
     plan.save(out / "plan.json")
     page = write_html(plan, out)

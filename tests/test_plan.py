@@ -150,6 +150,8 @@ def test_alternatives_show_what_they_switch_on_and_their_gap():
     text = str(plan)
     assert f"{labels[0]}: 483.00 ms, 8.00 GiB (-3.4% step time, -20.0% memory)" in text
     assert "(+4.0% step time, +20.0% memory)" in text
+    even = _plan(alternatives=(_alternative(0.49999, 10 * 1024**3),))
+    assert "(+0.0% step time, +0.0% memory)" in str(even)
     assert "chosen: the simplest plan within 5% of the fastest" in text
     explained = plan.explain()
     assert "Chosen as the simplest plan within 5% of the fastest that fits" in explained
