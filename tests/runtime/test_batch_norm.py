@@ -239,3 +239,26 @@ def test_batch_norm_over_the_global_batch_with_adamw_and_zero2():
     per_rank = run_world(_world, 2, SLOW, "adamw")
     _assert_as_one_device(per_rank, SLOW)
     _assert_as_ddp(per_rank)
+
+
+WORLD_4 = [({"dp": 2, "tp": 2}, "sgd"), ({"dp": 2, "pp": 2}, "sgd")]
+
+
+@pytest.mark.slow
+def test_batch_norm_over_the_global_batch_beside_tp_and_pp_on_four_ranks():
+    """tp ranks normalize the same part of the batch; a pipeline stage holds its own
+    norms' running statistics, and the stages together hold all of them."""
+    per_rank = run_world(_train_cases, 4, WORLD_4)
+    want = _one_device("sgd")
+    for i, (pins, _) in enumerate(WORLD_4):
+        held: set[str] = set()
+        for rank, results in enumerate(per_rank):
+            got = results[i]
+            mine = {k: want["statistics"][k] for k in got["statistics"]}
+            try:
+                assert_matches(got, want, rtol=RTOL["sgd"])
+                assert_statistics_match(got["statistics"], mine, RTOL["sgd"])
+            except AssertionError as e:
+                raise AssertionError(f"{pins}: rank {rank}: {e}") from e
+            held |= set(got["statistics"])
+        assert held == set(want["statistics"]), pins
