@@ -75,6 +75,7 @@ def parallelize(
     max_grad_norm: float | None = None,
     batch: str = "global",
     skip_nonfinite: bool = False,
+    compile: bool = False,
     **pins: Any,
 ) -> ParallelModule:
     """Capture, plan (unless `plan` is given), rewrite and return the per-rank module.
@@ -90,8 +91,8 @@ def parallelize(
     each rank passes to `train_step`, "global" (the global batch, the same on every
     rank) or "per_rank" (each data-parallel rank its own share, as under DDP); a step
     whose loss or gradient norm is not finite is skipped, and raises NonFiniteLoss
-    unless `skip_nonfinite`."""
-    training = TrainingOptions(max_grad_norm, batch, skip_nonfinite)
+    unless `skip_nonfinite`; `compile` runs each rank's programs compiled by inductor."""
+    training = TrainingOptions(max_grad_norm, batch, skip_nonfinite, compile)
     captured = captured_for_planning(model, example_inputs, example_kwargs)
     kind = optimizer_class(optimizer) if optimizer else None
     refusal = optimizer_refusal(kind)

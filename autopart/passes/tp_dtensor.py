@@ -39,13 +39,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
-from torch.distributed.tensor._sharding_prop import DecompShardingStrategy, ShardingPropagator
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils import _pytree as pytree
 
 from autopart.ops.meta import SHAPE, TensorInfo
 from autopart.passes.tp_decision import Decision, NodePlacement, Operands, P, R, flatten_args
 
 log = logging.getLogger("autopart.tp")
+
+
+def _has_decomposition_strategy(op: torch._ops.OpOverload) -> bool:
+    """Whether DTensor shards `op` by the strategies of the operators it decomposes to
+    (torch 2.13's DecompShardingStrategy; before it, DTensor had no such strategies)."""
+    try:
+        from torch.distributed.tensor._sharding_prop import DecompShardingStrategy
+    except ImportError:
+        return False
+    return DecompShardingStrategy.has_decomp(op)
 
 # A dynamic dim's size when asking DTensor (its strategies read sizes only to keep
 # shards non-empty): per tp rank, so that tp divides it.
@@ -140,7 +150,7 @@ def _askable(op: object) -> bool:
         op in propagator.op_strategy_funcs
         or op in propagator.op_single_dim_strategy_funcs
         or op in propagator.op_to_rules
-        or DecompShardingStrategy.has_decomp(op)  # strategies of the ops it decomposes to
+        or _has_decomposition_strategy(op)  # strategies of the ops it decomposes to
     )
     sizes = (
         op in propagator.op_to_shape_and_stride_idx or op in propagator.op_to_scalar_shape_adjuster

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx
 
 from autopart.batch import split_batch
 from autopart.ops.program import RankProgram
+from autopart.runtime.compiled import runner
 from autopart.runtime.loss import StepLoss
 from autopart.runtime.precision import Precision
 
@@ -20,12 +21,15 @@ class LocalExecutor:
 
     def __init__(
         self,
-        program: nn.Module,
+        program: fx.GraphModule,
         loss_fn: StepLoss,
         microbatches: int,
         precision: Precision,
+        compile: bool = False,
     ) -> None:
-        self.program = program
+        """`compile`: run the program compiled by inductor (runtime/compiled.py)."""
+        self.program = runner(program, compile)
+        self.compile = compile
         self.loss_fn = loss_fn
         self.microbatches = microbatches
         self.precision = precision
@@ -57,7 +61,9 @@ class LocalExecutor:
     def for_program(self, program: RankProgram) -> LocalExecutor:
         """The same over another program of the plan (made for inputs of other shapes)."""
         loss_fn = self.loss_fn.for_program(program)
-        return LocalExecutor(program.stages[0], loss_fn, self.microbatches, self.precision)
+        return LocalExecutor(
+            program.stages[0], loss_fn, self.microbatches, self.precision, self.compile
+        )
 
     def close(self) -> None:
         """Nothing to release: no hooks of its own."""

@@ -126,10 +126,18 @@ class ParallelModule(nn.Module):
     def _executor(self, program: RankProgram, loss_fn: LossFn) -> LocalExecutor | PipelineExecutor:
         loss = StepLoss(loss_fn, self._tp_group).for_program(program)
         if self.plan.pp == 1:
-            return LocalExecutor(program.stages[0], loss, self.plan.microbatches, self.precision)
+            return LocalExecutor(
+                program.stages[0],
+                loss,
+                self.plan.microbatches,
+                self.precision,
+                self.options.compile,
+            )
         from autopart.runtime.pipeline import PipelineExecutor
 
-        return PipelineExecutor(program, self.plan, self.groups, loss, self.precision)
+        return PipelineExecutor(
+            program, self.plan, self.groups, loss, self.precision, self.options.compile
+        )
 
     @property
     def _tp_group(self) -> dist.ProcessGroup | None:
@@ -286,9 +294,9 @@ class ParallelModule(nn.Module):
         if mine is None or dp == 1:
             return shares_of(mine, 0, m)
         local = torch.tensor(mine[0], dtype=torch.int64, device=self.groups.device)
-        every = torch.empty(dp * m, dtype=torch.int64, device=self.groups.device)
-        dist.all_gather_single(every, local, group=self.groups.batch_group())
-        return shares_of(every.view(dp, m).tolist(), rank, m)
+        every = [torch.empty_like(local) for _ in range(dp)]
+        dist.all_gather(every, local, group=self.groups.batch_group())
+        return shares_of([row.tolist() for row in every], rank, m)
 
     def _sum_step(self, local_loss: torch.Tensor, square_sum: torch.Tensor, batch: Any) -> StepSums:
         """The global loss, the squared gradient norm and the inputs' agreement, in one

@@ -42,6 +42,7 @@ from autopart.ops.program import RankProgram
 from autopart.ops.stage_info import PipelineInfo, output_values, pipeline_info
 from autopart.plan import Plan
 from autopart.policy import Schedule
+from autopart.runtime.compiled import Compiled
 from autopart.runtime.loss import StepLoss
 from autopart.runtime.precision import Precision
 from autopart.runtime.shared_params import SharedParameters
@@ -65,8 +66,11 @@ class PipelineExecutor:
         groups: MeshGroups,
         loss_fn: StepLoss,
         precision: Precision | None = None,
+        compile: bool = False,
     ) -> None:
+        """`compile`: run each stage compiled by inductor (runtime/compiled.py)."""
         self.precision = precision or Precision(plan.precision, groups.device_type)
+        self.compile = compile
         assert plan.schedule is not None, "a plan with pp > 1 has a schedule (Plan checks it)"
         self.schedule_type = SCHEDULE_CLASSES[Schedule(plan.schedule)]
         self.microbatches = plan.microbatches
@@ -81,7 +85,7 @@ class PipelineExecutor:
 
     def _use(self, program: RankProgram) -> None:
         """Run `program`'s stages, in schedules made for them."""
-        self.modules = [_StageOutputs(gm, self.precision) for gm in program.stages]
+        self.modules = [_StageOutputs(gm, self.precision, self.compile) for gm in program.stages]
         self.step_loss = self.loss_fn.for_program(program)
         self.infos = [pipeline_info(gm) for gm in program.stages]
         self.stage_ids = program.stage_ids
@@ -238,9 +242,10 @@ class _StageOutputs(nn.Module):
     come out in 16 bits where the captured program had 32). The output's structure is
     kept, so the last stage's output can be rebuilt for the loss function."""
 
-    def __init__(self, stage: fx.GraphModule, precision: Precision) -> None:
+    def __init__(self, stage: fx.GraphModule, precision: Precision, compile: bool) -> None:
         super().__init__()
         self.stage = stage
+        self.compiled = Compiled(stage) if compile else None
         self.precision = precision
         info = pipeline_info(stage)
         self.sent_dtypes = (
@@ -252,7 +257,7 @@ class _StageOutputs(nn.Module):
 
     def forward(self, *args: Any) -> tuple[torch.Tensor, ...]:
         with self.precision.autocast():
-            output = self.stage(*args)
+            output = (self.compiled or self.stage)(*args)
         leaves, self.out_spec = pytree.tree_flatten(output)
         if self.sent_dtypes is not None:
             leaves = [x.to(dtype) for x, dtype in zip(leaves, self.sent_dtypes)]

@@ -11,6 +11,7 @@ with them and without them is the same plan.
     skip_nonfinite  a step whose loss or gradient norm is inf or NaN is skipped either
                     way (parameters and optimizer state untouched); by default every rank
                     then raises NonFiniteLoss, with this set it counts the step and goes on
+    compile         run each rank's programs compiled by inductor (runtime/compiled.py)
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class TrainingOptions:
     max_grad_norm: float | None = None
     batch: BatchConvention | str = BatchConvention.GLOBAL
     skip_nonfinite: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         problem = check_choice(BatchConvention, self.batch, "batch")
