@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import autopart
 from autopart.testing import run_world
-from tests.models import assert_matches, make_optimizer
+from tests.models import assert_matches, make_optimizer, train_reference
 
 STEPS = 3
 CLASSES = 10
@@ -262,3 +262,69 @@ def test_batch_norm_over_the_global_batch_beside_tp_and_pp_on_four_ranks():
                 raise AssertionError(f"{pins}: rank {rank}: {e}") from e
             held |= set(got["statistics"])
         assert held == set(want["statistics"]), pins
+
+
+class AttentionThenNorm(nn.Module):
+    """Causal self-attention over a token sequence, then a batch norm over the channels
+    ([batch, channels, sequence]): context parallelism splits the sequence it
+    normalizes over."""
+
+    def __init__(self, vocab: int = 32, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.norm = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + attended.transpose(1, 2).reshape(b, t, d)
+        return self.head(self.norm(x.transpose(1, 2)).transpose(1, 2))
+
+
+def _token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, 32, (4, 16), generator=g), torch.randint(0, 32, (4, 16), generator=g)
+
+
+def _train_tokens(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    ids, target = _tokens()
+    out = []
+    for pins in cases:
+        pm = autopart.parallelize(
+            AttentionThenNorm(),
+            autopart.Mesh.local(),
+            (ids,),
+            loss_fn=_token_loss,
+            optimizer=make_optimizer("sgd"),
+            **pins,
+        )
+        losses = [pm.train_step(ids, target).item() for _ in range(STEPS)]
+        out.append({"losses": losses, "params": pm.full_state_dict(), "plan": pm.plan})
+        pm.close()
+    return out
+
+
+@pytest.mark.slow
+def test_a_batch_norm_over_a_sequence_trains_as_one_device_under_cp_and_dp():
+    """The context-parallel rewrite runs the norm on the whole sequence; dp reduces its
+    statistics over the replicas."""
+    cases = [{"cp": 2}, {"dp": 2}]
+    ids, target = _tokens()
+    model = AttentionThenNorm()
+    want = train_reference(model, "sgd", STEPS, (ids,), target, _token_loss)
+    for rank, results in enumerate(run_world(_train_tokens, 2, cases)):
+        for pins, got in zip(cases, results, strict=True):
+            assert {k: got["plan"].degrees[k] for k in pins} == pins, got["plan"]
+            try:
+                assert_matches(got, want, rtol=RTOL["sgd"])
+            except AssertionError as e:
+                raise AssertionError(f"{pins}: rank {rank}: {e}") from e
