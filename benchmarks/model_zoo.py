@@ -4,11 +4,13 @@ BatchNorm CNN and ordinary wrappers, each captured, planned and trained under se
 pins on a local Gloo world of 2 CPU processes, against the same model trained on one
 device.
 
-    python benchmarks/model_zoo.py [--models llama,t5] [--pins dp2,pp2]
+    python benchmarks/model_zoo.py [--models llama,t5] [--pins dp2,cp2,ep2]
 
 The models and cells are tests/zoo.py's: a cell (model, pins) trains 3 AdamW steps and
 is one of "pass", "refused" (a clear error from capture or planning, its first line
-recorded) or "fail". Besides, each model is captured once here (`autopart.capture`'s
+recorded) or "fail". Every model has a cell under DP2, TP2, ZeRO-3 and PP2; under CP2
+where it attends, under EP2 where it is a mixture of experts ("-" in the table where it
+has none). Besides, each model is captured once here (`autopart.capture`'s
 seconds: torch.export, non-strict) and planned at tp=2 without running: how many of its
 parameter elements that plan keeps sharded over tp (an operator with no sharding rule,
 such as a convolution, gathers its sharded weight and runs whole). Prints one JSON line
@@ -32,7 +34,15 @@ from torch.distributed.tensor import Shard  # noqa: E402
 import autopart  # noqa: E402
 from autopart.passes import analyze  # noqa: E402
 from autopart.solver import Pins, make_plan  # noqa: E402
-from tests.zoo import MODELS, PINS, WORLD, Verdict, first_line, judge_model  # noqa: E402
+from tests.zoo import (  # noqa: E402
+    MODELS,
+    PINS,
+    WORLD,
+    Verdict,
+    first_line,
+    judge_model,
+    pins_of,
+)
 
 
 def model_figures(model_name: str) -> dict[str, Any]:
@@ -70,8 +80,9 @@ def print_table(
     figures: dict[str, dict[str, Any]],
     pin_names: list[str],
 ) -> None:
-    """One row per model: each pin's status, the capture seconds and the tp=2 plan's
-    sharded share of the parameters ("-" where capture or that plan failed)."""
+    """One row per model: each pin's status ("-" where the model has no such cell),
+    the capture seconds and the tp=2 plan's sharded share of the parameters ("-" where
+    capture or that plan failed)."""
     width = max(len(m) for m in verdicts) + 2
     header = "model".ljust(width) + "".join(p.ljust(9) for p in pin_names)
     print(header + "capture_s  tp_sharded", flush=True)
@@ -79,7 +90,7 @@ def print_table(
         fig = figures[model_name]
         capture = f"{fig['capture_s']:.1f}" if "capture_s" in fig else "-"
         share = f"{fig['tp_share']:.0%}" if "tp_share" in fig else "-"
-        row = "".join(cells[p]["status"].ljust(9) for p in pin_names)
+        row = "".join((cells[p]["status"] if p in cells else "-").ljust(9) for p in pin_names)
         print(model_name.ljust(width) + row + capture.ljust(11) + share, flush=True)
 
 
@@ -101,7 +112,8 @@ def main() -> None:
     verdicts, figures = {}, {}
     for model_name in model_names:
         figures[model_name] = model_figures(model_name)
-        verdicts[model_name] = judge_model(model_name, pin_names)
+        cells = pins_of(model_name, pin_names)
+        verdicts[model_name] = judge_model(model_name, cells) if cells else {}
         for pin_name, cell in verdicts[model_name].items():
             record = {"model": model_name, "pins": pin_name, "pin_values": PINS[pin_name]}
             print_json_line({"benchmark": "model_zoo", **record, **cell})

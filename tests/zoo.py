@@ -3,7 +3,8 @@ one model under one set of pins trained 3 AdamW steps on a local Gloo world of 2
 processes against the same model trained on one device. A cell is "pass" (losses and
 parameters within 1e-4 relative of one device), "refused" (autopart raised a clear
 error while capturing or planning: its first line is recorded) or "fail" (the numbers
-differ, or any other exception).
+differ, or any other exception). Every model has a cell under each pin but two: cp2
+only where it attends, ep2 only where it is a mixture of experts (`pins_of`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ PINS: dict[str, dict[str, Any]] = {
     "tp2": {"tp": 2},
     "zero3": {"dp": 2, "zero": 3},
     "pp2": {"pp": 2, "schedule": "1f1b", "microbatches": 2},
+    "cp2": {"cp": 2},
+    "ep2": {"ep": 2},
 }
 
 
@@ -49,10 +52,20 @@ class ZooCase:
     batch: Callable[[], lm.Batch]
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     family: str
+    attends: bool = True  # has attention, over a sequence of tokens, patches or frames
 
     def model(self) -> nn.Module:
         torch.manual_seed(0)
         return self.build()
+
+    def has_cell(self, pin_name: str) -> bool:
+        """Whether the zoo runs this model under `pin_name`: context parallelism where
+        it attends, expert parallelism where it routes tokens to experts."""
+        if pin_name == "cp2":
+            return self.attends
+        if pin_name == "ep2":
+            return self.family == "MoE decoder"
+        return True
 
 
 # What most models share: (batch, loss).
@@ -82,8 +95,8 @@ MODELS: dict[str, ZooCase] = {
     "nn_transformer": ZooCase(lm.torch_transformer, *SEQ2SEQ, "encoder-decoder"),
     "vit": ZooCase(media.vit, *IMAGES, "vision"),
     "swin": ZooCase(media.swin, *IMAGES, "vision"),
-    "convnext": ZooCase(media.convnext, *IMAGES, "vision"),
-    "cnn_batchnorm": ZooCase(media.ConvBNNet, *IMAGES, "vision"),
+    "convnext": ZooCase(media.convnext, *IMAGES, "vision", attends=False),
+    "cnn_batchnorm": ZooCase(media.ConvBNNet, *IMAGES, "vision", attends=False),
     "whisper": ZooCase(media.whisper, media.speech_seq2seq_batch, lm.token_loss, "speech"),
     "wav2vec2": ZooCase(media.wav2vec2, media.audio_batch, lm.token_loss, "speech"),
     "clip": ZooCase(media.clip, media.image_text_batch, media.contrastive_loss, "image-text"),
@@ -93,6 +106,12 @@ MODELS: dict[str, ZooCase] = {
 
 
 Verdict = dict[str, Any]  # {"status": "pass" | "refused" | "fail", "reason"?: str, ...}
+
+
+def pins_of(model_name: str, pin_names: list[str] | None = None) -> list[str]:
+    """The pins of `pin_names` (every pin by default) under which the zoo runs a model."""
+    case = MODELS[model_name]
+    return [p for p in (list(PINS) if pin_names is None else pin_names) if case.has_cell(p)]
 
 
 # -- on every rank ----------------------------------------------------------------------
