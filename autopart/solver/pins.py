@@ -20,7 +20,7 @@ from autopart.batch import batch_size, check_divisible
 from autopart.capture import BATCH, Captured
 from autopart.cost_models import Choices, CostModels, predict
 from autopart.cost_models.resharding import resharding
-from autopart.degrees import Axis, Degrees, MeshError, axis_names
+from autopart.degrees import BATCH_AXES, Axis, Degrees, MeshError, axis_names
 from autopart.mesh import Mesh
 from autopart.ops.meta import BLOCK
 from autopart.passes.batch_mixing import batch_mixing, norms_over_replicas
@@ -255,6 +255,7 @@ def _check_pins(pins: Pins, mesh: Mesh, batch: int) -> None:
         raise PlanError(refusal)
     if pins.degree(Axis.DP) is not None:
         check_divisible(batch, pins.degrees[Axis.DP], "dp")
+    _check_batch_split(pins, batch)
     pinned = Degrees(pins.degrees)
     if set(pins.degrees) == set(axis_names()):
         mesh.check_covered(pinned)
@@ -263,6 +264,21 @@ def _check_pins(pins: Pins, mesh: Mesh, batch: int) -> None:
             f"the pinned {' × '.join(f'{a}={n}' for a, n in pins.degrees.items())} = "
             f"{pinned.world_size} devices do not divide the {mesh.world_size} of "
             f"{mesh.describe()}: pin degrees whose product divides {mesh.world_size}"
+        )
+
+
+def _check_batch_split(pins: Pins, batch: int) -> None:
+    """The pinned axes that split the batch (dp, ep) and the pinned microbatches must
+    split it into equal parts together, not only each on its own."""
+    split = {a: n for a, n in pins.degrees.items() if a in map(str, BATCH_AXES) and n > 1}
+    if pins.microbatches and pins.microbatches > 1:
+        split["microbatches"] = pins.microbatches
+    parts = math.prod(split.values())
+    if len(split) > 1 and batch % parts:
+        pinned = " × ".join(f"{k}={n}" for k, n in split.items())
+        raise PlanError(
+            f"the global batch of {batch} does not split into {pinned} = {parts} equal "
+            f"parts: use a batch that is a multiple of {parts}, or pin fewer parts"
         )
 
 

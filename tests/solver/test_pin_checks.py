@@ -92,3 +92,10 @@ def test_a_schedule_in_the_wrong_case_names_the_one_meant():
             pp=2,
             schedule="1F1B",
         )
+
+
+def test_pinned_parts_that_do_not_split_the_batch_together_are_refused():
+    """dp=2 and microbatches=8 each divide a batch of 8, but not together: a PlanError
+    that names both and the fix, not an error from deep in the cost model."""
+    with pytest.raises(PlanError, match=r"dp=2 × microbatches=8 = 16 equal parts"):
+        _plan(dp=2, microbatches=8)
