@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import html
 import shutil
 import subprocess
 import sys
@@ -12,9 +13,16 @@ import pytest
 
 import autopart
 from autopart.cli import main
+from autopart.plan_format import CHOICE_RULE, alternative_gap, alternative_label, format_bytes
 from autopart.report import MatplotlibMissing, write_html
 from autopart.report.collectives import step_collectives
-from autopart.report.html import FIGURES, figure_boxes
+from autopart.report.html import (
+    FIGURES,
+    choice_note,
+    chosen_index,
+    figure_boxes,
+    plan_label,
+)
 from autopart.report.schedule import (
     BACKWARD,
     FORWARD,
@@ -151,6 +159,57 @@ def test_the_page_holds_the_five_figures(pipeline_plan, tmp_path):
     assert text.count('src="data:image/png;base64,') == len(FIGURES) == 5
     assert "model.layers.2" in text  # the stage cut, in the layers table
     assert text.count("<tr><td>chosen</td>") == 1  # the alternatives table marks the plan
+    assert f"<tr><td>chosen</td><td>{html.escape(plan_label(plan))}</td>" in text
+    assert html.escape(f"Chosen as {CHOICE_RULE}.") in text  # and says why
+
+
+def test_the_chosen_plan_is_matched_by_its_label_and_its_reason_names_the_fastest(
+    pipeline_plan,
+):
+    plan = pipeline_plan
+    i = chosen_index(plan)
+    assert i is not None and alternative_label(plan.alternatives[i]) == plan_label(plan)
+    fastest = min(plan.alternatives, key=lambda a: a.step_time_s)
+    note = choice_note(plan)
+    assert note.startswith(f"Chosen as {CHOICE_RULE}.")
+    if fastest is not plan.alternatives[i]:
+        assert alternative_label(fastest) in note and alternative_gap(plan, fastest) in note
+
+
+@pytest.fixture(scope="module")
+def tp_plan() -> autopart.Plan:
+    """A 2-layer Llama with tp=2 on 2 H100s."""
+    ids = token_batch(batch=8)[0]
+    mesh = autopart.Mesh.cluster("h100-80g", nodes=1, per_node=2)
+    return autopart.plan(tiny_llama(layers=2), mesh, (ids,), tp=2)
+
+
+def test_tensor_parallel_collectives_carry_the_bytes_and_calls_explain_lists(tp_plan, tmp_path):
+    plan = tp_plan
+    assert plan.predicted is not None and plan.predicted.resharding
+    found = [c for c in step_collectives(plan) if c.axis == "tp"]
+    sites = plan.predicted.resharding
+    assert sum(c.calls or 0 for c in found) == sum(r.count for r in sites)
+    assert sum(c.nbytes or 0 for c in found) == sum(r.count * r.bytes_each for r in sites)
+    assert {c.op for c in found} == {r.collective for r in sites}
+    text = write_html(plan, tmp_path).read_text()
+    assert "not recorded" not in text
+    for c in found:
+        assert c.nbytes is not None
+        cells = [c.op, "tp", "2", str(c.calls), format_bytes(c.nbytes)]
+        assert "".join(f"<td>{cell}</td>" for cell in cells) in text
+    site = sites[0]
+    assert f"{site.count} × {format_bytes(site.bytes_each)}" in plan.explain()
+
+
+def test_no_two_legend_entries_share_a_colour():
+    from autopart.report.figures import CHOSEN_COLOUR, COLOURS, LIMIT_COLOUR, PART_COLOURS
+
+    memory = [*PART_COLOURS.values(), LIMIT_COLOUR]
+    alternatives = [COLOURS[FORWARD], CHOSEN_COLOUR, LIMIT_COLOUR]
+    timeline = list(COLOURS.values())
+    for colours in (memory, alternatives, timeline):
+        assert len(set(colours)) == len(colours)
 
 
 def test_the_collectives_follow_from_the_plan(pipeline_plan):

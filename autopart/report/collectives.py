@@ -17,8 +17,11 @@ the largest peak):
                        (a rank holds one activation to send and one received). Under
                        ZeRO-3 the buffers also hold gathered blocks of unrecorded size,
                        so the transfer's bytes are unknown
-    tp collectives     the plan records their time per rank (`StageFigures.tp_comm_s`),
-                       not their bytes, which depend on the graph's layout: time only
+    tp collectives     the plan records each resharding site's collective, calls, bytes
+                       and seconds per step over the pipeline's stages
+                       (`Predicted.resharding`, as `explain()` lists them): summed by
+                       collective and direction. A plan without them: each rank's
+                       time alone (`StageFigures.tp_comm_s`)
     ep all_to_alls     likewise (`StageFigures.ep_comm_s`): time only. Under ep the
                        gradient sync spans dp × ep (the experts' own spans dp alone;
                        the plan does not record their share, so all is timed over dp × ep)
@@ -246,10 +249,34 @@ def _pp_transfers(
 
 
 def _tp_collectives(plan: Plan, predicted: Predicted) -> list[Collective]:
-    """Time only: the plan holds each rank's tensor-parallel seconds per step."""
+    """The resharding sites the plan records (`Predicted.resharding`, what `explain()`
+    lists), summed by collective and direction over the pipeline's stages: their calls,
+    bytes and seconds per step. A plan saved without them: each rank's seconds alone."""
     if plan.tp == 1:
         return []
-    note = "time only: the plan records their seconds, not their bytes"
+    if predicted.resharding:
+        summed: dict[tuple[str, bool], list[float]] = {}
+        sites: dict[tuple[str, bool], int] = {}
+        for r in predicted.resharding:
+            key = (r.collective, r.backward)
+            calls, nbytes, seconds = summed.setdefault(key, [0, 0.0, 0.0])
+            summed[key] = [calls + r.count, nbytes + r.count * r.bytes_each, seconds + r.seconds]
+            sites[key] = sites.get(key, 0) + 1
+        over = f" over the {plan.pp} pipeline ranks" if plan.pp > 1 else ""
+        return [
+            Collective(
+                f"tensor-parallel {op.replace('_', '-')} ({'backward' if backward else 'forward'})",
+                op,
+                "tp",
+                plan.tp,
+                int(calls),
+                nbytes,
+                seconds,
+                f"{sites[(op, backward)]} resharding site(s){over}; each in explain()",
+            )
+            for (op, backward), (calls, nbytes, seconds) in summed.items()
+        ]
+    note = "time only: this plan records their seconds, not their sites"
     return [
         Collective(
             f"tensor-parallel collectives, pipeline rank {r}",

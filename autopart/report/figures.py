@@ -10,6 +10,7 @@ the rest of autopart (and `autopart report` without `--html`) never needs matplo
 from __future__ import annotations
 
 import io
+import textwrap
 from collections.abc import Mapping, Sequence
 
 from matplotlib.axes import Axes
@@ -18,7 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from autopart.plan import Plan, Predicted
-from autopart.plan_format import format_bytes
+from autopart.plan_format import alternative_label, format_bytes
 from autopart.report.collectives import Collective, recorded_rank
 from autopart.report.schedule import BACKWARD, FORWARD, IDLE, RECOMPUTE, Slot, idle_fraction
 
@@ -34,8 +35,10 @@ PART_COLOURS = {
     "allocator": "#c8b560",
 }
 TOTAL_ONLY = "#b0b0b0"
-LIMIT_COLOUR = "#c9404a"
-CHOSEN_COLOUR = "#c9404a"
+# Neither is a colour of the parts, the slots or another marker: a limit line or the
+# chosen plan's star never reads as a part of memory.
+LIMIT_COLOUR = "#111111"
+CHOSEN_COLOUR = "#d4a017"
 OFF_SCALE = 4.0  # a device limit this many times the largest bar is noted, not drawn
 LABELLED_SLOTS = 200  # more operations than this per figure: no microbatch numbers
 
@@ -203,9 +206,11 @@ def draw_collectives(fig: Figure, collectives: Sequence[Collective]) -> None:
 # Alternatives
 
 
-def draw_alternatives(fig: Figure, plan: Plan, chosen: Sequence[bool], limit: int | None) -> None:
+def draw_alternatives(
+    fig: Figure, plan: Plan, chosen: Sequence[bool], limit: int | None, why: str = ""
+) -> None:
     """Predicted step time against peak memory, one point per plan the solver weighed,
-    the chosen one starred."""
+    the chosen one starred, with `why` it was chosen under the axes."""
     ax = fig.add_subplot()
     predicted = plan.predicted
     assert predicted is not None  # write_html checks it first
@@ -223,7 +228,7 @@ def draw_alternatives(fig: Figure, plan: Plan, chosen: Sequence[bool], limit: in
         zorder=2,
     )
     for a in others:
-        label = f"{a.degrees} z{a.zero} m{a.microbatches}"
+        label = alternative_label(a)
         ax.annotate(
             label,
             (a.step_time_s * 1e3, a.peak_memory_bytes / size),
@@ -237,13 +242,15 @@ def draw_alternatives(fig: Figure, plan: Plan, chosen: Sequence[bool], limit: in
         marker="*",
         s=300,
         color=CHOSEN_COLOUR,
-        label=f"chosen: {plan.degrees} zero={plan.zero}",
+        label=f"chosen: {plan.degrees} zero={plan.zero} (the rule below)",
         zorder=3,
     )
     if limit is not None and drawn_limit:
         ax.axhline(limit / size, color=LIMIT_COLOUR, linestyle="--", label="device limit")
-    ax.margins(x=0.15, y=0.1)  # room for the labels beside the points
+    ax.margins(x=0.25, y=0.1)  # room for the labels beside the points
     ax.set_xlabel("predicted step time (ms)")
     ax.set_ylabel(f"predicted peak memory per rank ({unit})")
     ax.set_title(f"plans the solver weighed ({len(plan.alternatives)} alternatives listed)")
     ax.legend(loc="best", fontsize="small")
+    if why:  # in the axis label, which the constrained layout makes room for
+        ax.set_xlabel("predicted step time (ms)\n\n" + "\n".join(textwrap.wrap(why, 125)))

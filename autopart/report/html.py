@@ -18,13 +18,19 @@ from __future__ import annotations
 import base64
 import html
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autopart.degrees import MeshError
 from autopart.mesh import device_spec
 from autopart.plan import Alternative, Plan, Predicted
-from autopart.plan_format import format_bytes
+from autopart.plan_format import (
+    CHOICE_RULE,
+    alternative_gap,
+    alternative_label,
+    format_bytes,
+)
 from autopart.report.collectives import Collective, recorded_rank, step_collectives
 from autopart.report.schedule import (
     FORWARD_SHARE,
@@ -136,7 +142,9 @@ def _images(
         "memory": lambda fig: figures.draw_memory(fig, predicted, limit),
         "layers": lambda fig: figures.draw_layers(fig, predicted),
         "collectives": lambda fig: figures.draw_collectives(fig, collectives),
-        "alternatives": lambda fig: figures.draw_alternatives(fig, plan, _chosen(plan), limit),
+        "alternatives": lambda fig: figures.draw_alternatives(
+            fig, plan, _chosen(plan), limit, choice_note(plan)
+        ),
     }
     out = []
     for name, height in FIGURES:
@@ -249,39 +257,88 @@ def _collectives_section(collectives: Sequence[Collective]) -> str:
         "One rank's collectives per step (the rank whose memory breakdown the plan keeps), "
         "derived from the plan's predictions with the cost models' rules; times from the "
         "communication model, before overlap with compute. Tensor-parallel collectives "
-        "are shown as times only: the plan records their seconds, not their bytes."
+        "carry the calls and bytes the plan records per resharding site (as "
+        "<code>explain()</code> lists them), summed by collective over the pipeline's "
+        "stages; a plan saved without them shows their time alone."
     )
     head = ["collective", "op", "axis", "group", "calls", "bytes", "time (ms)", "note"]
     return _section("collectives-notes", "Collectives", note, _table(head, rows))
 
 
+def plan_label(plan: Plan) -> str:
+    """What the plan switches on, in the words of its alternatives' labels."""
+    return alternative_label(
+        Alternative(
+            plan.degrees,
+            plan.zero,
+            plan.microbatches,
+            plan.schedule,
+            0.0,
+            0,
+            virtual_stages=plan.virtual_stages,
+            sequence_parallel=plan.sequence_parallel,
+            recompute=len(plan.recompute),
+            recompute_attention=len(plan.recompute_attention),
+            offload=plan.offload,
+        )
+    )
+
+
+def chosen_index(plan: Plan) -> int | None:
+    """Which of the plan's alternatives is the plan itself: the one whose label (what it
+    switches on, its note aside) is the plan's; of several, the one nearest the plan's
+    predicted step time. None where none is."""
+    label = plan_label(plan)
+    same = [i for i, a in enumerate(plan.alternatives) if _bare_label(a) == label]
+    if not same:
+        return None
+    step = plan.predicted.step_time_s if plan.predicted is not None else 0.0
+    return min(same, key=lambda i: abs(plan.alternatives[i].step_time_s - step))
+
+
+def _bare_label(alt: Alternative) -> str:
+    return alternative_label(replace(alt, note=""))
+
+
 def is_chosen(plan: Plan, alt: Alternative) -> bool:
-    """Whether an alternative is the plan itself (same axes, ZeRO, microbatches,
-    schedule)."""
-    same = (alt.degrees, alt.zero, alt.microbatches, alt.schedule)
-    return same == (plan.degrees, plan.zero, plan.microbatches, plan.schedule)
+    """Whether an alternative is the plan itself (`chosen_index`)."""
+    i = chosen_index(plan)
+    return i is not None and plan.alternatives[i] is alt
 
 
 def _chosen(plan: Plan) -> list[bool]:
-    return [is_chosen(plan, a) for a in plan.alternatives]
+    i = chosen_index(plan)
+    return [j == i for j in range(len(plan.alternatives))]
+
+
+def choice_note(plan: Plan) -> str:
+    """Why the plan was chosen, and how the fastest it left compares."""
+    note = f"Chosen as {CHOICE_RULE}."
+    if plan.alternatives:
+        fastest = min(plan.alternatives, key=lambda a: a.step_time_s)
+        gap = alternative_gap(plan, fastest)
+        if _bare_label(fastest) != plan_label(plan) and gap:
+            note += f" The fastest listed, {alternative_label(fastest)}, differs by {gap}."
+    return note
 
 
 def _alternatives_section(plan: Plan) -> str:
+    chosen = _chosen(plan)
     rows = [
         [
-            "chosen" if is_chosen(plan, a) else "",
-            html.escape(str(a.degrees)),
-            str(a.zero),
-            str(a.microbatches),
-            a.schedule or "-",
+            "chosen" if c else "",
+            html.escape(alternative_label(a)),
             _ms(a.step_time_s),
             format_bytes(a.peak_memory_bytes),
-            html.escape(a.note),
+            "" if c else html.escape(alternative_gap(plan, a)),
         ]
-        for a in plan.alternatives
+        for a, c in zip(plan.alternatives, chosen)
     ]
-    head = ["", "degrees", "zero", "microbatches", "schedule", "step (ms)", "peak", "note"]
-    note = f"{len(plan.alternatives)} plans listed by the solver, fastest first."
+    head = ["", "what it switches on", "step (ms)", "peak", "against the chosen plan"]
+    note = (
+        f"{len(plan.alternatives)} plans listed by the solver, fastest first. "
+        f'<span id="choice-rule">{html.escape(choice_note(plan))}</span>'
+    )
     return _section("alternatives-notes", "Alternatives", note, _table(head, rows))
 
 
