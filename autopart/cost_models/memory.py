@@ -38,8 +38,11 @@ logits spike (8 × 2048 tokens over a 128K vocabulary in fp32: 2 × 8.4 GB).
 Buffers. Gradients live in the flat communication buckets (`runtime.grad_sync`), so
 plain data parallelism needs nothing more. ZeRO-1/2 stage one bucket for the
 reduce-scatter (at most all the gradients); ZeRO-3 also holds the gathered parameters
-of two blocks (the one running and the one prefetched). A pipeline stage holds one
-activation to send and one received.
+of two blocks (the one running and the one prefetched): all of a recomputed block's,
+which its recomputation reads at once and backward gathers together, a bucket at a
+time of the others' (`ops/zero3.py`). That gather is the one backward takes anyway,
+so recomputation adds no third. A pipeline stage holds one activation to send and
+one received.
 
 Allocator. PyTorch's caching allocator rounds blocks up and fragments; 5-15% of the
 allocated bytes is typical. The allowance is `allocator_fraction` (10%) of the rest.

@@ -18,7 +18,9 @@ blocks) and chunks to pipeline ranks; then per rank:
       a run of segments between blocks) in forward and again in backward, and
       reduce-scatters each bucket's gradients; the gathers hide behind forward and
       backward compute, each pass's first gather and the last bucket's reduce-scatter
-      do not (on a CPU, a bucket costs what the profile measured its three add);
+      do not (on a CPU, a bucket costs what the profile measured its three add); a
+      recomputed block's backward gather serves its recomputation, which adds no
+      gather, only compute to hide them behind;
     batch norms over the global batch: one all-reduce of per-channel sums per norm in
       forward and one in backward, over dp × ep (`batch_norm.py`);
   gradient synchronization over dp (stride tp), once per step after the last

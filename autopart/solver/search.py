@@ -20,7 +20,7 @@ Candidates, every combination the pins allow:
   no recomputation, unless pinned (whole blocks, or their attention cores alone).
 Each is priced once by `cost_models.predict` on one `GraphSummary` of the graph. A
 pipeline's stage cuts, and the blocks to recompute (whole, or their attention cores
-alone) when a plan does not fit otherwise (not with ZeRO-3), are decided per candidate
+alone) when a plan does not fit otherwise, at any ZeRO stage, are decided per candidate
 by the inner CP-SAT model (`stage_model.py`) and the result priced again.
 
 Formulation. A boolean x_c per candidate c, with predicted step time t_c (µs), peak
@@ -388,8 +388,7 @@ def _price(
             continue
         assert models is not None
         summary = layouts.summary(c.tp, c.sequence_parallel)
-        may_recompute = recomputable and c.zero != 3
-        problem = stage_problem_of(summary, c, dims, models, memory, may_recompute)
+        problem = stage_problem_of(summary, c, dims, models, memory, recomputable)
         if _fitted_floor(problem, c) > (1 + SLACK) * best:
             continue
         inner += 1
@@ -728,10 +727,8 @@ def _zero_stages(dp: int, pins: Pins) -> list[int]:
         return [pins.zero]
     if dp == 1:
         return [0]
-    # Recomputation excludes ZeRO-3.
-    stages = [0, 1, 2] if pins.recompute or pins.recompute_attention else [0, 1, 2, 3]
     # ZeRO-3 would change the updates of an optimizer that is not elementwise.
-    return [z for z in stages if not zero_refusal(z, pins.optimizer_class)]
+    return [z for z in (0, 1, 2, 3) if not zero_refusal(z, pins.optimizer_class)]
 
 
 def _pinned_paths(pin: tuple[str, ...] | bool | None, blocks: tuple[str, ...]) -> tuple[str, ...]:
