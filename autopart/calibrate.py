@@ -67,6 +67,11 @@ cores a sample sees the rank's share of a core; the sizes of one fit (matmuls,
 messages) are sampled in turn, round after round, so that a change of the machine's
 load does not bend the fitted curve.
 
+A measurement sampled so is repeated until its last samples agree
+(`sample_until_stable`), or warned of as unstable with their spread; a figure outside
+its plausible range (`PLAUSIBLE`) is warned of too. The warnings, and the host's load
+averages before and after the run, are recorded in the profile's `calibration`.
+
 Run it in one process (world 1: no collectives) or under `torchrun` (Gloo on CPUs,
 NCCL on GPUs; every rank runs it side by side and the profile holds the ranks' mean;
 rank 0 writes it and draws the progress bar on stderr). `autopart.mesh.device_spec(path)`
@@ -94,7 +99,7 @@ from autopart.capture import BATCH, capture
 from autopart.cost_models.comm import ring_steps, ring_volume
 from autopart.cost_models.compute import ComputeModel, backward_factor
 from autopart.cost_models.work import FUNCTIONS, node_work
-from autopart.mesh import PRESETS, DeviceSpec, Mesh, gpu_preset
+from autopart.mesh import DTYPE_NAMES, PRESETS, DeviceSpec, Mesh, gpu_preset
 from autopart.ops.flat_buckets import REDUCE_DEPTH
 from autopart.passes import analyze
 
@@ -114,6 +119,37 @@ MAX_EXTRAPOLATION = 1.25  # a fitted peak may exceed the best measured rate by t
 # 60 µs in 2 ms samples, 170 µs in 10 ms and 187 µs in 50 ms ones).
 SAMPLE_S = 0.05
 MAX_CALLS_PER_SAMPLE = 100_000
+# A measurement is stable when the spread (max − min over the median) of its last
+# `STABLE_WINDOW` samples is at most `STABLE_SPREAD`. Past the `repeats` rounds asked
+# for, the unstable ones are sampled again, round after round, up to `MAX_ROUND_FACTOR`
+# × `repeats` rounds in all (--quick stays quick); one still unstable then is kept, at
+# its median, with a warning naming it and its spread.
+STABLE_WINDOW = 5
+STABLE_SPREAD = 0.10
+MAX_ROUND_FACTOR = 2
+# Plausible ranges of the measured figures, per kind: a figure outside is kept but
+# warned of, since it says more about the host (another job, a throttled core) than
+# about the device.
+#   matmul peak   a CPU core's BLAS runs well above 1 GFLOP/s (one AVX2 FMA unit at
+#                 1 GHz: 16 fp32 FLOP a cycle), a whole CPU below 20 TFLOP/s; a GPU
+#                 above 100 GFLOP/s and, dense, below 5 PFLOP/s (a B200's fp16 is 2.25)
+#   memory copy   a DDR channel streams several GB/s; HBM3e about 8 TB/s
+#   functions     torch evaluates exp, tanh, gelu, ... vectorized (Sleef): a core
+#                 reaches about 1 G/s or more, and libm's scalar calls 50 M/s; above
+#                 20 G/s a thread (16 fp32 lanes at 3 GHz, one evaluation per lane and
+#                 about 2.5 cycles) is the timer's noise, not arithmetic
+#   operator      an operator's dispatch costs microseconds (9 µs on a 2-core x86 host);
+#                 a millisecond is another process's time slice, not dispatch
+#   compute scale the measured over the modeled reference layer: beyond 5× either way
+#                 the model or the measurement is wrong
+PLAUSIBLE: dict[str, tuple[float, float]] = {
+    "matmul cpu": (1e9, 2e13),
+    "matmul cuda": (1e11, 5e15),
+    "memory bandwidth": (1e9, 1.5e13),
+    "function": (2e8, 2e10),  # per thread: the upper bound times torch's threads
+    "operator floor": (5e-7, 2e-4),
+    "compute scale": (0.2, 5.0),
+}
 FLOOR_WIDTH = 16  # the model width of the operator-floor measurement
 REFERENCE_WIDTH = 128  # the model width of the compute-scale measurement
 COLLECTIVE_SAMPLES = 9  # per message size, each `COLLECTIVE_ROUNDS` of compute and collective
@@ -168,6 +204,8 @@ def calibrate(
     the profile to `output_path` (rank 0). Returns the profile on every rank."""
     _join_launched_world()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    load_before = _load()
+    WARNINGS.clear()
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -216,6 +254,17 @@ def calibrate(
     )
     spec = replace(spec, compute_scale=_compute_scale(spec, device, repeats))
     progress.step("compute scale")
+    for warning in implausible(spec, device.type, torch.get_num_threads()):
+        _warn(warning)
+    spec = replace(
+        spec,
+        calibration={
+            "load_before": load_before,
+            "load_after": _load(),
+            "cpus": os.cpu_count(),
+            "warnings": list(WARNINGS),
+        },
+    )
     if rank == 0:
         Path(output_path).write_text(json.dumps(spec.to_json(), indent=2) + "\n")
         _report(spec, half_dims, output_path)
@@ -261,7 +310,7 @@ def _relative_fit(rows: Sequence[tuple[float, float, float]]) -> tuple[float, fl
 
 
 def _median_times(
-    fns: Mapping[K, Callable[[], object]], device: torch.device, repeats: int
+    fns: Mapping[K, Callable[[], object]], device: torch.device, repeats: int, what: str = ""
 ) -> dict[K, float]:
     """The median seconds of one call of each of `fns`, averaged over the world's ranks
     (`_world_mean`). A sample runs enough calls back to back (about `SAMPLE_S`) that the
@@ -278,12 +327,100 @@ def _median_times(
         counts[key] = _calls_per_sample(_timed(fn, device, 10))
     agreed = _across_ranks(list(counts.values()), device, dist.ReduceOp.MAX)
     counts = {key: int(n) for key, n in zip(counts, agreed)}
-    samples: dict[K, list[float]] = {key: [] for key in fns}
     _together()
-    for _ in range(repeats):
-        for key, fn in fns.items():
-            samples[key].append(_timed(fn, device, counts[key]))
+    samples, unsettled = sample_until_stable(
+        lambda key: _timed(fns[key], device, counts[key]),
+        list(fns),
+        repeats,
+        lambda flags: [f > 0 for f in _across_ranks(flags, device, dist.ReduceOp.MAX)],
+    )
+    for key, spread in unsettled.items():
+        _warn(
+            _measurement(what, key, len(fns)) + f": not stable after {len(samples[key])} samples, "
+            f"the last {STABLE_WINDOW} spread {spread:.0%} of their median (at most "
+            f"{STABLE_SPREAD:.0%} asked); the host may be busy"
+        )
     return _world_mean({key: statistics.median(times) for key, times in samples.items()}, device)
+
+
+def _measurement(what: str, key: object, count: int) -> str:
+    """A measurement's name in a warning: `what`, and its key where there are several."""
+    if count == 1:
+        return what or "measurement"
+    parts = key if isinstance(key, tuple) else (key,)
+    return " ".join([what, *map(str, parts)]).strip()
+
+
+def spread(samples: Sequence[float]) -> float:
+    """(max − min) / median of `samples`: 0 for fewer than two."""
+    if len(samples) < 2:
+        return 0.0
+    middle = statistics.median(samples)
+    return (max(samples) - min(samples)) / middle if middle > 0 else 0.0
+
+
+def sample_until_stable(
+    take: Callable[[K], float],
+    keys: Sequence[K],
+    repeats: int,
+    agree: Callable[[list[float]], list[bool]] | None = None,
+) -> tuple[dict[K, list[float]], dict[K, float]]:
+    """Samples of each of `keys` (`take(key)`), round after round over the keys in
+    turn: `repeats` rounds, then more of the keys whose last `STABLE_WINDOW` samples
+    spread more than `STABLE_SPREAD`, up to `MAX_ROUND_FACTOR` × `repeats` rounds.
+    `agree` turns each key's 1.0 (unstable) or 0.0 into whether to go on, the same on
+    every rank (alone: the flags as they are). Returns the samples and the spread of
+    each key still unstable."""
+    samples: dict[K, list[float]] = {key: [] for key in keys}
+    todo = list(keys)
+    rounds, most = 0, max(repeats, MAX_ROUND_FACTOR * repeats)
+    while todo and rounds < most:
+        for key in todo:
+            samples[key].append(take(key))
+        rounds += 1
+        if rounds >= repeats:
+            flags = [float(spread(samples[k][-STABLE_WINDOW:]) > STABLE_SPREAD) for k in todo]
+            again = agree(flags) if agree is not None else [f > 0 for f in flags]
+            todo = [key for key, go_on in zip(todo, again) if go_on]
+    return samples, {key: spread(samples[key][-STABLE_WINDOW:]) for key in todo}
+
+
+WARNINGS: list[str] = []  # this calibration's, reset by `calibrate`
+
+
+def _warn(message: str) -> None:
+    WARNINGS.append(message)
+
+
+def _load() -> list[float] | None:
+    """The host's load averages over 1, 5 and 15 minutes; None where the OS has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def implausible(spec: DeviceSpec, device_type: str, threads: int) -> list[str]:
+    """A warning for each measured figure of `spec` outside its `PLAUSIBLE` range."""
+    found = []
+
+    def check(name: str, value: float, kind: str, unit: str, scale: float = 1.0) -> None:
+        low, high = PLAUSIBLE[kind]
+        high *= scale
+        if not low <= value <= high:
+            found.append(
+                f"{name} {value:.3g} {unit} is outside the plausible {low:.3g} to "
+                f"{high:.3g} {unit}; the host may be busy, or the measurement wrong"
+            )
+
+    for dtype, peak in spec.peak_flops.items():
+        check(f"matmul {dtype} peak", peak, f"matmul {device_type}", "FLOP/s")
+    check("memory bandwidth", spec.memory_bandwidth, "memory bandwidth", "bytes/s")
+    for fn, rate in spec.function_rates.items():
+        check(f"function {fn}", rate, "function", "evaluations/s", max(threads, 1))
+    check("operator floor", spec.kernel_launch_s, "operator floor", "s")
+    check("compute scale", spec.compute_scale, "compute scale", "(measured / modeled)")
+    return found
 
 
 def _together() -> None:
@@ -335,7 +472,8 @@ def _matmul_times(
     sizes: Sequence[int], dtype: torch.dtype, device: torch.device, repeats: int
 ) -> dict[int, float]:
     """n×n @ n×n for each size, and 1×1 @ 1×1 under the key 1: a call's own cost."""
-    return _median_times({n: _matmul_call(n, dtype, device) for n in (1, *sizes)}, device, repeats)
+    calls = {n: _matmul_call(n, dtype, device) for n in (1, *sizes)}
+    return _median_times(calls, device, repeats, f"matmul {DTYPE_NAMES[dtype]}")
 
 
 def _matmul_call(n: int, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
@@ -347,7 +485,8 @@ def _matmul_call(n: int, dtype: torch.dtype, device: torch.device) -> Callable[[
 def _copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_times({0: lambda: dst.copy_(src)}, device, repeats)[0]
+    seconds = _median_times({0: lambda: dst.copy_(src)}, device, repeats, "memory copy")
+    return 2 * nbytes / seconds[0]
 
 
 FUNCTION_SIZES = (16 * 1024, 128 * 1024)  # elements: both in a core's cache
@@ -373,7 +512,7 @@ def _function_rates(device: torch.device, repeats: int) -> dict[str, float]:
         for fn in sorted(set(FUNCTIONS.values()))
         for numel in FUNCTION_SIZES
     }  # inputs in (0.5, 1.5): in every function's domain
-    times = _median_times(calls, device, repeats)
+    times = _median_times(calls, device, repeats, "function")
     rates = {}
     for fn in sorted(set(FUNCTIONS.values())):
         extra = times[(fn, large)] - times[(fn, small)]
@@ -414,7 +553,8 @@ def _operator_floor(device: torch.device, repeats: int) -> float:
     gm, x, dims = _reference_layer(FLOOR_WIDTH, 2, 8, device)
     works = [node_work(n, gm, dims, {}) for n in gm.graph.nodes]
     launches = sum(1 + backward_factor(w) for w in works if w.dispatched)
-    return _median_times({0: lambda: gm(x).sum().backward()}, device, repeats)[0] / launches
+    seconds = _median_times({0: lambda: gm(x).sum().backward()}, device, repeats, "operator floor")
+    return seconds[0] / launches
 
 
 def _compute_scale(spec: DeviceSpec, device: torch.device, repeats: int) -> float:
@@ -424,7 +564,9 @@ def _compute_scale(spec: DeviceSpec, device: torch.device, repeats: int) -> floa
     per-operator roofline misses when operators run one after another in a graph."""
     gm, x, dims = _reference_layer(REFERENCE_WIDTH, 4, 128, device)
     modeled = ComputeModel(spec, half_dim=spec.matmul_half_dim).nodes_cost(gm, dims).total
-    measured = _median_times({0: lambda: gm(x).sum().backward()}, device, repeats)[0]
+    measured = _median_times({0: lambda: gm(x).sum().backward()}, device, repeats, "compute scale")[
+        0
+    ]
     return measured / modeled
 
 
@@ -469,7 +611,7 @@ def _collective_fit(
     if op == "send_recv":
         # A pipeline's receiver waits for its peer, idle: a transfer adds its own time
         # back to back, not the peers' lateness after compute (the schedule's bubble).
-        times = _median_times(runs, device, repeats)
+        times = _median_times(runs, device, repeats, op)
     else:
         burst = _compute_burst(device)
         after = {nbytes: partial(_then, burst, run) for nbytes, run in runs.items()}
@@ -753,6 +895,9 @@ def _report(spec: DeviceSpec, half_dims: dict[str, float], path: str | os.PathLi
         f"Adam {spec.optimizer_tensor_s * 1e6:.1f} µs a tensor; "
         f"compute scale {spec.compute_scale:.2f}; "
         f"functions (G/s) {rates or 'none'}; collectives {sorted(spec.collectives)}\n"
+        + "".join(f"warning: {w}\n" for w in spec.calibration.get("warnings", ()))
+        + f"host load (1, 5, 15 min) {spec.calibration.get('load_before')} before, "
+        f"{spec.calibration.get('load_after')} after, on {os.cpu_count()} CPUs\n"
         f"wrote {path}\n"
     )
 

@@ -77,6 +77,10 @@ class DeviceSpec:
     # Measured / modeled compute time of a reference transformer layer (`autopart
     # calibrate`); the compute model multiplies its operator times by it.
     compute_scale: float = 1.0
+    # How `autopart calibrate` measured the profile: the host's load averages before and
+    # after ("load_before", "load_after"), and its warnings ("warnings": measurements
+    # that did not settle, rates outside plausible ranges). Empty for a preset.
+    calibration: dict[str, Any] = field(default_factory=dict)
 
     def flops_for(self, dtype: torch.dtype | str) -> float:
         key = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype, "fp32")

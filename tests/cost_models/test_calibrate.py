@@ -3,15 +3,19 @@ world; the fitted matmul curve recovers a known one."""
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 
 import pytest
+import torch
 
+import autopart.calibrate as cal
 from autopart.calibrate import COLLECTIVE_OPS, QUICK_MESSAGES, calibrate, fit_matmul_curve
 from autopart.cli import main
 from autopart.cost_models.comm import CommModel
 from autopart.cost_models.work import FUNCTIONS
-from autopart.mesh import Mesh, device_spec
+from autopart.mesh import PRESETS, DeviceSpec, Mesh, device_spec
 from autopart.testing import run_world
 
 
@@ -87,3 +91,134 @@ def test_matmul_curve_fit_keeps_the_best_rate_when_it_would_extrapolate():
 def test_matmul_curve_fit_with_only_overhead_is_the_best_rate():
     seconds = {64: 1e-3, 128: 1e-3}  # no longer for a bigger matmul: overhead, not math
     assert fit_matmul_curve(seconds, launch=1e-3) == (2 * 128**3 / 1e-3, 0.0)
+
+
+# ---------------------------------------------------------------------------------------
+# Stability, plausibility and the host's load, with fake timers (no real timing asserted)
+
+
+def _fake_samples(values: dict[str, list[float]]):
+    """take(key): the next of `values[key]`, the last one repeated; and the counts taken."""
+    taken = {key: 0 for key in values}
+
+    def take(key: str) -> float:
+        seq = values[key]
+        taken[key] += 1
+        return seq[min(taken[key], len(seq)) - 1]
+
+    return take, taken
+
+
+def test_a_steady_measurement_stops_at_the_rounds_asked_for():
+    take, taken = _fake_samples({"steady": [1.0, 1.01, 0.99, 1.0, 1.02]})
+    samples, unsettled = cal.sample_until_stable(take, ["steady"], repeats=5)
+    assert taken == {"steady": 5} and unsettled == {}
+    assert samples["steady"] == [1.0, 1.01, 0.99, 1.0, 1.02]
+
+
+def test_a_noisy_measurement_is_sampled_again_until_it_settles():
+    noisy = [1.0, 3.0, 1.0, 0.2, 1.0] + [1.0] * 20  # settles after its first five
+    take, taken = _fake_samples({"noisy": noisy, "steady": [1.0]})
+    samples, unsettled = cal.sample_until_stable(take, ["noisy", "steady"], repeats=5)
+    assert unsettled == {}
+    assert taken["steady"] == 5  # only the unstable one goes on
+    assert taken["noisy"] == 5 + cal.STABLE_WINDOW - 1  # until its last window is steady
+    assert cal.spread(samples["noisy"][-cal.STABLE_WINDOW :]) <= cal.STABLE_SPREAD
+
+
+def test_a_measurement_that_never_settles_stops_at_the_cap_and_reports_its_spread():
+    take, taken = _fake_samples({"loaded": [1.0, 2.0] * 50})
+    samples, unsettled = cal.sample_until_stable(take, ["loaded"], repeats=4)
+    assert taken["loaded"] == cal.MAX_ROUND_FACTOR * 4
+    assert unsettled == {"loaded": pytest.approx(cal.spread(samples["loaded"][-5:]))}
+    assert unsettled["loaded"] > cal.STABLE_SPREAD
+
+
+def test_the_ranks_agree_on_whether_to_go_on():
+    take, taken = _fake_samples({"a": [1.0], "b": [1.0]})
+
+    # Another rank found "b" unstable: this one samples it again too, until the cap.
+    def agree(flags: list[float]) -> list[bool]:  # ["a", "b"] at first, then ["b"]
+        return [False, True] if len(flags) == 2 else [True]
+
+    cal.sample_until_stable(take, ["a", "b"], 3, agree=agree)
+    assert taken == {"a": 3, "b": cal.MAX_ROUND_FACTOR * 3}
+
+
+def test_median_times_warns_of_an_unstable_measurement_by_name(monkeypatch):
+    noisy = iter([1.0, 1.0] + [1e-3, 5e-3] * 50)  # warm-ups, then never settling
+    fns = {128: lambda: next(noisy), 256: lambda: 2e-3}
+    monkeypatch.setattr(cal, "_timed", lambda fn, device, calls: fn())
+    cal.WARNINGS.clear()
+    times = cal._median_times(fns, torch.device("cpu"), 5, "matmul fp32")
+    assert set(times) == {128, 256}
+    (warning,) = cal.WARNINGS
+    assert warning.startswith("matmul fp32 128: not stable after 10 samples")
+    assert "spread" in warning
+
+
+def _sane(**changes) -> DeviceSpec:
+    spec = replace(
+        PRESETS["cpu"],
+        function_rates={"exp": 2e9, "gelu": 1e9},
+        optimizer_tensor_s=3e-5,
+    )
+    return replace(spec, **changes)
+
+
+def test_plausible_figures_raise_no_warning():
+    assert cal.implausible(_sane(), "cpu", threads=2) == []
+
+
+def test_rates_outside_their_plausible_ranges_are_named():
+    spec = _sane(
+        function_rates={"gelu": 77.32e9, "silu": 0.09e9, "exp": 2e9},
+        kernel_launch_s=1137e-6,
+        peak_flops={"fp32": 1e7},
+        memory_bandwidth=1e16,
+        compute_scale=40.0,
+    )
+    found = cal.implausible(spec, "cpu", threads=2)
+    named = [w.split(" ")[:2] for w in found]
+    assert sorted(named) == sorted(
+        [
+            ["function", "gelu"],
+            ["function", "silu"],
+            ["operator", "floor"],
+            ["matmul", "fp32"],
+            ["memory", "bandwidth"],
+            ["compute", "scale"],
+        ]
+    )
+    assert all("plausible" in w for w in found)
+    # More threads allow a faster function: gelu's 77 G/s is plausible on 8 of them.
+    assert not any("gelu" in w for w in cal.implausible(spec, "cpu", threads=8))
+
+
+def test_the_profile_records_the_hosts_load_and_the_warnings(tmp_path, monkeypatch):
+    loads = iter([(3.5, 2.0, 1.0), (4.25, 2.5, 1.0)])
+    monkeypatch.setattr(cal.os, "getloadavg", lambda: next(loads))
+    monkeypatch.setattr(cal, "_operator_floor", lambda device, repeats: 1137e-6)
+
+    def matmuls(sizes, dtype, device, repeats):
+        return {1: 1e-6, **{n: 1e-6 + 2 * n**3 / 1e10 for n in sizes}}
+
+    def functions(device, repeats):
+        cal._warn("function gelu 16384: not stable after 10 samples, spread 80%")
+        return {"gelu": 1e9}
+
+    monkeypatch.setattr(cal, "_matmul_times", matmuls)
+    monkeypatch.setattr(cal, "_copy_bandwidth", lambda nbytes, device, repeats: 1e10)
+    monkeypatch.setattr(cal, "_function_rates", functions)
+    monkeypatch.setattr(cal, "_optimizer_per_tensor", lambda device, bw, repeats: 3e-5)
+    monkeypatch.setattr(cal, "_compute_scale", lambda spec, device, repeats: 1.2)
+    path = tmp_path / "profile.json"
+    cal.calibrate(path, sizes=(64, 128), dtypes=("fp32",))
+    spec = device_spec(path)
+    record = spec.calibration
+    assert record["load_before"] == [3.5, 2.0, 1.0]
+    assert record["load_after"] == [4.25, 2.5, 1.0]
+    warnings = record["warnings"]
+    assert warnings[0].startswith("function gelu 16384: not stable")
+    assert any(w.startswith("operator floor") for w in warnings)
+    assert json.loads(path.read_text())["calibration"] == record
