@@ -57,6 +57,7 @@ def _has_decomposition_strategy(op: torch._ops.OpOverload) -> bool:
         return False
     return DecompShardingStrategy.has_decomp(op)
 
+
 # A dynamic dim's size when asking DTensor (its strategies read sizes only to keep
 # shards non-empty): per tp rank, so that tp divides it.
 NOMINAL_SIZE_PER_RANK = 1024
