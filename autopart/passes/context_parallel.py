@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping
-from typing import Any
 
 import sympy
 from torch import fx
@@ -55,7 +54,6 @@ from autopart.passes.placement_rewrite import CP_CONVERSIONS, PlacementRewriter
 from autopart.passes.runner import PassContext
 from autopart.passes.tp_decision import argument_leaves
 from autopart.passes.tp_propagate import Propagation, propagate
-from autopart.plan import PlanError
 from autopart.policy import cp_gradients_in_sync
 
 log = logging.getLogger("autopart.cp")
@@ -63,9 +61,6 @@ log = logging.getLogger("autopart.cp")
 
 def context_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     plan, groups = ctx.rank.plan, ctx.rank.groups
-    refusal = position_table_refusal(gm, ctx.params, plan.cp, plan.tp, plan.sequence_parallel)
-    if refusal:  # a plan made by hand, or before the solver knew: never run it wrongly
-        raise PlanError(refusal)
     group = groups.group_name(Axis.CP)
     inputs = sequence_inputs(gm)
     result = cp_propagation(gm, ctx.params, plan.cp)
@@ -154,80 +149,6 @@ def sequence_length(gm: fx.GraphModule, dims: Mapping[str, int]) -> int | None:
             return None
         lengths.add(int(size))
     return lengths.pop() if len(lengths) == 1 else None
-
-
-def position_tables(gm: fx.GraphModule, params: Mapping[str, str]) -> list[str]:
-    """The parameters `gm` reads by whole positions: a table looked up (`embedding`,
-    `index`) at indices computed from no sequence input (`wpe(arange(seq))`), or sliced
-    on dim 0 to the sequence's length (`table[:seq]`). Under cp the walk slices the
-    whole lookup to this rank's mirrored chunks where it meets the tokens; with tp's
-    sequence parallelism on top the two slices compose in the opposite order from the
-    tokens', and the positions no longer match their tokens (`position_table_refusal`)."""
-    inputs = set(sequence_inputs(gm))
-    lengths = {tensor_info(n).shape[1] for n in inputs}
-    found: dict[str, None] = {}
-    for node in gm.graph.find_nodes(op="get_attr"):
-        fqn = params.get(str(node.target))
-        if fqn is None:
-            continue
-        for user in node.users:
-            name = op_name(user, gm)
-            if name in ("embedding", "index") and user.args and user.args[0] is node:
-                if not _reaches(user.args[1:], inputs):
-                    found[fqn] = None
-            elif name == "slice" and user.args[0] is node and _sliced_to(user, lengths, inputs):
-                found[fqn] = None
-    return list(found)
-
-
-def _sliced_to(node: fx.Node, lengths: set, inputs: set[fx.Node]) -> bool:
-    """Whether `node` (a slice) takes dim 0 from its start to the sequence's length."""
-    dim, start, end = (*node.args[1:4], None, None, None)[:3]
-    if (dim or 0) != 0 or (start or 0) != 0:
-        return False
-    if isinstance(end, fx.Node):
-        return op_name(end) in ("sym_size", "sym_numel") and end.args[0] in inputs
-    return end is not None and any(sympy.sympify(end) == sympy.sympify(n) for n in lengths)
-
-
-def _reaches(args: Any, inputs: set[fx.Node]) -> bool:
-    """Whether a tensor in `args` is computed from one of `inputs` (sizes read off them
-    do not count: a position's value is not the token's)."""
-    seen: set[fx.Node] = set()
-    stack = _nodes(args)
-    while stack:
-        node = stack.pop()
-        if node in seen or op_name(node) in ("sym_size", "sym_numel"):
-            continue
-        if node in inputs:
-            return True
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return False
-
-
-def _nodes(args: Any) -> list[fx.Node]:
-    out: list[fx.Node] = []
-    fx.node.map_arg(args, out.append)
-    return out
-
-
-def position_table_refusal(
-    gm: fx.GraphModule, params: Mapping[str, str], cp: int, tp: int, sequence_parallel: bool
-) -> str | None:
-    """Why a plan with `cp` and `tp` and sequence parallelism computes `gm` wrongly, or
-    None: the positions a table gives are not its tokens' (`position_tables`)."""
-    if cp == 1 or tp == 1 or not sequence_parallel:
-        return None
-    tables = position_tables(gm, params)
-    if not tables:
-        return None
-    return (
-        f"cp={cp} with tp={tp}'s sequence parallelism would misplace the positions the "
-        f"model reads from a table by position ({', '.join(tables)}): autopart does not "
-        "yet compose cp's mirrored chunks with sequence parallelism's slice for them, and "
-        "the loss would differ from one device's. Pin sequence_parallel=False, or cp=1"
-    )
 
 
 def _shard_input(gm: fx.GraphModule, node: fx.Node, group: str) -> None:

@@ -34,6 +34,8 @@ from torch.distributed.tensor import Placement, Shard
 from autopart.batch import SEQ
 from autopart.ops.aten import ATTENTION_OPS, GROUPED_MM_OPS, VIEW_OPS, op_name
 from autopart.ops.collectives import COLLECTIVES
+from autopart.ops.collectives import reduce_scatter as tp_reduce_scatter
+from autopart.ops.collectives import shard as tp_shard
 from autopart.ops.context_parallel import attention_arguments, ring_refusal
 from autopart.ops.meta import SHAPE, TensorInfo, tensor_info
 from autopart.ops.vocab_parallel import vocab_parallel_embedding
@@ -84,6 +86,12 @@ def decide(ops: Operands, gm: fx.GraphModule) -> Decision:
         return Decision(output=_getitem(ops))
     if name in _IGNORED:
         return Decision(output=R)
+    if ops.context_parallel and _sequence_parallel_slice(ops):
+        # Sequence parallelism's slice (or reduce-scatter) of a value whole over cp
+        # (positions read from a table at whole positions): cp's mirrored chunks first,
+        # then tp's contiguous slice of them, the order the tokens were cut in.
+        dim = ops.flat[1]
+        return Decision(output=Shard(dim), inputs={0: Shard(dim)})
     if all(p == R for p in tensor_places):
         return Decision(output=replicated_output(ops.node))
     if any(p == P for p in tensor_places):
@@ -251,6 +259,25 @@ def _within_tokens(ops: Operands) -> Decision:
     if not isinstance(x, Shard):
         return fallback(ops, "expected a sharded input")
     return Decision(output=x)
+
+
+def _sequence_parallel_slice(ops: Operands) -> bool:
+    """Whether `ops.node` is the tp rewrite's slice (or reduce-scatter: a table sharded
+    over its positions, looked up vocabulary-parallel) of a value whole over cp along the
+    whole sequence: the dim it cuts is as long as the graph's sequence inputs' dim 1."""
+    if ops.node.target not in (tp_shard, tp_reduce_scatter) or ops.places[0] != R:
+        return False
+    from autopart.passes.context_parallel import sequence_inputs  # it imports this module
+
+    info, dim = ops.shapes[0], ops.flat[1]
+    if info is None or not isinstance(dim, int):
+        return False
+    size = sympy.sympify(info.shape[dim])
+    gm = ops.node.graph.owning_module
+    if gm is None:
+        return False
+    lengths = {sympy.sympify(tensor_info(n).shape[1]) for n in sequence_inputs(gm)}
+    return lengths == {size}
 
 
 def _getitem(ops: Operands) -> Placement:

@@ -24,7 +24,7 @@ from autopart.degrees import BATCH_AXES, Axis, Degrees, MeshError, axis_names
 from autopart.mesh import Mesh
 from autopart.ops.meta import BLOCK
 from autopart.passes.batch_mixing import batch_mixing, norms_over_replicas
-from autopart.passes.context_parallel import position_table_refusal, sequence_length
+from autopart.passes.context_parallel import sequence_length
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
 from autopart.policy import (
@@ -157,14 +157,12 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
         captured.gm, captured.parameter_names, mesh, dims, pins.precision, pins.sharded_logits
     )
     _check_context_pin(pins, layouts)
-    _check_positions_pin(pins, layouts)
     _check_expert_pin(pins, layouts)
     try:
         found = search(layouts, mesh, pins, batch, dims)
     except NoPlanFits as e:
         fits = _what_fits(captured, mesh, pins, batch, dims, mixing, norms)
         raise PlanError(f"{e}{_kept_whole(mixing, norms)}{fits}") from None
-    found = _positions_kept(found, pins, layouts)
     # The plan as it will run (its own stage cuts) is priced again; should it no longer
     # fit, the next plan that fits takes its place.
     for candidate in found:
@@ -354,42 +352,6 @@ def _check_context_pin(pins: Pins, layouts: TpLayouts) -> None:
             f"has {sequence} tokens: pin a cp whose 2·cp divides {sequence}, or change "
             "the sequence length"
         )
-
-
-def _check_positions_pin(pins: Pins, layouts: TpLayouts) -> None:
-    """Refuse pinned cp > 1 with pinned sequence parallelism (at a pinned tp > 1, or
-    any) on a model that reads positions from a table: `position_table_refusal`."""
-    cp, tp = pins.degree(Axis.CP) or 1, pins.degree(Axis.TP)
-    if not pins.sequence_parallel or tp == 1:
-        return
-    refusal = position_table_refusal(
-        layouts.gm, layouts.param_names, cp, tp or 2, pins.sequence_parallel
-    )
-    if refusal:
-        raise PlanError(refusal.replace("tp=2's", "tp's") if tp is None else refusal)
-
-
-def _positions_kept(found: list[Candidate], pins: Pins, layouts: TpLayouts) -> list[Candidate]:
-    """The search's candidates, each computing what one device does: on a model that
-    reads positions from a table, cp > 1 with tp > 1 runs without sequence parallelism
-    (`position_table_refusal`); the plan is priced again as it will run (`make_plan`).
-    Pinned on, such candidates are dropped (a pinned cp is refused before the search)."""
-    out, refusal = [], None
-    for c in found:
-        ch = c.choices
-        if ch.cp == 1 or ch.tp == 1 or not ch.sequence_parallel:
-            out.append(c)
-            continue
-        refusal = refusal or position_table_refusal(
-            layouts.gm, layouts.param_names, ch.cp, ch.tp, True
-        )
-        if not refusal:
-            out.append(c)
-        elif not pins.sequence_parallel:
-            out.append(replace(c, choices=replace(ch, sequence_parallel=False)))
-    if not out:
-        raise PlanError(refusal or "no plan")
-    return out
 
 
 def _check_expert_pin(pins: Pins, layouts: TpLayouts) -> None:

@@ -30,7 +30,7 @@ from tests.harness import (
     train_case,
     train_losses,
 )
-from tests.models import VOCAB, tiny_llama, token_batch, train_reference
+from tests.models import VOCAB, tiny_gpt2, tiny_llama, token_batch, train_reference
 
 STEPS = 3
 SEQ = 64
@@ -289,3 +289,28 @@ def test_ring_attention_over_a_fused_projection_keeps_the_captured_layout(world)
         key = case_key("fused", pins)
         assert_every_rank_matches(per_rank, key, reference, label=pins)
         assert all(r[key]["rings"] == (2 if "cp" in pins else 0) for r in per_rank), pins
+
+
+# -- positions read from a table, under cp × tp with sequence parallelism -------------
+
+SP_PINS = {"cp": 2, "dp": 1, "tp": 2, "sequence_parallel": True}
+
+
+def _train_position_tables(batch) -> dict:
+    return {
+        name: train_case(model(), batch, STEPS, **SP_PINS)
+        for name, model in (("fused", FusedProjectionLM), ("gpt2", tiny_gpt2))
+    }
+
+
+@pytest.mark.slow
+def test_learned_positions_under_cp_and_sequence_parallelism_match_one_device():
+    """cp=2 × tp=2 with sequence parallelism on 4 Gloo ranks, of the nanoGPT-style model
+    and GPT-2 (positions read from a table at whole positions): the table's lookup is
+    cut into cp's mirrored chunks first and tp's slice of them second, as the tokens
+    are, so every rank's losses and parameters are one device's."""
+    batch = token_batch(8, SEQ)
+    per_rank = run_world(_train_position_tables, 4, batch)
+    for name, model in (("fused", FusedProjectionLM), ("gpt2", tiny_gpt2)):
+        reference = train_reference(model(), "adamw", STEPS, (batch[0],), batch[1])
+        assert_every_rank_matches(per_rank, name, reference, label=name)
