@@ -13,7 +13,8 @@ VOCAB = 128
 SEQ = 16
 
 
-def tiny_gpt2(seed: int = 0, layers: int = 2) -> nn.Module:
+def tiny_gpt2(seed: int = 0, layers: int = 2, dropout: float = 0.0) -> nn.Module:
+    """A tiny GPT-2; `dropout` on its embeddings, attention and residuals."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
@@ -26,9 +27,9 @@ def tiny_gpt2(seed: int = 0, layers: int = 2) -> nn.Module:
         bos_token_id=0,
         eos_token_id=0,
         use_cache=False,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
     )
     return GPT2LMHeadModel(config)
 

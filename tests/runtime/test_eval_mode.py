@@ -21,7 +21,7 @@ from torch import nn
 import autopart
 from autopart.testing import run_world
 from tests.harness import parallelize_lm, train_losses
-from tests.models import VOCAB, lm_loss, make_optimizer, token_batch
+from tests.models import lm_loss, make_optimizer, tiny_gpt2, token_batch
 
 DROPOUT = 0.2
 ROUNDS = 2  # eval, then train 2 steps; twice
@@ -29,23 +29,7 @@ ROUNDS = 2  # eval, then train 2 steps; twice
 
 def dropout_gpt2(layers: int = 2) -> nn.Module:
     """A tiny GPT-2 with dropout on the embeddings, attention and residuals."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_embd=64,
-        n_layer=layers,
-        n_head=4,
-        vocab_size=VOCAB,
-        n_positions=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-        resid_pdrop=DROPOUT,
-        embd_pdrop=DROPOUT,
-        attn_pdrop=DROPOUT,
-    )
-    return GPT2LMHeadModel(config)
+    return tiny_gpt2(layers=layers, dropout=DROPOUT)
 
 
 def _rounds(pins: dict, batch) -> dict:
