@@ -36,6 +36,7 @@ from autopart.policy import (
 from autopart.runtime.parallel_module import LossFn, OptimizerFactory, ParallelModule
 from autopart.runtime.training import TrainingOptions
 from autopart.solver import Pins, make_plan, recompute_refusal
+from autopart.stack_expansion import capture_repeated_once
 
 
 def plan(
@@ -56,7 +57,7 @@ def plan(
     blocks, "all", "none", or "attention" for every block's attention core alone),
     `recompute_attention` (module paths); and `precision` ("fp32", "bf16-mixed",
     "fp16-mixed") and `sequence_parallel`."""
-    captured = captured_for_planning(model, example_inputs, example_kwargs)
+    captured = captured_for_planning(model, example_inputs, example_kwargs, repeated_once=True)
     loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn else None
     return make_plan(captured, mesh, Pins.of(sharded_logits=loss and loss.logits, **pins))
 
@@ -257,12 +258,19 @@ def _in_mode(model: nn.Module, evaluating: bool) -> Iterator[None]:
 
 
 def captured_for_planning(
-    model: nn.Module, example_inputs: Any, example_kwargs: Any = None, autocast: Any = None
+    model: nn.Module,
+    example_inputs: Any,
+    example_kwargs: Any = None,
+    autocast: Any = None,
+    *,
+    repeated_once: bool = False,
 ) -> Captured:
     """`model` captured and analyzed, as `plan` and `parallelize` see it. A model on the
     meta device is captured at its example batch, static: it runs at no batch (its
     ranks trace it again at theirs, `_program_capture`), the cost models scale a static
-    batch to any microbatch, and torch.export traces it in half the time."""
+    batch to any microbatch, and torch.export traces it in half the time. With
+    `repeated_once` (planning alone) the main repeated stack's first blocks are traced
+    and the rest copied from them (`stack_expansion`): the same graph, in less time."""
     params = list(model.parameters())
     on_meta = bool(params) and all(p.is_meta for p in params)
     if params and not on_meta:  # example inputs on another device (a GPU's, a CPU
@@ -270,7 +278,8 @@ def captured_for_planning(
         example_inputs, example_kwargs = _on_device(
             (example_inputs, example_kwargs), params[0].device
         )
-    captured = capture(
+    trace = capture_repeated_once if repeated_once else capture
+    captured = trace(
         model, example_inputs, example_kwargs, autocast=autocast, dynamic_batch=not on_meta
     )
     analyze(captured.gm, captured.context())
