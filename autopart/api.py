@@ -16,11 +16,13 @@ from torch.utils import _pytree as pytree
 from autopart.batch import batch_size, split_batch
 from autopart.capture import Captured, capture
 from autopart.mesh import Mesh
+from autopart.ops.batch_products import ROWS, WHOLE, WholeBatchLoss, loss_by_rows
 from autopart.ops.groups import MeshGroups
 from autopart.ops.loss_match import CrossEntropy, match_cross_entropy
 from autopart.ops.meta import TensorInfo
 from autopart.ops.program import RankProgram, sharing_tensors
 from autopart.passes import analyze
+from autopart.passes.batch_mixing import gathered_products
 from autopart.passes.materialize import Weights, materialize_pass
 from autopart.passes.rewrite import rank_program
 from autopart.passes.runner import RankTarget, pass_name
@@ -59,7 +61,12 @@ def plan(
     "fp16-mixed") and `sequence_parallel`."""
     captured = captured_for_planning(model, example_inputs, example_kwargs, repeated_once=True)
     loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn else None
-    return make_plan(captured, mesh, Pins.of(sharded_logits=loss and loss.logits, **pins))
+    products = _product_loss(loss_fn, captured)
+    return make_plan(
+        captured,
+        mesh,
+        Pins.of(sharded_logits=loss and loss.logits, batch_product_loss=products, **pins),
+    )
 
 
 def parallelize(
@@ -104,8 +111,16 @@ def parallelize(
     loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn else None
     if plan is None:
         logits = loss and loss.logits
+        products = _product_loss(loss_fn, captured)
         plan = make_plan(
-            captured, mesh, Pins.of(optimizer_class=kind, sharded_logits=logits, **pins)
+            captured,
+            mesh,
+            Pins.of(
+                optimizer_class=kind,
+                sharded_logits=logits,
+                batch_product_loss=products,
+                **pins,
+            ),
         )
     elif pins:
         raise TypeError(f"pass either a plan or pins, not both (got pins {sorted(pins)})")
@@ -122,6 +137,8 @@ def parallelize(
     groups = MeshGroups(mesh.device_mesh(plan.degrees, limit), mesh.group_options(limit))
     if plan.tp * plan.degrees.batch_split * plan.microbatches == 1:
         loss = None  # the batch is not split: the user's loss runs as it is
+    if loss_fn is not None and plan.batch_product_loss == WHOLE:
+        loss_fn = WholeBatchLoss(loss_fn, groups.batch_group().group_name)
     target = RankTarget(plan, groups, weights, loss)
     program = _rank_program(model, captured, example_kwargs, target)
     shapes, ranges = captured.input_shapes(), captured.dim_ranges
@@ -142,6 +159,15 @@ def parallelize(
         training=training,
         example_batch=batch_size((captured.example_args, captured.example_kwargs)),
     )
+
+
+def _product_loss(loss_fn: LossFn | None, captured: Captured) -> str:
+    """What the loss gets of a batch × batch product where the batch is split: its rows,
+    where the loss is a mean over them, else the whole (ops/batch_products.py)."""
+    if loss_fn is None or not gathered_products(captured.gm):
+        return WHOLE
+    batch = batch_size((captured.example_args, captured.example_kwargs))
+    return ROWS if loss_by_rows(loss_fn, captured.gm, batch) else WHOLE
 
 
 def _clipping_refusal(plan: Plan, training: TrainingOptions) -> str | None:

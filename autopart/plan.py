@@ -151,6 +151,12 @@ class Plan(AxisAttributes):
     # The model's statistics over its batch (a load-balancing loss) taken over each
     # part's examples (dp × ep ranks, microbatches), as asked (it changes the math).
     per_part_statistics: bool = False
+    # Where the batch is split over replicas and the model scores it against itself (a
+    # batch × batch product, gathered over the replicas: passes/batch_products.py), what
+    # the loss gets: "rows", each replica's rows of the product (a loss that is a mean
+    # over them); "whole", the whole product and target on every replica. None: no such
+    # product, or the batch is whole.
+    batch_product_loss: str | None = None
     # ZeRO offload: the optimizer state lives in host memory and the optimizer steps
     # there (ZeRO's shards, or a single replica's whole state). The solver offloads
     # only where no plan fits without it.

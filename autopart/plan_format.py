@@ -149,6 +149,24 @@ def _opt_in_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _batch_product_lines(plan: Plan) -> list[str]:
+    """What the loss gets of a batch × batch product under a split of the batch."""
+    if plan.batch_product_loss is None:
+        return []
+    rows = plan.batch_product_loss == "rows"
+    kept = (
+        "each keeps its own rows of it, and the loss, a mean over the rows, runs on them"
+        if rows
+        else "the loss, which is not a mean over the product's rows, runs on the whole "
+        "product and the whole target on every replica"
+    )
+    return [
+        "The model scores its batch against itself (a batch × batch product): each replica "
+        "gathers both sides' embeddings over the replicas, their gradients flowing back to "
+        f"their owners, and computes the whole product; {kept}, as on one device."
+    ]
+
+
 def alternative_label(a: Alternative) -> str:
     """What an alternative switches on, in the words of `str(plan)`."""
     parts = [str(a.degrees), f"zero={a.zero}", f"m={a.microbatches}"]
@@ -263,6 +281,7 @@ def explain_plan(plan: Plan) -> str:
             f"their {plan.dp} dp replicas, the other weights' over all {plan.dp * plan.ep} "
             "ranks."
         )
+    lines += _batch_product_lines(plan)
     if plan.zero:
         what = {
             1: "optimizer state",

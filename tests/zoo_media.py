@@ -1,5 +1,6 @@
 """The model zoo's vision, speech and image-text models: tiny Hugging Face ViT, Swin,
-ConvNeXt, Whisper, wav2vec 2.0 and CLIP, and a BatchNorm CNN; their batches and losses.
+ConvNeXt, Whisper, wav2vec 2.0 and CLIP, a BatchNorm CNN and a CLIP-style two-tower
+model; their batches and losses.
 
 Built as tests/zoo_models.py builds its models: tiny configs, 2 layers or stages, no
 dropout, LayerDrop or SpecAugment.
@@ -204,6 +205,31 @@ def clip() -> nn.Module:
     return ImageText(key_biases_off_zero(CLIPModel(config)))
 
 
+class TwoTower(nn.Module):
+    """A CLIP-style two-tower model as people write it: a small convolutional image
+    tower and a bag-of-words caption tower, each projected and normalized, every image
+    scored against every caption at a learned temperature."""
+
+    def __init__(self, width: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.image = nn.Sequential(
+            nn.Conv2d(3, width, 3, stride=2, padding=1),
+            nn.GELU(),
+            nn.Conv2d(width, width, 3, stride=2, padding=1),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(width, dim),
+        )
+        self.words = nn.Embedding(VOCAB, width)
+        self.text = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, dim))
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, ids: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+        images = F.normalize(self.image(pixels), dim=-1)
+        captions = F.normalize(self.text(self.words(ids).mean(dim=1)), dim=-1)
+        return self.logit_scale.exp() * images @ captions.T
+
+
 # -- inputs and losses ------------------------------------------------------------------
 
 
@@ -239,3 +265,9 @@ def contrastive_loss(logits_per_image: torch.Tensor, target: torch.Tensor) -> to
     return (
         F.cross_entropy(logits_per_image, target) + F.cross_entropy(logits_per_image.T, target)
     ) / 2
+
+
+def image_loss(logits_per_image: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The image side of CLIP's loss alone: each image picks its caption, a mean over
+    the score matrix's rows."""
+    return F.cross_entropy(logits_per_image, target)

@@ -71,7 +71,7 @@ def match_cross_entropy(
 ) -> CrossEntropy | None:
     """What `loss_fn(output, target)` is, for the captured `gm`'s output: a standard
     cross-entropy, or None for anything else (or anything that cannot be traced)."""
-    leaves = _example_outputs(gm)
+    leaves = example_outputs(gm)
     if leaves is None:
         return None
     candidates = [
@@ -89,7 +89,7 @@ def match_cross_entropy(
     return None
 
 
-def _example_outputs(gm: fx.GraphModule) -> list[Any] | None:
+def example_outputs(gm: fx.GraphModule) -> list[Any] | None:
     """The graph's output leaves as meta tensors at the example's sizes (non-tensor
     leaves as they are), or None where a value has no recorded example."""
     (output,) = gm.graph.find_nodes(op="output")

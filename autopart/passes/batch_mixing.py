@@ -22,11 +22,21 @@ Four kinds are recognized, from the shapes in the named dims (the shape analysis
   only a comparison, or a slice that keeps the first, makes a row's fate depend on
   the rows before it.
 
-Batch normalization as torch.export captures it (`aten.batch_norm`) is exact under a
-split of the batch over replicas once the batch-norm rewrite reduces its statistics over
-them (`reduced_over_replicas`, passes/batch_norm.py): the planner asks for those apart
-(`norms_over_replicas`), since microbatches within a replica still split what it
-normalizes.
+Three of these are exact under a split of the batch over replicas once a rewrite takes
+them over the whole batch (`exact_over_replicas`; the planner asks for those apart,
+`mixing_over_replicas`, since microbatches within a replica still split them):
+
+- batch normalization as torch.export captures it (`aten.batch_norm`), whose statistics
+  the batch-norm rewrite reduces over the replicas (`reduced_over_replicas`,
+  passes/batch_norm.py);
+- a batch × batch product each of whose operands carries the batch in one dim, and whose
+  result meets no other value of the batch on its way to the output
+  (`gathered_products`): the batch-products rewrite gathers its operands over the
+  replicas (passes/batch_products.py);
+- statistics combined over the batch, where each is a mean over it, or a sum the model
+  divides (by its token count, say) before combining it (`replica_statistics`): the
+  batch-statistics rewrite takes each replica's as the mean of every replica's
+  (passes/batch_statistics.py).
 
 Found only where the capture keeps the batch dynamic (the default; not a model captured
 on the meta device, whose batch is static). A reduction over the batch that only feeds
@@ -35,6 +45,8 @@ averages the parts' losses, which is that mean.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -57,38 +69,62 @@ _BATCH_NORMS = {
 
 
 def batch_mixing(
-    gm: fx.GraphModule, statistics: bool = True, reduced_norms: bool = True
+    gm: fx.GraphModule, statistics: bool = True, over_replicas: bool = True
 ) -> list[str]:
     """How and where `gm` mixes the examples of its batch, one line per kind ("batch_norm
     in training mode normalizes over the batch, at blocks.0.1, blocks.1.1"); empty
     where the examples are computed apart. Without `statistics`, batch norms,
     statistics combined over the batch and routing over its rows are not counted (the
-    user accepts them per part); without `reduced_norms`, the batch norms the batch-norm
-    rewrite reduces over the replicas are not. Needs the shape and module-path
-    analyses."""
-    found: dict[str, dict[str, None]] = {}  # kind -> module paths, ordered, no repeats
+    user accepts them per part); without `over_replicas`, the mixing a rewrite makes
+    exact over replicas (`exact_over_replicas`) is not. Needs the shape and
+    module-path analyses."""
+    exact = set() if over_replicas else set(exact_over_replicas(gm, statistics))
+    return _worded(_found(gm, statistics), exact)
+
+
+def mixing_over_replicas(gm: fx.GraphModule, statistics: bool = True) -> list[str]:
+    """The mixing a rewrite makes exact over replicas, as `batch_mixing` words it: exact
+    under a split over replicas, not over microbatches (a replica's first microbatch
+    would be computed before its last is seen)."""
+    exact = exact_over_replicas(gm, statistics)
+    return _worded({n: w for n, w in _found(gm, statistics).items() if n in exact}, set())
+
+
+def exact_over_replicas(gm: fx.GraphModule, statistics: bool = True) -> list[fx.Node]:
+    """The nodes whose mixing a rewrite takes over the whole batch where it is split over
+    replicas: batch norms and combined statistics (unless the user takes `statistics`
+    per part), and batch × batch products."""
+    products = gathered_products(gm)
+    if not statistics:
+        return products
+    norms = [n for n in gm.graph.nodes if reduced_over_replicas(n)]
+    found = replica_statistics(gm)
+    return norms + products + (list(found.combined) if found else [])
+
+
+def _found(gm: fx.GraphModule, statistics: bool) -> dict[fx.Node, str]:
+    """Each node that mixes the batch, and why."""
+    found: dict[fx.Node, str] = {}
     seen: set[fx.Node] = set()  # values reduced over the batch, and what they feed
     ordered: dict[fx.Node, str] = {}  # positions among the batch's rows, sorted rows
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        counted = statistics and (reduced_norms or not reduced_over_replicas(node))
-        why = (_normalizes(node) if counted else "") or _mixes(node)
+        why = (_normalizes(node) if statistics else "") or _mixes(node)
         if not why and statistics:
             why = _combines_statistics(node, seen) or _routes_rows(node, ordered)
         if why:
-            found.setdefault(why, {})[_path(node)] = None
-    return [f"{why}, at {', '.join(paths)}" for why, paths in found.items()]
+            found[node] = why
+    return found
 
 
-def norms_over_replicas(gm: fx.GraphModule) -> list[str]:
-    """The batch norms the batch-norm rewrite reduces over the replicas, as
-    `batch_mixing` words them: exact under a split over replicas, not over microbatches
-    (a replica's first microbatch would be normalized before its last is seen)."""
-    paths = {_path(n): None for n in gm.graph.nodes if reduced_over_replicas(n)}
-    if not paths:
-        return []
-    return [f"batch_norm in training mode normalizes over the batch, at {', '.join(paths)}"]
+def _worded(found: dict[fx.Node, str], left_out: set[fx.Node]) -> list[str]:
+    """One line per kind, naming its module paths in order, without `left_out`."""
+    kinds: dict[str, dict[str, None]] = {}  # kind -> module paths, ordered, no repeats
+    for node, why in found.items():
+        if node not in left_out:
+            kinds.setdefault(why, {})[_path(node)] = None
+    return [f"{why}, at {', '.join(paths)}" for why, paths in kinds.items()]
 
 
 def reduced_over_replicas(node: fx.Node) -> bool:
@@ -97,6 +133,99 @@ def reduced_over_replicas(node: fx.Node) -> bool:
     the whole batch (ops/batch_norm.py). Its lowerings, which return their saved
     statistics, and a traced module are left as they are, and so split nothing."""
     return node.target is torch.ops.aten.batch_norm.default and bool(_normalizes(node))
+
+
+def gathered_products(gm: fx.GraphModule) -> list[fx.Node]:
+    """The batch × batch products the batch-products rewrite gathers over the replicas:
+    every one where each, `product_operands`, carries the batch in one dim, and what is
+    computed from them reads no other value sized by the batch (which would be this
+    replica's part only); else none."""
+    products = [n for n in gm.graph.nodes if n.op == "call_function" and _mixes(n)]
+    if not products or not all(product_operands(n) for n in products):
+        return []
+    carried = computed_from(products)
+    for node in carried.difference(products):
+        for a in node.all_input_nodes:
+            if a not in carried and (_sized_by_batch(a) or _symbolic(a)):
+                return []
+    return products
+
+
+def product_operands(node: fx.Node) -> list[tuple[fx.Node, int]]:
+    """Each operand of `node` that carries the batch, with the dim it carries it in;
+    empty where one carries it in more than one dim."""
+    found = []
+    for a in node.all_input_nodes:
+        info = _info(a)
+        dims = [d for d, size in enumerate(info.shape) if batched(size)] if info else []
+        if len(dims) > 1:
+            return []
+        found += [(a, dims[0])] if dims else []
+    return found
+
+
+def computed_from(nodes: list[fx.Node]) -> set[fx.Node]:
+    """`nodes` and every node computed from them (the graph's output aside)."""
+    found = set(nodes)
+    for node in nodes[0].graph.nodes:
+        if node.op == "call_function" and any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _sized_by_batch(node: fx.Node) -> bool:
+    info = _info(node)
+    return info is not None and any(map(batched, info.shape))
+
+
+def _symbolic(node: fx.Node) -> bool:
+    """A size computed from a tensor's shape (this replica's, where it is the batch)."""
+    return isinstance(node.meta.get("val"), torch.SymInt | torch.SymFloat)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatistics:
+    """Statistics over the batch the model combines nonlinearly, where the
+    batch-statistics rewrite makes them the whole batch's: `roots`, the reductions over
+    the batch; `combined`, where they are combined."""
+
+    roots: tuple[fx.Node, ...]
+    combined: tuple[fx.Node, ...]
+
+
+# Statistics that are sums over the batch's rows: a replica's part over the mean of the
+# parts' is the whole batch's over its count, where the model divides by its part's.
+_SUMS = frozenset({"sum", "histc", "bincount", "count_nonzero"})
+
+
+def replica_statistics(gm: fx.GraphModule) -> ReplicaStatistics | None:
+    """The statistics `gm` combines over its batch, where each is a mean over the batch,
+    or a sum divided by a value the model computes (its part's token count, or another
+    statistic) before it is combined; None where one is not, or none is combined."""
+    roots: dict[fx.Node, frozenset[fx.Node]] = {}  # carried value -> its statistics
+    divided: set[fx.Node] = set()
+    combined: list[fx.Node] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or _sized_by_batch(node) or _info(node) is None:
+            continue
+        if op_name(node) in _STATISTICS and any(map(_sized_by_batch, node.all_input_nodes)):
+            roots[node] = frozenset({node})
+            continue
+        carried = [a for a in node.all_input_nodes if a in roots]
+        if not carried:
+            continue
+        roots[node] = frozenset().union(*(roots[a] for a in carried))
+        name = op_name(node)
+        numerator = node.args[0] if node.args else None
+        if name == "div" and numerator in roots and isinstance(node.args[1], fx.Node):
+            divided |= roots[numerator]
+        if (name in ("mul", "div") and len(carried) >= 2) or name in _NONLINEAR:
+            combined.append(node)
+    used = frozenset().union(*(roots[n] for n in combined))
+    exact = all(op_name(r) == "mean" or (op_name(r) in _SUMS and r in divided) for r in used)
+    if not combined or not exact:
+        return None
+    return ReplicaStatistics(tuple(r for r in roots if r in used), tuple(combined))
 
 
 def _path(node: fx.Node) -> str:

@@ -13,6 +13,10 @@ disabled by name (`PassContext.disabled`).
     batch norm                training-mode batch norms take the whole batch's
                               statistics over the replicas, or per part, the first
                               replica's running ones (dp × ep > 1)
+    batch products            a batch × batch product's operands gathered over the
+                              replicas; the loss gets its rows or the whole (dp × ep > 1)
+    batch statistics          statistics combined over the batch (a load-balancing
+                              loss) taken as every replica's mean (dp × ep > 1)
     ── pipeline split ──       cut the graph into stages, keep this rank's (pp > 1)
     materialize               real memory for this rank's pieces of a meta model
     retarget devices          device arguments and tensors on this rank's device
@@ -33,6 +37,8 @@ from torch import fx
 from autopart.ops.meta import CP_SUMMED, EP_SHARDED, TP_LAYOUT, VOCAB_PARALLEL_LOSS
 from autopart.ops.program import RankProgram
 from autopart.passes.batch_norm import batch_norm_pass, splits_norms
+from autopart.passes.batch_products import batch_products_pass, splits_products
+from autopart.passes.batch_statistics import batch_statistics_pass, splits_statistics
 from autopart.passes.causal_attention import causal_attention_pass
 from autopart.passes.context_parallel import context_parallel_pass
 from autopart.passes.expert_parallel import expert_parallel_pass
@@ -69,6 +75,8 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite(context_parallel_pass, lambda plan: plan.cp > 1),
     Rewrite(expert_parallel_pass, lambda plan: plan.ep > 1),
     Rewrite(batch_norm_pass, splits_norms),
+    Rewrite(batch_products_pass, splits_products),
+    Rewrite(batch_statistics_pass, splits_statistics),
     Rewrite(materialize_pass, per_stage=True),
     Rewrite(retarget_devices_pass, per_stage=True),
     Rewrite(

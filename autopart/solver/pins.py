@@ -22,8 +22,9 @@ from autopart.cost_models import Choices, CostModels, predict
 from autopart.cost_models.resharding import resharding
 from autopart.degrees import BATCH_AXES, Axis, Degrees, MeshError, axis_names
 from autopart.mesh import Mesh
+from autopart.ops.batch_products import WHOLE
 from autopart.ops.meta import BLOCK
-from autopart.passes.batch_mixing import batch_mixing, norms_over_replicas
+from autopart.passes.batch_mixing import batch_mixing, gathered_products, mixing_over_replicas
 from autopart.passes.context_parallel import sequence_length
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
@@ -78,6 +79,10 @@ class Pins:
     # (`ops.loss_match`): the runtime computes it on logits sharded over the vocabulary,
     # so a layout that shards them is priced without their gather.
     sharded_logits: int | None = None
+    # Where the batch is split and the model scores it against itself (a batch × batch
+    # product): "rows" where the loss is known to be a mean over the product's rows
+    # (`ops.batch_products.loss_by_rows`), else "whole" (the loss gets it all).
+    batch_product_loss: str = WHOLE
 
     @classmethod
     def of(cls, **pins: Any) -> Pins:
@@ -145,8 +150,8 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
     with its tensor-parallel layout, pipeline cuts, predictions and runners-up."""
     batch = batch_size((captured.example_args, captured.example_kwargs))
     per_part = pins.per_part_statistics
-    mixing = batch_mixing(captured.gm, statistics=not per_part, reduced_norms=False)
-    norms = [] if per_part else norms_over_replicas(captured.gm)
+    mixing = batch_mixing(captured.gm, statistics=not per_part, over_replicas=False)
+    norms = mixing_over_replicas(captured.gm, statistics=not per_part)
     pins = _whole_batch(pins, mixing, mesh, norms)
     _check_pins(pins, mesh, batch)
     refusal = recompute_refusal(captured.gm, pins.recompute, pins.recompute_attention)
@@ -215,16 +220,17 @@ def _whole_batch(pins: Pins, mixing: list[str], mesh: Mesh, norms: list[str]) ->
 
 
 def _one_microbatch(pins: Pins, norms: list[str]) -> Pins:
-    """`pins` with one microbatch per replica: the batch norms in `norms` take the
-    whole batch's statistics over the replicas, which a replica's first microbatch
-    would need before its last is computed. A pin of more is refused, saying why."""
+    """`pins` with one microbatch per replica: the mixing in `norms` (batch norms,
+    batch × batch products, statistics combined over the batch) is taken over the whole
+    batch over the replicas, which a replica's first microbatch would need before its
+    last is computed. A pin of more is refused, saying why."""
     if pins.microbatches is not None and pins.microbatches > 1:
         raise PlanError(
             f"microbatches={pins.microbatches} would split each replica's batch, but the "
-            f"model's batch norms take their statistics over the whole batch: "
-            f"{'; '.join(norms)}. autopart reduces them over the data-parallel replicas, "
+            f"model mixes the examples of its whole batch: "
+            f"{'; '.join(norms)}. autopart takes it over the data-parallel replicas, "
             "but a replica runs its microbatches one after another, and the first would "
-            "be normalized before the last is computed. Pin microbatches=1 (more replicas "
+            "be computed before the last is seen. Pin microbatches=1 (more replicas "
             "instead), or per_part_statistics=True normalizes each part by its own "
             "statistics, as DDP without SyncBatchNorm does, which changes the math"
         )
@@ -422,6 +428,7 @@ def _plan_of(
         sync_warmup=pins.sync_warmup,
         outer_optimizer=pins.outer_optimizer,
         per_part_statistics=pins.per_part_statistics,
+        batch_product_loss=_product_loss(captured, choices, pins),
         grad_compression=pins.grad_compression,
         offload=choices.offload,
         master_weights=pins.master_weights,
@@ -431,6 +438,13 @@ def _plan_of(
         tp_roles=layouts.roles(choices.tp, choices.sequence_parallel),
         ep_params=layouts.expert_params if choices.ep > 1 else (),
     )
+
+
+def _product_loss(captured: Captured, choices: Choices, pins: Pins) -> str | None:
+    """What the loss gets of the model's batch × batch products where the batch is split
+    over replicas (`passes/batch_products.py`); None where it is whole or has none."""
+    split = choices.degrees.batch_split > 1
+    return pins.batch_product_loss if split and gathered_products(captured.gm) else None
 
 
 def _what_fits(

@@ -18,8 +18,15 @@ from torch import nn
 
 import autopart
 from autopart.capture import capture
+from autopart.ops.aten import op_name
 from autopart.passes import analyze
-from autopart.passes.batch_mixing import batch_mixing, norms_over_replicas
+from autopart.passes.batch_mixing import (
+    batch_mixing,
+    gathered_products,
+    mixing_over_replicas,
+    product_operands,
+    replica_statistics,
+)
 from tests.models import MLP, tiny_mixtral, token_batch
 from tests.random_models import Case, RandomLM, batch_of
 
@@ -67,9 +74,9 @@ def test_batch_norms_the_rewrite_reduces_over_replicas_are_told_apart():
     statistics take it over each part."""
     captured = capture(ConvNorm(nn.BatchNorm2d(4)), (IMAGES,))
     analyze(captured.gm, captured.context())
-    assert batch_mixing(captured.gm, reduced_norms=False) == []
+    assert batch_mixing(captured.gm, over_replicas=False) == []
     assert batch_mixing(captured.gm, statistics=False) == []
-    (norm,) = norms_over_replicas(captured.gm)
+    (norm,) = mixing_over_replicas(captured.gm)
     assert norm == "batch_norm in training mode normalizes over the batch, at norm"
 
 
@@ -174,3 +181,58 @@ def test_routing_over_the_batch_keeps_it_whole_unless_asked():
         autopart.plan(model, mesh, (ids,), dp=2)
     accepted = autopart.plan(model, mesh, (ids,), dp=2, per_part_statistics=True)
     assert accepted.dp == 2 and "routing over the batch's tokens" in accepted.explain()
+
+
+class BiasedScores(PairScores):
+    """CLIP's scores plus a per-example bias: the whole product meets this replica's
+    examples alone, which gathering the product's operands cannot make whole."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[1] + self.a(x)[:, :1]
+
+
+def _analyzed(model: nn.Module, *inputs: torch.Tensor):
+    captured = capture(model, inputs)
+    analyze(captured.gm, captured.context())
+    return captured.gm
+
+
+def test_a_batch_by_batch_product_is_gathered_over_replicas_where_nothing_else_meets_it():
+    """Its operands are gathered (passes/batch_products.py): exact over replicas, not
+    over microbatches. A product that meets another value of the batch stays mixing."""
+    gm = _analyzed(PairScores(), torch.randn(4, 8))
+    (product,) = gathered_products(gm)
+    assert [dim for _, dim in product_operands(product)] == [0, 1]
+    assert batch_mixing(gm, over_replicas=False) == []
+    (line,) = mixing_over_replicas(gm)
+    assert line.startswith("matmul gives a batch × batch result")
+    biased = _analyzed(BiasedScores(), torch.randn(4, 8))
+    assert gathered_products(biased) == []
+    assert batch_mixing(biased, over_replicas=False) != []
+
+
+class MaxLoad(nn.Module):
+    """A load penalty from the busiest expert's share: a maximum over the batch, which
+    no mean over replicas gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.softmax(self.router(x), dim=-1)
+        return probs, probs.amax(dim=0).exp().sum() * probs.mean(dim=0).sum()
+
+
+def test_a_load_balancing_loss_is_taken_over_replicas_from_its_means_and_divided_sums():
+    """Mixtral's loss sums each layer's expert counts (histc) and router probabilities
+    (sum), divides them by the token count and multiplies them: every replica takes
+    the mean of the replicas' sums (passes/batch_statistics.py). A maximum over the
+    batch is not a mean of anything, and stays mixing."""
+    ids, _ = token_batch(8)
+    gm = _analyzed(tiny_mixtral(router_loss=True), ids)
+    found = replica_statistics(gm)
+    assert found is not None
+    assert sorted({op_name(r) for r in found.roots}) == ["histc", "sum"]
+    assert batch_mixing(gm, over_replicas=False) == []
+    assert replica_statistics(_analyzed(MaxLoad(), torch.randn(6, 8))) is None

@@ -322,19 +322,18 @@ def test_a_checkpoint_moves_between_expert_and_data_parallel_plans(case, tmp_pat
         assert losses == pytest.approx(reference["losses"], rel=1e-5)
 
 
-def test_a_load_balancing_loss_keeps_the_batch_whole_unless_asked():
+def test_a_load_balancing_loss_is_taken_over_the_whole_batch_or_per_part_as_asked():
     """The load-balancing loss multiplies two statistics of the whole batch (token
-    fractions, router probabilities): split over dp or ep, each part's product would
-    differ from one device's, so the batch stays whole and pins that split it are
-    refused, unless the user accepts per-part statistics (Megatron-LM's), which the
-    plan then states."""
+    fractions, router probabilities): split over dp or ep, each replica takes their
+    mean over the replicas (passes/batch_statistics.py), exact, but microbatches within
+    a replica would see their own part alone, and are refused. Per-part statistics
+    (Megatron-LM's) are the user's choice, which the plan then states."""
     ids, _ = token_batch(8)
     model = tiny_mixtral(router_loss=True)
-    plan = autopart.plan(model, TWO_CPUS, (ids,))
-    assert (plan.dp, plan.ep, plan.microbatches) == (1, 1, 1)
     for pins in ({"dp": 2}, {"ep": 2}):
-        with pytest.raises(autopart.PlanError, match="combines statistics over the batch"):
-            autopart.plan(model, TWO_CPUS, (ids,), **pins)
+        assert autopart.plan(model, TWO_CPUS, (ids,), **pins).degrees.batch_split == 2
+    with pytest.raises(autopart.PlanError, match="combines statistics over the batch"):
+        autopart.plan(model, TWO_CPUS, (ids,), dp=2, microbatches=2)
     accepted = autopart.plan(model, TWO_CPUS, (ids,), dp=2, per_part_statistics=True)
     assert accepted.dp == 2 and "per_part_statistics=True" in accepted.explain()
 
