@@ -22,7 +22,9 @@ blocks) and chunks to pipeline ranks; then per rank:
       recomputed block's backward gather serves its recomputation, which adds no
       gather, only compute to hide them behind;
     batch norms over the global batch: one all-reduce of per-channel sums per norm in
-      forward and one in backward, over dp × ep (`batch_norm.py`);
+      forward and one in backward, over dp × ep (`batch_norm.py`); a batch × batch
+      product's operands all-gathered forward and reduce-scattered backward, a
+      statistic combined over the batch all-reduced both ways (`batch_mixing.py`);
   gradient synchronization over dp (stride tp), once per step after the last
     microbatch: bucketed all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1/2), hidden behind
     the last microbatch's backward but for its last bucket (`pipeline.exposed_sync`);
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from autopart.cost_models.batch_mixing import mixing_sync_comm
 from autopart.cost_models.batch_norm import norm_sync_comm
 from autopart.cost_models.choices import Choices, CostModels
 from autopart.cost_models.comm import (
@@ -349,7 +352,8 @@ def _stage_work(
         other_comm=_zero3_comm(own, compute, choices, models)
         + _cp_comm(own, last, params, choices, models)
         + ep
-        + norm_sync_comm(own, choices, models.comm),
+        + norm_sync_comm(own, choices, models.comm)
+        + mixing_sync_comm(own, choices, models.comm),
         ep=ep,
         activations=_activations(own, choices),
         unrecomputed=Activations(kept=sum(s.saved_bytes(choices.precision) for s in own)),

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
+from autopart.cost_models.batch_mixing import segment_mixing_sync
 from autopart.cost_models.batch_norm import segment_norm_sync
 from autopart.cost_models.choices import Choices, CostModels
 from autopart.cost_models.context import conversion_comm, ring_comm
@@ -244,6 +245,8 @@ def stage_problem(
         comm1 += segment_all_to_all(seg, choices, models.comm, recomputed=True)
         comm0 += segment_norm_sync(seg, choices, models.comm, recomputed=False)
         comm1 += segment_norm_sync(seg, choices, models.comm, recomputed=True)
+        comm0 += segment_mixing_sync(seg, choices, models.comm, recomputed=False)
+        comm1 += segment_mixing_sync(seg, choices, models.comm, recomputed=True)
         comm0 += _cp_comm(seg, choices, models, recomputed=False)
         comm1 += _cp_comm(seg, choices, models, recomputed=True)
         saved = seg.saved_bytes(choices.precision)

@@ -56,7 +56,12 @@ from autopart.ops.meta import (
     tensor_info,
 )
 from autopart.ops.params import parameter_names
-from autopart.passes.batch_mixing import reduced_over_replicas
+from autopart.passes.batch_mixing import (
+    gathered_products,
+    product_operands,
+    reduced_over_replicas,
+    replica_statistics,
+)
 from autopart.passes.experts import expert_layers
 from autopart.passes.tp_decision import R
 from autopart.passes.tp_propagate import propagate
@@ -101,6 +106,11 @@ class Segment:
     # The channels of each batch norm that takes the whole batch's statistics over the
     # replicas where the batch is split (`passes/batch_norm.py`).
     norm_channels: tuple[int, ...] = ()
+    # Bytes of each operand of a batch × batch product the batch-products rewrite
+    # gathers over the replicas, and of each statistic the batch-statistics rewrite
+    # averages over them, where the batch is split (`cost_models/batch_mixing.py`).
+    gathered: tuple[sympy.Expr, ...] = ()
+    statistics: tuple[sympy.Expr, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +152,8 @@ class SegmentWork:
     # Under context parallelism, the collectives of the cp rewrite's conversions
     # (`cp_layout.py`: the sequence gathered for what runs whole), as `tp_traffic`.
     cp_traffic: Traffic = ()
+    # Bytes of the operands its batch × batch products gather (as captured).
+    gathered_bytes: float = 0.0
     # What the search reads of its operators for every plan, summed once (`Totals`).
     totals: Totals | None = field(default=None, repr=False, compare=False)
 
@@ -407,7 +419,10 @@ class GraphSummary:
                 )
                 output = _output_bytes(seg.nodes, dims) * scale
                 rows = sum(evaluate(r, dims) for r in seg.expert_rows) * scale
-                work = SegmentWork(seg, works, output, _traffic(seg, size), rows)
+                gathered = sum(evaluate(b, dims) for b in seg.gathered) * scale
+                work = SegmentWork(
+                    seg, works, output, _traffic(seg, size), rows, gathered_bytes=gathered
+                )
                 if seg.block_id is not None:
                     by_block[seg.block_id] = (work, _signature(seg))
             else:
@@ -453,6 +468,7 @@ def _segments(
     collectives = _collectives(gm, runs, layout)
     experts, rows = _experts(gm, runs)
     flags = [_sharded_flags(gm, key, block_id, nodes, layout) for key, block_id, nodes in runs]
+    gathered, statistics = _replica_mixing(gm)
     return tuple(
         Segment(
             key,
@@ -475,9 +491,20 @@ def _segments(
                 if p in experts and _is_sharded_param(gm, nodes, p, layout)
             ),
             norm_channels=_norm_channels(nodes),
+            gathered=tuple(tensor_info(a).nbytes for n in nodes for a in gathered.get(n, ())),
+            statistics=tuple(tensor_info(n).nbytes for n in nodes if n in statistics),
         )
         for i, (key, block_id, nodes) in enumerate(runs)
     )
+
+
+def _replica_mixing(gm: fx.GraphModule) -> tuple[dict[fx.Node, list[fx.Node]], set[fx.Node]]:
+    """The operands each batch × batch product gathers over the replicas where the batch
+    is split, and the statistics averaged over them (`passes/batch_products.py`,
+    `passes/batch_statistics.py`)."""
+    products = {p: list(dict(product_operands(p))) for p in gathered_products(gm)}
+    found = replica_statistics(gm)
+    return products, set(found.roots) if found else set()
 
 
 def _norm_channels(nodes: list[fx.Node]) -> tuple[int, ...]:

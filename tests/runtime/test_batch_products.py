@@ -79,4 +79,6 @@ def test_clip_trains_like_one_device_under_a_split_of_the_batch(pins):
     for result in run_world(_trained, 2, "clip", "symmetric", "adamw", pins):
         assert result["plan"].batch_product_loss == "whole"
         print(f"{pins}: loss, params relative to one device: {_differences(result, want)}")
-        assert_matches(result, want, rtol=1e-5)
+        # The zoo's bound: a key bias's gradient is zero but for rounding, which AdamW
+        # turns into steps of the learning rate's size (4e-4 of that tensor here).
+        assert_matches(result, want, rtol=1e-4)
