@@ -258,7 +258,7 @@ def stage_problem(
             base, keeps = t0.total + comm0 + core, saved - frees
         else:
             base, keeps = t0.total + comm0, saved
-        may = recomputable and seg.is_block and not fixed
+        may = recomputable and seg.is_block and not fixed and not seg.segment.updates_buffers
         params = seg.param_numel(choices.tp, choices.ep)
         units.append(
             Unit(

@@ -61,6 +61,7 @@ from autopart.passes.batch_mixing import (
     product_operands,
     reduced_over_replicas,
     replica_statistics,
+    updates_running_statistics,
 )
 from autopart.passes.experts import expert_layers
 from autopart.passes.tp_decision import R
@@ -111,6 +112,9 @@ class Segment:
     # averages over them, where the batch is split (`cost_models/batch_mixing.py`).
     gathered: tuple[sympy.Expr, ...] = ()
     statistics: tuple[sympy.Expr, ...] = ()
+    # It updates buffers in place (a batch norm's running statistics in training mode):
+    # recomputed, it would update them twice, so it is never recomputed.
+    updates_buffers: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,6 +497,7 @@ def _segments(
             norm_channels=_norm_channels(nodes),
             gathered=tuple(tensor_info(a).nbytes for n in nodes for a in gathered.get(n, ())),
             statistics=tuple(tensor_info(n).nbytes for n in nodes if n in statistics),
+            updates_buffers=any(map(updates_running_statistics, nodes)),
         )
         for i, (key, block_id, nodes) in enumerate(runs)
     )

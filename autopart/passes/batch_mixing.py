@@ -228,6 +228,12 @@ def replica_statistics(gm: fx.GraphModule) -> ReplicaStatistics | None:
     return ReplicaStatistics(tuple(r for r in roots if r in used), tuple(combined))
 
 
+def updates_running_statistics(node: fx.Node) -> bool:
+    """Whether `node` is a batch norm in training mode that updates running statistics
+    in place: run twice (recomputed in backward), it would update them twice."""
+    return reduced_over_replicas(node) and isinstance(node.args[3], fx.Node)
+
+
 def _path(node: fx.Node) -> str:
     return MODULE_PATH.get(node) or "the top level"
 

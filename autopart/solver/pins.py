@@ -24,7 +24,12 @@ from autopart.degrees import BATCH_AXES, Axis, Degrees, MeshError, axis_names
 from autopart.mesh import Mesh
 from autopart.ops.batch_products import WHOLE
 from autopart.ops.meta import BLOCK
-from autopart.passes.batch_mixing import batch_mixing, gathered_products, mixing_over_replicas
+from autopart.passes.batch_mixing import (
+    batch_mixing,
+    gathered_products,
+    mixing_over_replicas,
+    updates_running_statistics,
+)
 from autopart.passes.context_parallel import sequence_length
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
@@ -306,6 +311,30 @@ def recompute_refusal(
         unknown = [p for p in paths if p not in holders]
         if unknown:
             return _not_a_block(pin, unknown[0], blocks, holders)
+    return _stateful_refusal(gm, blocks, recompute)
+
+
+def _stateful_refusal(
+    gm: fx.GraphModule, blocks: list[str], recompute: Iterable[str] | bool | None
+) -> str | None:
+    """Why a block pinned for recomputation cannot be: it updates buffers in place (a
+    batch norm's running statistics in training mode), which its recomputation in
+    backward would do a second time."""
+    if recompute is None or recompute is False:
+        return None
+    paths = blocks if recompute is True else list(recompute)
+    stateful = {
+        info.instance
+        for n in gm.graph.nodes
+        if updates_running_statistics(n) and (info := BLOCK.get(n)) is not None
+    }
+    for block in blocks:
+        if block in stateful and any(block == p or block.startswith(p + ".") for p in paths):
+            return (
+                f"recompute would run {block} twice, and its batch norm in training mode "
+                "would update its running statistics a second time in backward: recompute "
+                "other blocks, or none (the solver leaves such blocks out)"
+            )
     return None
 
 
