@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopart.batch import batch_size, split_batch
-from autopart.capture import Captured, capture
+from autopart.capture import Captured, capture, parameters_in
 from autopart.mesh import Mesh
 from autopart.ops.batch_products import ROWS, WHOLE, WholeBatchLoss, loss_by_rows
 from autopart.ops.groups import MeshGroups
@@ -30,6 +30,7 @@ from autopart.plan import Plan, PlanError
 from autopart.policy import (
     COLLECTIVE_TIMEOUT_S,
     LOW_DTYPES,
+    PARAM_DTYPES,
     MasterWeights,
     optimizer_class,
     optimizer_refusal,
@@ -58,8 +59,14 @@ def plan(
     `zero`, `microbatches`, `schedule`, `virtual_stages`, `recompute` (module paths of
     blocks, "all", "none", or "attention" for every block's attention core alone),
     `recompute_attention` (module paths); and `precision` ("fp32", "bf16-mixed",
-    "fp16-mixed") and `sequence_parallel`."""
-    captured = captured_for_planning(model, example_inputs, example_kwargs, repeated_once=True)
+    "fp16-mixed", "bf16-params") and `sequence_parallel`."""
+    captured = captured_for_planning(
+        model,
+        example_inputs,
+        example_kwargs,
+        param_dtype=_param_dtype(None, pins),
+        repeated_once=True,
+    )
     loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn else None
     products = _product_loss(loss_fn, captured)
     return make_plan(
@@ -101,7 +108,9 @@ def parallelize(
     whose loss or gradient norm is not finite is skipped, and raises NonFiniteLoss
     unless `skip_nonfinite`; `compile` runs each rank's programs compiled by inductor."""
     training = TrainingOptions(max_grad_norm, batch, skip_nonfinite, compile)
-    captured = captured_for_planning(model, example_inputs, example_kwargs)
+    captured = captured_for_planning(
+        model, example_inputs, example_kwargs, param_dtype=_param_dtype(plan, pins)
+    )
     kind = optimizer_class(optimizer) if optimizer else None
     refusal = optimizer_refusal(kind)
     if refusal:
@@ -257,7 +266,10 @@ def _program_again(
     the inputs it takes."""
     with _as_captured(model, plan), _in_mode(model, evaluating):
         captured = captured_for_planning(
-            model, example_inputs if inputs is None else inputs, example_kwargs
+            model,
+            example_inputs if inputs is None else inputs,
+            example_kwargs,
+            param_dtype=_param_dtype(plan, {}),
         )
         target = RankTarget(plan, groups, loss=loss)
         program = _rank_program(model, captured, example_kwargs, target, _KEEPS_TENSORS)
@@ -288,6 +300,7 @@ def captured_for_planning(
     example_inputs: Any,
     example_kwargs: Any = None,
     autocast: Any = None,
+    param_dtype: torch.dtype | None = None,
     *,
     repeated_once: bool = False,
 ) -> Captured:
@@ -305,10 +318,16 @@ def captured_for_planning(
             (example_inputs, example_kwargs), params[0].device
         )
     trace = capture_repeated_once if repeated_once else capture
-    captured = trace(
-        model, example_inputs, example_kwargs, autocast=autocast, dynamic_batch=not on_meta
-    )
-    analyze(captured.gm, captured.context())
+    with parameters_in(model, param_dtype):  # the analysis runs the graph on them too
+        captured = trace(
+            model,
+            example_inputs,
+            example_kwargs,
+            autocast=autocast,
+            param_dtype=param_dtype,
+            dynamic_batch=not on_meta,
+        )
+        analyze(captured.gm, captured.context())
     return captured
 
 
@@ -338,5 +357,15 @@ def _program_capture(
         model.to(device)
         inputs = _on_device(inputs, device)
     if specialized or autocast is not None or on_device:
-        return captured_for_planning(model, inputs, example_kwargs, autocast=autocast)
+        param_dtype = PARAM_DTYPES.get(plan.precision)
+        return captured_for_planning(
+            model, inputs, example_kwargs, autocast=autocast, param_dtype=param_dtype
+        )
     return captured
+
+
+def _param_dtype(plan: Plan | None, pins: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype the model is captured in: its parameters' under a 16-bit-parameter
+    precision, planned or pinned; None (as built) otherwise."""
+    precision = plan.precision if plan is not None else pins.get("precision")
+    return PARAM_DTYPES.get(str(precision))

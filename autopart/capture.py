@@ -12,13 +12,14 @@ names the failing construct and source line and says what to change.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import linecache
 import logging
 import os
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +113,7 @@ def capture(
     dynamic_shapes: Any = None,
     dynamic_batch: bool = True,
     autocast: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> Captured:
     """Capture `model` as an fx graph, by torch.export, else by fx.symbolic_trace.
 
@@ -120,7 +122,9 @@ def capture(
     positional input is the dynamic dim "batch" where the model allows (`dynamic_batch`),
     so one program serves every microbatch size. With `autocast` (a low dtype) the model
     is traced under torch.autocast, as a mixed-precision program must be: the graph then
-    runs under the same autocast.
+    runs under the same autocast. With `param_dtype` (16-bit parameters) the model is
+    traced with its floating parameters and inputs in that dtype, as FSDP2's mixed
+    precision runs it: code that reads a tensor's dtype records it.
     """
     # A list of inputs is the positional arguments, as a tuple is.
     args = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (example_inputs,)
@@ -128,11 +132,45 @@ def capture(
     if dynamic_shapes is None and dynamic_batch:
         dynamic_shapes = _dynamic_batch(model, args, kwargs)
     device_type = _device_type(model, args)
-    with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
+    if param_dtype is not None:
+        args, kwargs = floating_in((args, kwargs), param_dtype)
+    with (
+        torch.autocast(device_type, dtype=autocast, enabled=autocast is not None),
+        parameters_in(model, param_dtype),
+    ):
         captured = _capture_either(model, args, kwargs, dynamic_shapes)
     _bound_sequence(captured, model)
     EXAMPLE_DIMS.set(captured.gm, captured.dim_sizes)
     return captured
+
+
+def floating_in(tree: Any, dtype: torch.dtype) -> Any:
+    """`tree` with its floating tensors in `dtype`."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree
+    )
+
+
+@contextlib.contextmanager
+def parameters_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """`model`'s floating parameters hold `dtype` while it is captured and analysed
+    (nesting: the innermost restores what the outer set); their values (and gradients)
+    come back after. The graph keeps the parameter objects themselves, so the runtime
+    finds the fp32 values there for the masters, and lowers them."""
+    held = [
+        (p, p.data, p.grad)
+        for p in model.parameters()
+        if dtype is not None and p.is_floating_point() and p.dtype != dtype
+    ]
+    for p, data, _ in held:
+        p.grad = None
+        p.data = data.to(dtype)
+    try:
+        yield
+    finally:
+        for p, data, grad in held:
+            p.data = data
+            p.grad = grad
 
 
 def _bound_sequence(captured: Captured, model: nn.Module) -> None:

@@ -31,6 +31,7 @@ from autopart.policy import (
     master_weights_refusal,
     offload_refusal,
     outer_optimizer_refusal,
+    param_dtype_refusal,
     replica_opt_in_refusal,
 )
 
@@ -168,6 +169,9 @@ class Plan(AxisAttributes):
     # "device", the parameters themselves; "host", the offloaded optimizer's copies,
     # the device holding 16-bit copies whose gradients are 16-bit too.
     master_weights: str = "device"
+    # Under precision "bf16-params": what the data-parallel gradients are reduced in
+    # (FSDP2's reduce_dtype): "fp32" (the 16-bit gradients widened first) or "bf16".
+    reduce_dtype: str = "fp32"
     # Opt-in compression of the data-parallel gradient all-reduce (it changes the math):
     # "bf16" or "powersgd:rank=R" (`runtime.grad_compression`); None: exact.
     grad_compression: str | None = None
@@ -213,6 +217,18 @@ class Plan(AxisAttributes):
         if self.offload:
             out.append(offload_refusal(self.zero, self.dp, self.cp, self.ep))
         out.append(master_weights_refusal(self.master_weights, self.offload, self.precision))
+        out.append(
+            param_dtype_refusal(
+                self.precision,
+                self.reduce_dtype,
+                self.dp * self.ep,
+                self.cp,
+                self.zero,
+                self.offload,
+                self.sync_every is not None,
+                self.grad_compression is not None,
+            )
+        )
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence parallelism needs tp > 1")
         if self.pp > 1 and self.schedule is None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopart.degrees import Axis
 from autopart.placements import placement_to_str
-from autopart.policy import CHOICE_SLACK, MasterWeights, cp_gradients_in_sync
+from autopart.policy import CHOICE_SLACK, PARAM_DTYPES, MasterWeights, cp_gradients_in_sync
 
 if TYPE_CHECKING:
     from autopart.plan import Alternative, Plan, Predicted, Resharding, StageFigures
@@ -135,6 +135,11 @@ def _opt_in_lines(plan: Plan) -> list[str]:
     if plan.master_weights == MasterWeights.HOST:
         low = plan.precision.split("-")[0]
         lines.append(f"master weights: fp32 on the host, {low} copies on the device")
+    if plan.precision in PARAM_DTYPES:
+        lines.append(
+            f"parameters: bf16, fp32 masters with the optimizer; gradients reduced in "
+            f"{plan.reduce_dtype}"
+        )
     if plan.grad_compression is not None:
         lines.append(f"gradient compression: {plan.grad_compression} (changes the math)")
     if plan.sync_every is not None:
@@ -239,6 +244,30 @@ def _collapse_layers(placed: dict[str, tuple[str, ...]]) -> list[tuple[str, tupl
     return rows
 
 
+def _sixteen_bit_parameters(plan: Plan) -> str:
+    """How "bf16-params" differs from autocast, in what it holds, moves and computes."""
+    held = "each rank's shard of them" if plan.zero else "one whole copy"
+    after_step = "The updated shards are gathered in bf16 after the step, half autocast's bytes. "
+    gathered = {
+        3: "ZeRO-3 gathers the bf16 copies, 2 bytes a parameter, where autocast's fp32 "
+        "shards move 4. ",
+        1: after_step,
+        2: after_step,
+    }.get(plan.zero, "")
+    return (
+        "As asked (precision='bf16-params'), the model itself computes in bf16, as FSDP2's "
+        "param_dtype and Megatron-LM's --bf16 run it: its graph was captured over bf16 "
+        f"parameters and inputs, and the fp32 master weights live with the optimizer "
+        f"({held}), which refreshes the bf16 copies once after each step instead of "
+        f"autocast's cast at every use. {gathered}"
+        f"Gradients are reduced in {plan.reduce_dtype}. The predictions price that: "
+        "2 bytes a weight held for compute, 12 for the masters and Adam's moments, 4 for "
+        "the gradients the optimizer reads, and the graph's own bf16 bytes moved, with no "
+        "casts. This changes the math from fp32 (and from autocast): every operator, "
+        "norms and elementwise ones included, reads bf16 weights and activations."
+    )
+
+
 def explain_plan(plan: Plan) -> str:
     axes, placed = _shown_placements(plan)
     counts = Counter(placed.values())
@@ -311,6 +340,8 @@ def explain_plan(plan: Plan) -> str:
             "state tile by tile, each tile's updated parameters going back up while it "
             "steps the next."
         )
+    if plan.precision in PARAM_DTYPES:
+        lines.append(_sixteen_bit_parameters(plan))
     if plan.master_weights == MasterWeights.HOST:
         low = plan.precision.split("-")[0]
         lines.append(
@@ -498,7 +529,7 @@ def _recomputed_what(s: StageFigures) -> str:
 # Unit roundoff u of each dtype a sum runs in (half the gap between 1 and the next
 # number): 2^-p for p bits of significand.
 _ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
-_COMPUTE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+_COMPUTE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-params": "bf16"}
 # Rounding to nearest errs by up to half a unit in the last place, evenly; over the
 # values of a binade (log-uniform) that is u·√(1/(8 ln 2)) ≈ 0.42 u of the value, rms.
 ROUNDING_RMS = math.sqrt(1 / (8 * math.log(2)))

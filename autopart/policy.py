@@ -19,11 +19,14 @@ MiB = 1024**2
 
 
 class Precision(StrEnum):
-    """How a plan computes: fp32, or autocast to 16 bits over fp32 master weights."""
+    """How a plan computes: fp32; autocast to 16 bits over fp32 weights ("-mixed"); or
+    the model itself in bf16, its fp32 master weights held by the optimizer
+    ("bf16-params": FSDP2's `param_dtype`, Megatron-LM's `--bf16`)."""
 
     FP32 = "fp32"
     BF16_MIXED = "bf16-mixed"
     FP16_MIXED = "fp16-mixed"
+    BF16_PARAMS = "bf16-params"
 
 
 class Schedule(StrEnum):
@@ -53,6 +56,21 @@ LOW_DTYPES: dict[str, torch.dtype] = {
     Precision.BF16_MIXED.value: torch.bfloat16,
     Precision.FP16_MIXED.value: torch.float16,
 }
+
+# The dtype a 16-bit-parameter precision holds the model's parameters (and floating
+# inputs) in: the graph is captured in it, and the optimizer steps fp32 masters.
+PARAM_DTYPES: dict[str, torch.dtype] = {Precision.BF16_PARAMS.value: torch.bfloat16}
+
+
+class ReduceDtype(StrEnum):
+    """What a 16-bit-parameter plan reduces its data-parallel gradients in (FSDP2's
+    `reduce_dtype`): fp32 by default, the 16-bit gradients widened first; or bf16."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+REDUCE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # The plan chosen is the simplest within this fraction of the fastest plan that fits
 # (solver/search.py); `str(plan)` and `plan.explain()` state the rule beside the
@@ -181,6 +199,44 @@ def master_weights_refusal(master_weights: str, offload: bool, precision: str) -
             "master_weights='host' keeps the fp32 weights beside the offloaded optimizer "
             "state and 16-bit copies on the device: it needs offload=True and precision "
             f"'bf16-mixed' or 'fp16-mixed' (got offload={offload}, precision={precision!r})"
+        )
+    return None
+
+
+def param_dtype_refusal(
+    precision: str,
+    reduce_dtype: str,
+    dp: int,
+    cp: int,
+    zero: int,
+    offload: bool,
+    local_sgd: bool,
+    compressed: bool,
+) -> str | None:
+    """Why a plan cannot hold its parameters in 16 bits as asked, or None. The fp32
+    masters live with the optimizer: ZeRO's shards of them over data parallelism (as
+    FSDP2 and Megatron-LM's distributed optimizer keep them), or one replica's whole.
+    `dp`: the ranks that split the batch (dp × ep)."""
+    problem = check_choice(ReduceDtype, reduce_dtype, "reduce_dtype")
+    if problem:
+        return problem
+    if precision not in PARAM_DTYPES:
+        if reduce_dtype != ReduceDtype.FP32:
+            return (
+                f"reduce_dtype={reduce_dtype!r} is for 16-bit parameters "
+                f"(precision='bf16-params'); precision {precision!r} reduces fp32 gradients"
+            )
+        return None
+    if dp > 1 and zero == 0:
+        return (
+            "precision='bf16-params' keeps the fp32 master weights with the optimizer, "
+            "sharded over the data-parallel ranks: use zero=1, 2 or 3 (zero=1 moves the "
+            "bytes zero=0 would, and holds 1/dp of the masters)"
+        )
+    if offload or local_sgd or compressed or cp > 1:
+        return (
+            "precision='bf16-params' does not combine with offload, local SGD, gradient "
+            "compression or cp yet: use precision='bf16-mixed' for those"
         )
     return None
 

@@ -102,6 +102,7 @@ COMPUTE_DTYPES: dict[str, str] = {
     Precision.FP32: "fp32",
     Precision.BF16_MIXED: "bf16",
     Precision.FP16_MIXED: "fp16",
+    Precision.BF16_PARAMS: "bf16",
 }
 
 

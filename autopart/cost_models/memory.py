@@ -63,9 +63,15 @@ from autopart.policy import (
 # Bytes per parameter: (parameters, gradients, optimizer state) for Adam.
 FP32_WEIGHTS = (4, 4, 8)
 HALF_WEIGHTS = (2, 2, 12)
-# autopart keeps fp32 weights, gradients and optimizer state under every precision
-# (but for master weights on the host: `state_bytes`).
-STATE_BYTES: dict[str, tuple[int, int, int]] = {p: FP32_WEIGHTS for p in Precision}
+# 16-bit parameters: the fp32 masters join the optimizer state; the gradients the
+# optimizer reads are fp32 (the masters'), the 16-bit ones transient in the buckets.
+SIXTEEN_BIT_PARAMS = (2, 4, 12)
+# autopart keeps fp32 weights, gradients and optimizer state under autocast (but for
+# master weights on the host: `state_bytes`).
+STATE_BYTES: dict[str, tuple[int, int, int]] = {
+    **{p: FP32_WEIGHTS for p in Precision},
+    Precision.BF16_PARAMS: SIXTEEN_BIT_PARAMS,
+}
 
 
 def state_bytes(precision: str, master_weights: str = MasterWeights.DEVICE) -> tuple[int, int, int]:

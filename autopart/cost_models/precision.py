@@ -21,7 +21,8 @@ operator's bytes instead predicted 0.63 ×.
 A model built in 16 bits (its parameters and activations captured in fp16 or bf16, as
 Megatron-LM and its descendants train a 16-bit model over fp32 main weights held by
 the optimizer) has nothing for autocast to cast: its contractions move and save the
-bytes they were captured with, and pay no cast (`NodeWork.low_precision`).
+bytes they were captured with, and pay no cast (`NodeWork.low_precision`). That is
+how "bf16-params" runs any model: captured over bf16 parameters and inputs.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ CAST_FACTOR = 1.5  # bytes a cast moves per captured fp32 byte: read 4, write 2
 
 
 def is_mixed(precision: str) -> bool:
+    """Whether the plan autocasts a graph captured wider than 16 bits. Not under
+    "bf16-params", whose graph is captured in bf16: it moves what it was captured with."""
     if precision not in PRECISIONS:  # the fast test first: this runs per operator
         raise ValueError(check_choice(Precision, precision, "precision"))
-    return precision != Precision.FP32
+    return precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
 
 
 def bytes_scale(work: NodeWork, precision: str) -> float:

@@ -83,6 +83,7 @@ from autopart.cost_models.pipeline import (
     exposed_sync,
     pipeline_step,
 )
+from autopart.cost_models.precision import is_mixed
 from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
 from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork
 from autopart.degrees import Axis
@@ -91,7 +92,6 @@ from autopart.plan import Predicted, StageFigures
 from autopart.policy import (
     ZERO3_BUCKET_BYTES,
     ZERO3_REGATHER_AFTER,
-    Precision,
     Schedule,
 )
 
@@ -474,7 +474,7 @@ def tp_comm(seg: SegmentWork, choices: Choices, comm: CommModel, recomputed: boo
     tp = choices.tp
     if tp == 1:
         return 0.0
-    mixed = choices.precision != Precision.FP32
+    mixed = is_mixed(choices.precision)
     if seg.tp_traffic is None:
         if not seg.is_block:
             return 0.0

@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from torch import fx
 
 from autopart.cost_models.choices import Choices, CostModels
+from autopart.cost_models.precision import is_mixed
 from autopart.cost_models.summary import BATCH, GraphSummary
 from autopart.ops.aten import op_name
 from autopart.ops.meta import BLOCK, MODULE_PATH
 from autopart.plan import Resharding
-from autopart.policy import Precision
 
 
 def resharding(
@@ -32,7 +32,7 @@ def resharding(
     tp = choices.tp
     if tp == 1:
         return ()
-    mixed = choices.precision != Precision.FP32
+    mixed = is_mixed(choices.precision)
     at = {**(dims or {}), BATCH: choices.microbatch_size}
     counts: dict[tuple[str, str, str, bool, int], int] = defaultdict(int)
     for segment, site, c, nbytes in summary.collective_sites(at):

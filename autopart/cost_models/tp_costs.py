@@ -44,11 +44,11 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autopart.cost_models.comm import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from autopart.cost_models.memory import STATE_BYTES
+from autopart.cost_models.precision import is_mixed
 from autopart.cost_models.work import NodeWork, evaluate, is_low_precision, node_work
 from autopart.ops.meta import BLOCK, SHAPE, TensorInfo
 from autopart.passes.blocks import block_counterparts
 from autopart.passes.tp_decision import Decision, Operands, R
-from autopart.policy import Precision
 
 if TYPE_CHECKING:
     from autopart.cost_models.choices import CostModels
@@ -173,7 +173,7 @@ class TpCosts:
     ) -> None:
         self.gm, self.models, self.dims, self.tp = gm, models, dims, tp
         self.param_bytes = {k: p.numel() * p.element_size() for k, p in gm.named_parameters()}
-        self.mixed = models.compute.precision != Precision.FP32
+        self.mixed = is_mixed(models.compute.precision)
         self._works: dict[tuple[fx.Node, bool, bool], NodeWork] = {}
 
     # -- one operator ------------------------------------------------------------------

@@ -7,7 +7,10 @@ reduce-scatter moves the whole bucket and rank r owns the contiguous slice
 (SGD, Adam, AdamW) keep them zero.
 
 `GradientReducer` reduce-scatters flat gradient buckets asynchronously, so backward goes
-on while they travel, and accumulates each result into its shard's `.grad`.
+on while they travel, and accumulates each result into its shard's `.grad`. A bucket
+is reduced in the dtype of its flat gradients, which need not be the shard's: with
+16-bit parameters the shards are fp32 masters and the gradients are widened before the
+reduction, or reduced in 16 bits (`reduce_dtype`), as FSDP2 does.
 """
 
 from __future__ import annotations
@@ -147,9 +150,12 @@ class GradientReducer:
         done = self._pending.popleft()  # the flat input is released here
         done.work.wait()
         shard = done.shard
+        # Reduced in another dtype than the shard's (16-bit parameters' fp32 masters
+        # take gradients reduced in 16 bits, widened here).
+        out = done.out.to(shard.dtype)
         if shard.grad is None:
-            shard.grad = done.out
+            shard.grad = out
         else:
-            shard.grad.add_(done.out)
+            shard.grad.add_(out)
         if done.then is not None:
             done.then(shard)

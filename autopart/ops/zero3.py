@@ -124,6 +124,11 @@ class ShardedParameters(nn.Module):
         self._next_in_backward: dict[int, int] = {}
         self._last_packed: int | None = None
         self.peak_gathered_bytes = 0  # the most alive at once since the step began
+        # 16-bit parameters (`compute_in`): gathers move 16-bit copies of the fp32 shards
+        # and gradients are reduced in `_reduce_dtype`; None: both in the shards' dtype.
+        self._compute_dtype: torch.dtype | None = None
+        self._reduce_dtype: torch.dtype | None = None
+        self._copies: dict[int, tuple[int, torch.Tensor]] = {}  # bucket -> (version, copy)
 
     def group(self, bucket: int) -> dist.ProcessGroup:
         return dist.distributed_c10d._resolve_process_group(self.over[bucket].name)
@@ -162,6 +167,26 @@ class ShardedParameters(nn.Module):
     def after_step(self) -> None:
         """Nothing to do: the next forward gathers the updated shards."""
 
+    def compute_in(self, dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+        """16-bit parameters, FSDP2's mixed precision: the shards stay the fp32 masters the
+        optimizer steps, the stage computes with `dtype` copies, gathered as such (half
+        the bytes), and the gradients are reduced in `reduce_dtype` into the shards'."""
+        self._compute_dtype, self._reduce_dtype = dtype, reduce_dtype
+        self._copies.clear()
+
+    def _to_gather(self, bucket: int) -> torch.Tensor:
+        """What rank's gather sends of `bucket`: its shard, or the shard's copy in the
+        compute dtype, made again whenever the shard has changed since (its version
+        counter moves with every in-place write: the optimizer's step, a load), so once
+        a step."""
+        shard = self.shards[bucket]
+        if self._compute_dtype is None:
+            return shard
+        held = self._copies.get(bucket)
+        if held is None or held[0] != shard._version:
+            held = self._copies[bucket] = (shard._version, shard.detach().to(self._compute_dtype))
+        return held[1]
+
     def lower(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """Hold the trained shards in `dtype` (16-bit copies of master weights kept
         elsewhere), so that they are gathered and reduced in it: the shards lowered."""
@@ -188,7 +213,7 @@ class ShardedParameters(nn.Module):
 
     def start_gather(self, bucket: int) -> _Pending:
         layout, group = self.layouts[bucket], self.group(bucket)
-        output, work = all_gather_flat(self.shards[bucket], layout, group, True)
+        output, work = all_gather_flat(self._to_gather(bucket), layout, group, True)
         # Track and hand out a second tensor over the output's storage, not the tensor the
         # backend fills: its worker may hold that one for a moment after the work completes,
         # and a tensor held from C++ stays alive in Python, so a weak reference to it would
@@ -209,7 +234,8 @@ class ShardedParameters(nn.Module):
         if all(g is None for g in grads):
             return
         shard = self.shards[bucket]
-        self.reducer(bucket).launch(self.layouts[bucket].flatten(grads, like=shard), shard)
+        like = shard if self._reduce_dtype is None else shard.new_empty(0, dtype=self._reduce_dtype)
+        self.reducer(bucket).launch(self.layouts[bucket].flatten(grads, like=like), shard)
 
     def _gathered_for_backward(self, bucket: int) -> torch.Tensor:
         flat = self._for_backward.get(bucket)

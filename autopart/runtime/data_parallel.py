@@ -49,7 +49,9 @@ class LocalState:
     optimizer steps host copies of the parameters (`HostOptimizer`): each parameter's
     gradient goes down once its last backward pass of the step (of `accumulation`)
     has produced it; with `masters_dtype` too, the host copies are the fp32 master
-    weights and the trained parameters hold copies in that 16-bit dtype."""
+    weights and the trained parameters hold copies in that 16-bit dtype. With
+    `param_dtype` (16-bit parameters) the optimizer steps fp32 copies on the device,
+    and every floating parameter holds its `param_dtype` copy."""
 
     def __init__(
         self,
@@ -58,9 +60,13 @@ class LocalState:
         offload: bool = False,
         accumulation: int = 1,
         masters_dtype: torch.dtype | None = None,
+        param_dtype: torch.dtype | None = None,
     ) -> None:
         self.params = list(dict.fromkeys(p for gm in stages for p in gm.parameters()))
-        self.offloaded = HostOptimizer(self.params, optimizer) if offload else None
+        copies = offload or param_dtype is not None
+        self.offloaded = (
+            HostOptimizer(self.params, optimizer, on_device=not offload) if copies else None
+        )
         self.optimizer = (
             self.offloaded.optimizer if self.offloaded is not None else optimizer(self.params)
         )
@@ -70,6 +76,9 @@ class LocalState:
         trained = [p for p in self.params if p.requires_grad] if offload else []
         if self.offloaded is not None and masters_dtype is not None:
             self.offloaded.lowered = {id(p): p for p in lower(trained, masters_dtype)}
+        if self.offloaded is not None and param_dtype is not None:
+            floating = [p for p in self.params if p.is_floating_point()]
+            self.offloaded.lowered = {id(p): p for p in lower(floating, param_dtype)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trained]
 
     def begin(self) -> None:
@@ -304,13 +313,28 @@ def build_data_parallel_state(
     `experts`, the expert shards synced over their dp replicas only (`group` is then
     dp × ep)."""
     optimizer = _allowing_no_parameters(optimizer, _device_of(stages))
-    s = settings
+    state = _state_for(settings, stages, group, optimizer, context, experts)
+    if settings.param_dtype is not None:
+        _lower_the_rest(stages, state, settings.param_dtype)
+    return state
+
+
+def _state_for(
+    s: SyncSettings,
+    stages: list[fx.GraphModule],
+    group: dist.ProcessGroup,
+    optimizer: OptimizerFactory,
+    context: ContextSums | None,
+    experts: ExpertShards | None,
+) -> DataParallelState:
     if experts is not None and s.zero:
         return zero_state(s, stages, group, optimizer, experts)
     if context is not None and context.fqns:  # plain data parallelism (cp_gradients_in_sync)
         return ReplicatedState(stages, group, optimizer, s.accumulation, None, context, experts)
     if dist.get_world_size(group) == 1:
-        return LocalState(stages, optimizer, s.offload, s.accumulation, s.masters_dtype)
+        return LocalState(
+            stages, optimizer, s.offload, s.accumulation, s.masters_dtype, s.param_dtype
+        )
     if s.sync_every is not None:
         return LocalSgdState(
             stages, group, optimizer, s.accumulation, s.sync_every, s.sync_warmup, s.outer, experts
@@ -320,6 +344,24 @@ def build_data_parallel_state(
             stages, group, optimizer, s.accumulation, s.compression, None, experts
         )
     return zero_state(s, stages, group, optimizer)
+
+
+def _lower_the_rest(
+    stages: list[fx.GraphModule], state: DataParallelState, dtype: torch.dtype
+) -> None:
+    """16-bit parameters: the floating parameters no part of `state` steps (frozen ones)
+    hold `dtype` too, as the graph captured in it reads them; the fp32 masters the
+    optimizer steps (ZeRO-3's shards are the stages' own parameters) stay as they are."""
+    masters = {id(p) for group in state.optimizer.param_groups for p in group["params"]}
+    lower(
+        [
+            p
+            for gm in stages
+            for p in gm.parameters()
+            if p.is_floating_point() and p.dtype != dtype and id(p) not in masters
+        ],
+        dtype,
+    )
 
 
 def _allowing_no_parameters(optimizer: OptimizerFactory, device: torch.device) -> OptimizerFactory:

@@ -14,7 +14,14 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.plan import Plan
-from autopart.policy import LOW_DTYPES, MasterWeights, OuterOptimizer, outer_optimizer
+from autopart.policy import (
+    LOW_DTYPES,
+    PARAM_DTYPES,
+    REDUCE_DTYPES,
+    MasterWeights,
+    OuterOptimizer,
+    outer_optimizer,
+)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -34,6 +41,11 @@ class SyncSettings:
     # With offload: the fp32 master weights on the host too, the device holding copies
     # in this 16-bit dtype.
     masters_dtype: torch.dtype | None = None
+    # 16-bit parameters (precision "bf16-params"): the model holds its parameters in this
+    # dtype, the optimizer steps fp32 masters of them (ZeRO's shards, or one replica's
+    # whole), and the gradients are reduced in `reduce_dtype`.
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype = torch.float32
 
     @classmethod
     def of(cls, plan: Plan) -> SyncSettings:
@@ -47,6 +59,8 @@ class SyncSettings:
             outer=outer_optimizer(plan.outer_optimizer) if plan.outer_optimizer else None,
             offload=plan.offload,
             masters_dtype=LOW_DTYPES.get(plan.precision) if host else None,
+            param_dtype=PARAM_DTYPES.get(plan.precision),
+            reduce_dtype=REDUCE_DTYPES[plan.reduce_dtype],
         )
 
 

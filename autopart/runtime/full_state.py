@@ -3,9 +3,10 @@
 Each layer of sharding is undone in the reverse order it was applied: ZeRO-3 over each
 bucket's group (dp, or dp × ep), then expert parallelism over ep (each rank's run of
 experts, cut from its tp slices), then tensor parallelism over tp, then the pipeline
-over pp (each stage holds its own parameters, exchanged as objects). Where the master
-weights live on the host, the device's 16-bit copies are then overwritten by them,
-every rank's pieces exchanged as objects.
+over pp (each stage holds its own parameters, exchanged as objects). Where the model
+holds 16-bit copies of fp32 master weights (on the host, or 16-bit parameters' masters
+beside the optimizer), the copies are then overwritten by them, every rank's pieces
+exchanged as objects.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from autopart.degrees import Axis
 from autopart.ops import zero3
 from autopart.ops.shards import unshard
-from autopart.policy import MasterWeights
+from autopart.policy import PARAM_DTYPES, MasterWeights
 from autopart.runtime.holdings import Holdings
 
 if TYPE_CHECKING:
@@ -36,7 +37,8 @@ def full_state_dict(pm: ParallelModule) -> dict[str, torch.Tensor]:
 def _with_masters(pm: ParallelModule, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`params` with the master weights on the host in place of the device's 16-bit
     copies: every rank's pieces of them, gathered (each element is some rank's)."""
-    if pm.plan.master_weights != MasterWeights.HOST or pm.state is None:
+    host = pm.plan.master_weights == MasterWeights.HOST
+    if not (host or pm.plan.precision in PARAM_DTYPES) or pm.state is None:
         return params  # (the same on every rank: a rank holding no masters gathers too)
     mine = [
         (piece.name, piece.offsets, piece.view.clone())

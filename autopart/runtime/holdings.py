@@ -68,6 +68,11 @@ class Holdings:
                 ):
                     self.own.append((shard, _flat(names, layout, over.rank, tp)))
         state = pm.state
+        # Tensors holding 16-bit copies of fp32 master weights (on the host, or the
+        # shards of 16-bit parameters), and those masters: what a checkpoint saves of
+        # the weights instead.
+        self.lowered: dict[int, torch.Tensor] = {}
+        self.masters: list[tuple[torch.Tensor, Held]] = []
         for part in state.parts if isinstance(state, ZeroState) else ():
             if isinstance(part, ReplicaShards):
                 shard_rank = dist.get_rank(part.group)  # dp, or dp x ep under ep
@@ -75,12 +80,12 @@ class Holdings:
                     of_bucket = [name_of[id(p)] for p in bucket.params]
                     copy = _flat(of_bucket, bucket.layout, shard_rank, tp)
                     self.copies.append((bucket.shard, copy))
+                    if part.compute_dtype is not None:
+                        self.lowered.update((id(p), p) for p in bucket.params)
+                        self.masters.append((bucket.shard, copy))
         self._by_id = {id(t): held for t, held in (*self.own, *self.copies)}
         offloaded = state.offloaded if state else None  # the host copies the optimizer steps
-        # Device tensors holding 16-bit copies of master weights on the host, and those
-        # masters: what a checkpoint saves of the weights instead.
-        self.lowered = offloaded.lowered if offloaded else {}
-        self.masters: list[tuple[torch.Tensor, Held]] = []
+        self.lowered.update(offloaded.lowered if offloaded else {})
         for tensor, host in zip(offloaded.tensors, offloaded.host) if offloaded else ():
             if id(tensor) in self._by_id:
                 held = self._by_id[id(tensor)]

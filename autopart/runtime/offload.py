@@ -52,11 +52,17 @@ class HostOptimizer:
         tensors: list[nn.Parameter],
         optimizer: OptimizerFactory,
         tile_bytes: int = GRAD_BUCKET_BYTES,
+        on_device: bool = False,
     ) -> None:
+        """`on_device`: the copies stay beside the tensors (16-bit parameters' fp32
+        masters on one replica, `LocalState`): nothing travels, the copies only widen."""
         self.tensors = tensors
-        cuda = any(t.is_cuda for t in tensors)
-        self.host = [_host_copy(t, pin=cuda) for t in tensors]
-        self._grads = [torch.empty(h.shape, dtype=h.dtype, pin_memory=cuda) for h in self.host]
+        cuda = any(t.is_cuda for t in tensors) and not on_device
+        home = tensors[0].device if on_device and tensors else torch.device("cpu")
+        self.host = [_host_copy(t, home, pin=cuda) for t in tensors]
+        self._grads = [
+            torch.empty(h.shape, dtype=h.dtype, device=h.device, pin_memory=cuda) for h in self.host
+        ]
         self._index = {id(t): i for i, t in enumerate(tensors)}
         self._of_host = {id(h): i for i, h in enumerate(self.host)}
         self._sent: set[int] = set()
@@ -208,8 +214,8 @@ def _tiles(params: list[torch.Tensor], tile_bytes: int) -> list[list[torch.Tenso
     return tiles
 
 
-def _host_copy(tensor: nn.Parameter, pin: bool) -> nn.Parameter:
-    """A host copy of `tensor` for the optimizer to step (pinned where the tensors are
-    on a GPU, so that the copies to and fro run asynchronously)."""
-    copy = tensor.detach().to("cpu", copy=True)
+def _host_copy(tensor: nn.Parameter, home: torch.device, pin: bool) -> nn.Parameter:
+    """A copy of `tensor` on `home` (the host) for the optimizer to step (pinned where
+    the tensors are on a GPU, so that the copies to and fro run asynchronously)."""
+    copy = tensor.detach().to(home, copy=True)
     return nn.Parameter(copy.pin_memory() if pin else copy)

@@ -179,6 +179,7 @@ class ParallelModule(nn.Module):
         if not self.training:
             program = self._eval_programs().first.program
             stage, sharded = program.stages[0], program.vocab_parallel_loss
+        args, kwargs = self.precision.model_inputs((args, kwargs))
         with self._weights_16_bit():
             output = stage(*args, **kwargs)
         # The program may return logits sharded over the vocabulary (for the loss's
@@ -230,7 +231,7 @@ class ParallelModule(nn.Module):
         skipped: NonFiniteLoss, unless `skip_nonfinite`."""
         if self.programs is None or self.state is None:
             raise ValueError("train_step needs parallelize(..., loss_fn=..., optimizer=...)")
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        args = self.precision.model_inputs(inputs if isinstance(inputs, tuple) else (inputs,))
         plan = self.plan
         multiple = sequence_multiple(plan.cp, plan.tp, plan.sequence_parallel)
         executor = self.programs.serving(self._as_global(args), {SEQ: multiple})
@@ -357,7 +358,7 @@ class ParallelModule(nn.Module):
         it, pipelines included. Collective: every rank calls it."""
         if self.programs is None:
             raise ValueError("evaluate needs parallelize(..., loss_fn=...)")
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        args = self.precision.model_inputs(inputs if isinstance(inputs, tuple) else (inputs,))
         plan = self.plan
         multiples = {SEQ: sequence_multiple(plan.cp, plan.tp, plan.sequence_parallel)}
         batch = self._as_global(args)

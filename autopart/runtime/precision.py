@@ -10,23 +10,32 @@ needs loss scaling: the loss is multiplied before backward, the synchronized gra
 are divided back and checked for overflow on every rank (one all-reduce of a flag, so
 all ranks skip the same steps), and the scale halves on overflow and doubles after a
 run of clean steps.
+
+"bf16-params" is no autocast: the model itself computes in bf16, its graph captured
+over bf16 parameters and inputs, as FSDP2's `param_dtype` and Megatron-LM's `--bf16`
+run it; the fp32 masters live with the optimizer (runtime/data_parallel.py,
+runtime/zero.py). Its floating inputs are cast to bf16 on the way in, as FSDP2 casts
+a root module's.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
-from autopart.policy import LOW_DTYPES
+from autopart.policy import LOW_DTYPES, PARAM_DTYPES
 from autopart.policy import Precision as PrecisionName
 
 
 class Precision:
     def __init__(self, precision: str, device_type: str = "cpu") -> None:
         self.dtype = LOW_DTYPES.get(precision)
+        self.param_dtype = PARAM_DTYPES.get(precision)
         self.device_type = device_type
         fp16 = precision == PrecisionName.FP16_MIXED
         self.scaler = LossScaler(collective_device=torch.device(device_type)) if fp16 else None
@@ -38,6 +47,16 @@ class Precision:
             return
         with torch.autocast(self.device_type, dtype=self.dtype):
             yield
+
+    def model_inputs(self, inputs: Any) -> Any:
+        """The model's inputs as its graph takes them: floating ones in the parameters'
+        dtype under 16-bit parameters (the target stays as it is: the loss's)."""
+        dtype = self.param_dtype
+        if dtype is None:
+            return inputs
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, inputs
+        )
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler else loss

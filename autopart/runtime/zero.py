@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autopart.ops.params import parameter_attributes, parameters_named
-from autopart.ops.zero3 import sharded_parameters
+from autopart.ops.zero3 import ShardedParameters, sharded_parameters
 from autopart.policy import ELEMENTWISE_OPTIMIZERS, GRAD_BUCKET_BYTES, optimizer_class
 from autopart.runtime.dp_types import ExpertShards, OptimizerFactory, SyncSettings
 from autopart.runtime.grad_sync import params_in_backward_order
@@ -126,6 +126,14 @@ def zero_state(
     the batch's shares as the rest are averaged over them; at stage 3 the stages'
     `ShardedParameters` hold both kinds of bucket, each over its own group."""
     zero, accumulation, masters_dtype = settings.zero, settings.accumulation, settings.masters_dtype
+    elementwise = optimizer_class(optimizer) in ELEMENTWISE_OPTIMIZERS
+    if settings.param_dtype is not None and not elementwise:
+        known = ", ".join(sorted(o.__name__ for o in ELEMENTWISE_OPTIMIZERS))
+        raise ValueError(
+            "precision='bf16-params' steps fp32 masters as flat ZeRO shards, which only an "
+            f"elementwise optimizer ({known}) steps as on one device: use one of those, or "
+            "precision='bf16-mixed'"
+        )
     whole = _trained_in_backward_order(stages)
     parts: list[ShardedPart] = []
     if zero == 3:
@@ -136,7 +144,6 @@ def zero_state(
     ]
     if experts is not None:
         runs.append(([p for p in whole if id(p) in split], experts.group, experts.shares))
-    elementwise = optimizer_class(optimizer) in ELEMENTWISE_OPTIMIZERS
     for params, over, divisor in runs:
         if not params:
             continue
@@ -150,6 +157,10 @@ def zero_state(
             )
         else:
             parts.append(OwnedParameters(params, over, accumulation, min(zero, 2), divisor))
+    if settings.param_dtype is not None:
+        for part in parts:  # elementwise: no OwnedParameters
+            assert isinstance(part, ShardedParameters | ReplicaShards)
+            part.compute_in(settings.param_dtype, settings.reduce_dtype)
     return ZeroState(parts, optimizer, settings.offload, masters_dtype)
 
 

@@ -65,6 +65,10 @@ class ReplicaShards:
         self.accumulation = accumulation
         self.stage = stage
         self.reducer = GradientReducer(group, divisor)
+        # 16-bit parameters (`compute_in`): the parameters' dtype, which the updated
+        # shards are gathered in, and the dtype gradients are reduced in.
+        self.compute_dtype: torch.dtype | None = None
+        self.reduce_dtype: torch.dtype | None = None
         # Called with a shard once its gradient is final for the step (ZeRO offload
         # sends it to the host then).
         self.on_final: Callable[[nn.Parameter], None] | None = None
@@ -93,6 +97,18 @@ class ReplicaShards:
         """Hold the parameters, their shards and gradients in `dtype` (16-bit copies of
         master weights kept elsewhere): the tensors lowered."""
         lowered = lower([t for b in self.buckets for t in (*b.params, b.shard)], dtype)
+        for b in self.buckets:
+            if b.grads is not None:
+                b.grads = b.grads.new_zeros(b.grads.shape, dtype=dtype)
+        return lowered
+
+    def compute_in(self, dtype: torch.dtype, reduce_dtype: torch.dtype) -> list[torch.Tensor]:
+        """16-bit parameters: the parameters (and stage 1's whole gradients, which are
+        their `.grad`) hold `dtype`, the shards stay the fp32 masters the optimizer
+        steps; gradients are reduced in `reduce_dtype`, and the updated shards gathered
+        in `dtype` (half the bytes). The parameters lowered."""
+        self.compute_dtype, self.reduce_dtype = dtype, reduce_dtype
+        lowered = lower([p for b in self.buckets for p in b.params], dtype)
         for b in self.buckets:
             if b.grads is not None:
                 b.grads = b.grads.new_zeros(b.grads.shape, dtype=dtype)
@@ -127,7 +143,10 @@ class ReplicaShards:
         flight at a time)."""
         in_flight: deque[tuple[_Bucket, torch.Tensor, dist.Work]] = deque()
         for b in self.buckets:
-            in_flight.append((b, *all_gather_flat(b.shard, b.layout, self.group, True)))
+            shard = b.shard.detach()
+            if self.compute_dtype is not None:
+                shard = shard.to(self.compute_dtype)
+            in_flight.append((b, *all_gather_flat(shard, b.layout, self.group, True)))
             if len(in_flight) > 1:
                 _copy_back(*in_flight.popleft())
         while in_flight:
@@ -155,10 +174,12 @@ class ReplicaShards:
     def _launch(self, b: _Bucket) -> None:
         assert b.grads is not None, "only stage 1 reduces a whole bucket of gradients"
         b.launched = True
-        self.reducer.launch(b.grads, b.shard, self.on_final)
+        grads = b.grads if self.reduce_dtype is None else b.grads.to(self.reduce_dtype)
+        self.reducer.launch(grads, b.shard, self.on_final)
 
     def _flush(self, b: _Bucket, final: bool) -> None:
-        flat = b.layout.flatten([p.grad for p in b.params], like=b.shard)
+        dtype = self.reduce_dtype or b.shard.dtype
+        flat = b.layout.flatten([p.grad for p in b.params], like=b.shard.new_empty(0, dtype=dtype))
         for p in b.params:
             p.grad = None
         b.arrivals.clear()

@@ -41,6 +41,7 @@ from autopart.policy import (
     check_choice,
     master_weights_refusal,
     outer_optimizer_refusal,
+    param_dtype_refusal,
     replica_opt_in_refusal,
     zero_refusal,
 )
@@ -77,6 +78,9 @@ class Pins:
     # "host": fp32 master weights beside the offloaded state, 16-bit copies on the
     # device (it changes the math: the user's choice only). It implies offload.
     master_weights: str = "device"
+    # Under precision "bf16-params": the dtype the data-parallel gradients are reduced
+    # in, "fp32" or "bf16" (FSDP2's reduce_dtype; the user's choice only).
+    reduce_dtype: str = "fp32"
     # The optimizer the plan will run, where known: ZeRO is left out unless it is exact
     # for it (policy.zero_refusal).
     optimizer_class: type[torch.optim.Optimizer] | None = None
@@ -126,6 +130,20 @@ class Pins:
             pins.get("master_weights", MasterWeights.DEVICE),
             bool(pins.get("offload")),
             pins.get("precision", Precision.FP32),
+        )
+        if refusal:
+            raise PlanError(refusal)
+        # What the pins alone refuse of 16-bit parameters (a free zero is chosen to fit).
+        pinned_zero = pins.get("zero")
+        refusal = param_dtype_refusal(
+            pins.get("precision", Precision.FP32),
+            pins.get("reduce_dtype", "fp32"),
+            (pins.get("dp") or 1) * (pins.get("ep") or 1),
+            pins.get("cp") or 1,
+            1 if pinned_zero is None else pinned_zero,
+            bool(pins.get("offload")),
+            pins.get("sync_every") is not None,
+            pins.get("grad_compression") is not None,
         )
         if refusal:
             raise PlanError(refusal)
@@ -461,6 +479,7 @@ def _plan_of(
         grad_compression=pins.grad_compression,
         offload=choices.offload,
         master_weights=pins.master_weights,
+        reduce_dtype=pins.reduce_dtype,
         recompute=choices.recompute,
         recompute_attention=choices.recompute_attention,
         placements=_placements(captured, layouts.placements(choices.tp), choices.zero),

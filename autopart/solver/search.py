@@ -85,6 +85,7 @@ from autopart.policy import (
     Precision,
     Schedule,
     offload_refusal,
+    param_dtype_refusal,
     zero_refusal,
 )
 from autopart.solver.pipeline import microbatches_problem
@@ -622,6 +623,8 @@ def _choices(
             for zero in _zero_stages(dp * ep, pins):
                 if offload and offload_refusal(zero, dp, cp, ep):
                     continue
+                if _refused_precision(pins, dp * ep, cp, zero, offload):
+                    continue
                 for recompute in _recompute_sets(blocks, pins):
                     yield Choices(
                         batch,
@@ -639,6 +642,16 @@ def _choices(
                         sync_every=pins.sync_every,
                         per_part_statistics=pins.per_part_statistics,
                     )
+
+
+def _refused_precision(pins: Pins, dp: int, cp: int, zero: int, offload: bool) -> bool:
+    """Whether 16-bit parameters cannot run this combination (`param_dtype_refusal`)."""
+    local_sgd, compressed = pins.sync_every is not None, pins.grad_compression is not None
+    return bool(
+        param_dtype_refusal(
+            pins.precision, pins.reduce_dtype, dp, cp, zero, offload, local_sgd, compressed
+        )
+    )
 
 
 def _admissible(
