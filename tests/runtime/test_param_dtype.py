@@ -211,12 +211,14 @@ def _autopart_sgd(pins: dict[str, Any]) -> dict[str, Any]:
 def test_sixteen_bit_parameters_track_one_device(pins: dict[str, Any]) -> None:
     """Under tp and pp the sums run in bf16 in another order (row-parallel partial
     products, microbatches), so the runs agree to bf16's rounding, not to the bit: SGD's
-    updates within 3% of their size, where a gradient scaled wrong by 2 is off by 100%."""
+    updates within 3% of their size, where a gradient scaled wrong by 2 is off by 100%;
+    the losses within two units of bf16's last place, each part's loss being rounded to
+    bf16 before their mean."""
     got = run_world(_autopart_sgd, 2, pins)[0]
     want = _one_device(STEPS)
     init = dict(tiny_llama().named_parameters())
     for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
-        assert abs(a - b) <= 2.0**-7 * abs(b), f"step {step}: loss {a} != {b}"
+        assert abs(a - b) <= 2.0**-6 * abs(b), f"step {step}: loss {a} != {b}"
     for name, w in want["params"].items():
         update = (w - init[name].detach()).norm()
         err = float((got["params"][name] - w).norm() / update)
