@@ -16,7 +16,13 @@ from autopart.cost_models.summary import SegmentWork, TpLayout
 from autopart.degrees import Axis, AxisAttributes, Degrees
 from autopart.mesh import Mesh
 from autopart.plan import Plan
-from autopart.policy import SCHEDULES, MasterWeights, cp_gradients_in_sync, outer_optimizer
+from autopart.policy import (
+    PARAM_DTYPES,
+    SCHEDULES,
+    MasterWeights,
+    cp_gradients_in_sync,
+    outer_optimizer,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,8 @@ class Choices(AxisAttributes):
     # first replica's running ones), not by the whole batch's over the replicas
     # (`passes/batch_norm.py`).
     per_part_statistics: bool = False
+    # Under 16-bit parameters: the dtype gradients are reduced in (`Plan.reduce_dtype`).
+    reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.pp > 1 and self.schedule is None:
@@ -80,12 +88,20 @@ class Choices(AxisAttributes):
             _outer_copies(plan.outer_optimizer),
             plan.master_weights,
             plan.per_part_statistics,
+            plan.reduce_dtype,
         )
 
     @property
     def state_bytes(self) -> tuple[int, int, int]:
         """Bytes per parameter of its (weights, gradients, optimizer state)."""
         return state_bytes(self.precision, self.master_weights)
+
+    @property
+    def reduced_grad_bytes(self) -> int:
+        """Bytes per parameter a data-parallel gradient reduction moves: what the
+        gradients are held in, but for 16-bit parameters reduced in bf16."""
+        held = self.state_bytes[1]
+        return 2 if self.precision in PARAM_DTYPES and self.reduce_dtype == "bf16" else held
 
     def tp_layout(self, gm: fx.GraphModule) -> TpLayout | None:
         if self.tp == 1 or self.tp_placements is None:

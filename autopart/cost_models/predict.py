@@ -521,7 +521,7 @@ def _zero3_comm(
     collectives add run so together (a CPU's), each bucket costs that."""
     if choices.zero != 3 or choices.degrees.batch_split == 1:
         return 0.0
-    param_bytes, grad_bytes = choices.state_bytes[:2]
+    param_bytes, grad_bytes = choices.state_bytes[0], choices.reduced_grad_bytes
     comm = models.comm
     buckets = [  # (parameters, ranks, stride) of each gather, in forward order
         (b, size, stride)
@@ -603,7 +603,7 @@ def _dp_sync(
     ep = choices.ep
     experts = sum(s.expert_numel(ep, choices.tp) for s in own) if ep > 1 else 0.0
     params = sum(s.param_numel(choices.tp, ep) for s in own) - experts
-    param_bytes, grad_bytes = choices.state_bytes[:2]
+    param_bytes, grad_bytes = choices.state_bytes[0], choices.reduced_grad_bytes
     op = ALL_REDUCE if choices.zero == 0 else REDUCE_SCATTER
     hiding = _hiding(compute.backward + compute.recompute, models)
     exposed = 0.0

@@ -641,6 +641,7 @@ def _choices(
                         master_weights=pins.master_weights,
                         sync_every=pins.sync_every,
                         per_part_statistics=pins.per_part_statistics,
+                        reduce_dtype=pins.reduce_dtype,
                     )
 
 

@@ -19,9 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import autopart
 from autopart.capture import capture
-from autopart.plan import PlanError
 from autopart.testing import run_world
 from tests.harness import parallelize_lm, train_losses
 from tests.models import lm_loss, make_optimizer, tiny_llama, token_batch
@@ -158,13 +156,6 @@ def test_zero3_gathers_half_of_autocast_and_what_fsdp2_gathers() -> None:
     counts = run_world(_gathers_by_precision, 2)[0]
     assert counts["bf16-params"] * 2 == counts["bf16-mixed"]
     assert counts["bf16-params"] == counts["fsdp2"]
-
-
-def test_zero0_over_data_parallel_ranks_is_refused() -> None:
-    model, (ids, _) = tiny_llama(), token_batch()
-    mesh = autopart.Mesh.cluster("cpu", nodes=1, per_node=2)
-    with pytest.raises(PlanError, match="zero=1, 2 or 3"):
-        autopart.plan(model, mesh, (ids,), precision="bf16-params", dp=2, zero=0)
 
 
 def _one_device(steps: int) -> dict[str, Any]:
