@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autopart.capture import Captured, capture
@@ -120,7 +121,9 @@ def _expand(short: fx.GraphModule, model: nn.Module, stack: Stack) -> fx.GraphMo
             env.update(zip(template.calls, previous.calls))
             env.update((v, previous.attrs[k]) for k, v in template.attrs.items())
             after = True
-    gm = fx.GraphModule(_with_tensors(short, model, copies), graph)
+    # Planning reads the graph and never runs it: its Python code is generated on
+    # first use, not here.
+    gm = _LazyGraphModule(_with_tensors(short, model, copies), graph)
     gm.meta.update(short.meta)
     return gm
 

@@ -89,6 +89,8 @@ class _SavedTensorTracker(fx.Interpreter):
         if first is not None:
             self.saved[node] = self.saved[first]
             return self._first_values[first]
+        if node.op == "get_attr" and node.users and all(u in self.counterpart for u in node.users):
+            return None  # a later copy's parameter: only copies that are not run read it
         packed: list[torch.Tensor] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,11 @@ from torch.distributed.tensor import Placement, Shard
 
 from autopart.batch import SEQ
 from autopart.ops.aten import VIEW_OPS, WEIGHT_PRODUCTS, op_name
-from autopart.ops.meta import SHAPE, TensorInfo
+from autopart.ops.meta import SHAPE, AnalysisMissing, TensorInfo
+from autopart.passes.blocks import block_counterparts
 from autopart.passes.tp_decision import (
     Decision,
+    LocalSize,
     NodePlacement,
     Operands,
     P,
@@ -74,6 +76,8 @@ def propagate(
     graph output leaf a vocabulary-parallel cross-entropy reads (`decide_node`)."""
     result = Propagation()
     origin: dict[fx.Node, tuple[str, ...]] = {}  # column outputs -> weight (and bias) FQNs
+    counterparts = _counterparts(gm)
+    decided: dict[fx.Node, Decision] = {}  # the rules' answers, before the walk's checks
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             fqn = param_names.get(str(node.target))
@@ -89,7 +93,10 @@ def propagate(
         ops = result.operands[node] = operands_of(
             node, result.places, result.grads, tp, context_parallel
         )
-        decision = decide_node(ops, gm, sequence_parallel, sharded_logits)
+        decision = _as_in_first_copy(ops, counterparts.get(node), result, decided)
+        if decision is None:
+            decision = decide_node(ops, gm, sequence_parallel, sharded_logits)
+        decided[node] = decision
         if decision.fused_split and ops.flat[ops.tensors[0]] not in origin:
             # The parts of a dim sharded by no product this walk can cut part by part
             # (a bias added in between, say): the local parts would not pair up.
@@ -101,6 +108,46 @@ def propagate(
     for node, reason in result.fallbacks:
         log.debug("tp fallback at %s (%s): %s", node.name, op_name(node, gm), reason)
     return result
+
+
+def _counterparts(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """`block_counterparts`, or none on a graph whose blocks were never found."""
+    try:
+        return block_counterparts(gm)
+    except AnalysisMissing:
+        return {}
+
+
+def _as_in_first_copy(
+    ops: Operands,
+    first: fx.Node | None,
+    result: Propagation,
+    decided: Mapping[fx.Node, Decision],
+) -> Decision | None:
+    """The rules' answer for the same operator in the first copy of its repeated block,
+    where that copy met the same operands (placements, gradients, shapes, constants):
+    the rules read nothing else, so an 80-block model costs one block's rules. None
+    where there is no such answer, or it names a node of its own (a size to divide)."""
+    if first is None or first not in decided:
+        return None
+    seen = result.operands[first]
+    if seen.places != ops.places or seen.grads != ops.grads or seen.shapes != ops.shapes:
+        return None
+    if len(seen.flat) != len(ops.flat) or any(
+        isinstance(a, fx.Node) != isinstance(b, fx.Node) or (not isinstance(a, fx.Node) and a != b)
+        for a, b in zip(seen.flat, ops.flat)
+    ):
+        return None
+    answer = decided[first]
+    if any(isinstance(v, LocalSize) for v in answer.updates.values()):
+        return None
+    return dataclasses.replace(
+        answer,
+        inputs=dict(answer.inputs),
+        copy_to_group=set(answer.copy_to_group),
+        updates=dict(answer.updates),
+        gather_grad=set(answer.gather_grad),
+    )
 
 
 def gradient_flow(gm: fx.GraphModule, param_names: Mapping[str, str]) -> dict[fx.Node, bool]:
