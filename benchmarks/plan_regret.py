@@ -232,13 +232,12 @@ def label_of(p: Plan) -> str:
 # -- on every rank: build and time ----------------------------------------------------
 
 
-def measure_world(
-    jobs: list[tuple[str, list[str]]], profile: str, options: dict[str, int]
-) -> list[dict[str, Any]]:
-    """On every rank: per model, its plans' step times (each plan's median seconds on
-    this rank), or why a plan did not run."""
-    mesh = autopart.Mesh.local(device=profile)
-    return [_measure_model(name, paths, mesh, options) for name, paths in jobs]
+def measure_model(
+    name: str, paths: list[str], profile: str, options: dict[str, int]
+) -> dict[str, Any]:
+    """On every rank: the step times of model `name`'s plans (each plan's median
+    seconds on this rank), and why a plan did not run."""
+    return _measure_model(name, paths, autopart.Mesh.local(device=profile), options)
 
 
 def _measure_model(
@@ -364,16 +363,16 @@ def run(world: int, names: list[str], args: argparse.Namespace, directory: Path)
 def plan_and_measure(
     world: int, names: list[str], profile: str, args: argparse.Namespace, directory: Path
 ) -> list[dict]:
-    """Plan every model on `profile` (a device profile or preset), measure its plans in
-    a world of `world` ranks; print and return the models' lines."""
+    """Plan every model on `profile` (a device profile or preset) and measure its plans
+    in a world of `world` ranks; print and return the models' lines."""
     mesh = autopart.Mesh.cluster(profile, nodes=1, per_node=world)
-    candidates = {name: plans_of(name, mesh, args.alternatives, directory) for name in names}
-    jobs = [(name, [c.path for c in plans]) for name, plans in candidates.items()]
     options = {"rounds": args.rounds, "steps": args.steps}
-    per_rank = run_world(measure_world, world, jobs, profile, options)
     lines = []
-    for i, name in enumerate(names):
-        lines.append(model_line(name, world, candidates[name], [r[i] for r in per_rank]))
+    for name in names:  # a world per model: each stays well within run_world's limit
+        candidates = plans_of(name, mesh, args.alternatives, directory)
+        paths = [c.path for c in candidates]
+        per_rank = run_world(measure_model, world, name, paths, profile, options)
+        lines.append(model_line(name, world, candidates, per_rank))
         print_json_line(lines[-1])
     return lines
 
