@@ -151,6 +151,12 @@ def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+def lm_and_router_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """The language-model loss plus the load-balancing loss a mixture of experts returns
+    (`tiny_mixtral(router_loss=True)`), weighed up so that a wrong one would show."""
+    return lm_loss(output, target) + 0.5 * output.aux_loss
+
+
 def tiny_mixtral(seed: int = 0, router_loss: bool = False, intermediate: int = 128) -> nn.Module:
     """A sparse mixture-of-experts decoder: 4 routed experts, 2 per token, in each of 2
     layers, each `intermediate` wide; with `router_loss`, it also returns the

@@ -28,6 +28,9 @@ from tests.models import assert_matches, make_optimizer, tiny_gpt2, tiny_t5, tra
 WORLD = 2
 STEPS = 3
 RTOL = 1e-4
+# One measure of float32's noise is one sample of it: a cell may lie this many times
+# as far (`within_float32_noise`).
+NOISE_FACTOR = 4
 # A rank whose peer died mid-step fails its collective after this long (PeerLost)
 # rather than holding the world until run_world's own 10-minute limit.
 COLLECTIVE_TIMEOUT_S = 120
@@ -53,6 +56,11 @@ class ZooCase:
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     family: str
     attends: bool = True  # has attention, over a sequence of tokens, patches or frames
+    # Its float32 training is itself far from exact: 3 AdamW steps turn rounding into
+    # steps of the learning rate's size where a gradient is near zero (BatchNorm over a
+    # few values a channel, in depthwise networks). A cell is then held to float32's own
+    # reproducibility where it is looser than RTOL (`float32_noise`).
+    float32_noise: bool = False
 
     def model(self) -> nn.Module:
         torch.manual_seed(0)
@@ -97,9 +105,19 @@ MODELS: dict[str, ZooCase] = {
     "swin": ZooCase(media.swin, *IMAGES, "vision"),
     "convnext": ZooCase(media.convnext, *IMAGES, "vision", attends=False),
     "cnn_batchnorm": ZooCase(media.ConvBNNet, *IMAGES, "vision", attends=False),
+    "resnet": ZooCase(media.resnet, *IMAGES, "vision", attends=False),
+    "mobilenet_v2": ZooCase(
+        media.mobilenet_v2, *IMAGES, "vision", attends=False, float32_noise=True
+    ),
+    "efficientnet": ZooCase(
+        media.efficientnet, *IMAGES, "vision", attends=False, float32_noise=True
+    ),
     "whisper": ZooCase(media.whisper, media.speech_seq2seq_batch, lm.token_loss, "speech"),
     "wav2vec2": ZooCase(media.wav2vec2, media.audio_batch, lm.token_loss, "speech"),
     "clip": ZooCase(media.clip, media.image_text_batch, media.contrastive_loss, "image-text"),
+    "two_tower": ZooCase(
+        media.TwoTower, media.image_text_batch, media.contrastive_loss, "image-text", attends=False
+    ),
     "llama_varargs": ZooCase(lm.llama_varargs, *TOKENS, "wrapper"),
     "llama_dict_output": ZooCase(lm.llama_dict_output, *TOKENS, "wrapper"),
 }
@@ -169,10 +187,56 @@ def train_cells(model_name: str, pin_names: list[str]) -> list[dict[str, Any]]:
 
 
 def reference(model_name: str) -> dict[str, Any]:
-    """The model trained on one device, on the whole global batch."""
+    """The model trained on one device, on the whole global batch; for a model with
+    `float32_noise`, with how far float32 alone moves that run ("noise")."""
     case = MODELS[model_name]
     inputs, target = case.batch()
-    return train_reference(case.model(), "adamw", STEPS, inputs, target, case.loss_fn)
+    want = train_reference(case.model(), "adamw", STEPS, inputs, target, case.loss_fn)
+    if case.float32_noise:
+        want["noise"] = float32_noise(case, want)
+    return want
+
+
+def float32_noise(case: ZooCase, want: dict[str, Any]) -> dict[str, Any]:
+    """How far one device's float32 run (`want`) lies from itself, per loss and tensor:
+    the larger of its distance from the float64 run and from the float32 run on the
+    batch in another order (the sums taken in another order, as a split takes them)."""
+    inputs, target = case.batch()
+    order = torch.randperm(len(target), generator=torch.Generator().manual_seed(0))
+    wide = tuple(x.double() if x.is_floating_point() else x for x in inputs)
+    runs = [
+        train_reference(case.model().double(), "adamw", STEPS, wide, target, case.loss_fn),
+        train_reference(
+            case.model(),
+            "adamw",
+            STEPS,
+            tuple(x[order] for x in inputs),
+            target[order],
+            case.loss_fn,
+        ),
+    ]
+    return {
+        "losses": [
+            max(abs(w - r["losses"][i]) for r in runs) for i, w in enumerate(want["losses"])
+        ],
+        "params": {
+            k: max((v.double() - r["params"][k].double()).norm().item() for r in runs)
+            for k, v in want["params"].items()
+        },
+    }
+
+
+def within_float32_noise(result: dict[str, Any], want: dict[str, Any]) -> None:
+    """`assert_matches` at RTOL, each loss and tensor allowed NOISE_FACTOR times
+    float32's own distance (`float32_noise`) where that is larger."""
+    noise = want["noise"]
+    for step, (got, ref) in enumerate(zip(result["losses"], want["losses"], strict=True)):
+        bound = max(RTOL * abs(ref), NOISE_FACTOR * noise["losses"][step])
+        assert abs(got - ref) <= bound, f"step {step}: loss {got} != {ref}"
+    for name, ref in want["params"].items():
+        err, norm = (result["params"][name] - ref).norm().item(), ref.norm().item()
+        bound = max(10 * RTOL * norm, NOISE_FACTOR * noise["params"][name])
+        assert err <= bound, f"{name}: error {err:.2e} beyond {bound:.2e}"
 
 
 def crash_line(e: RuntimeError) -> str:
@@ -202,7 +266,10 @@ def verdict(per_rank: list[dict[str, Any]], want: dict[str, Any]) -> Verdict:
     record["loss_rel_diff"] = float(f"{loss_difference(per_rank, want):.2e}")
     for rank, result in enumerate(per_rank):
         try:
-            assert_matches(result, want, rtol=RTOL)
+            if "noise" in want:
+                within_float32_noise(result, want)
+            else:
+                assert_matches(result, want, rtol=RTOL)
         except AssertionError as e:
             return {"status": "fail", "reason": f"rank {rank}: {e}", **record}
     return {"status": "pass", **record}

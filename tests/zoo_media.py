@@ -1,6 +1,6 @@
 """The model zoo's vision, speech and image-text models: tiny Hugging Face ViT, Swin,
-ConvNeXt, Whisper, wav2vec 2.0 and CLIP, a BatchNorm CNN and a CLIP-style two-tower
-model; their batches and losses.
+ConvNeXt, ResNet, MobileNetV2, EfficientNet, Whisper, wav2vec 2.0 and CLIP, a BatchNorm
+CNN and a CLIP-style two-tower model; their batches and losses.
 
 Built as tests/zoo_models.py builds its models: tiny configs, 2 layers or stages, no
 dropout, LayerDrop or SpecAugment.
@@ -66,6 +66,51 @@ def convnext() -> nn.Module:
         num_labels=CLASSES,
     )
     return ConvNextForImageClassification(config)
+
+
+def resnet() -> nn.Module:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    # ResNet-18's basic blocks, two stages of one block each.
+    config = ResNetConfig(
+        embedding_size=16,
+        hidden_sizes=[16, 32],
+        depths=[1, 1],
+        layer_type="basic",
+        num_labels=CLASSES,
+    )
+    return ResNetForImageClassification(config)
+
+
+def mobilenet_v2() -> nn.Module:
+    from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
+
+    # Inverted residuals with depthwise convolutions and BatchNorm, a quarter as wide.
+    config = MobileNetV2Config(
+        image_size=IMAGE,
+        depth_multiplier=0.25,
+        min_depth=8,
+        classifier_dropout_prob=0.0,
+        num_labels=CLASSES,
+    )
+    return MobileNetV2ForImageClassification(config)
+
+
+def efficientnet() -> nn.Module:
+    from transformers import EfficientNetConfig, EfficientNetForImageClassification
+
+    # EfficientNet-B0's stages, a quarter as wide and one block each; its top is 1280
+    # channels scaled alike (round_filters), which `hidden_dim` must name.
+    config = EfficientNetConfig(
+        image_size=IMAGE,
+        width_coefficient=0.25,
+        depth_coefficient=0.25,
+        hidden_dim=320,
+        dropout_rate=0.0,
+        drop_connect_rate=0.0,
+        num_labels=CLASSES,
+    )
+    return EfficientNetForImageClassification(config)
 
 
 class ConvBNNet(nn.Module):

@@ -13,7 +13,7 @@ import autopart
 from autopart.testing import run_world
 from tests.models import (
     assert_matches,
-    lm_loss,
+    lm_and_router_loss,
     make_optimizer,
     tiny_mixtral,
     token_batch,
@@ -23,19 +23,13 @@ from tests.models import (
 STEPS = 3
 
 
-def router_loss(output: Any, target: Any) -> Any:
-    """The language-model loss plus the load-balancing loss the model returns, weighed
-    up so that a wrong one would show."""
-    return lm_loss(output, target) + 0.5 * output.aux_loss
-
-
 def _trained(batch: tuple, pins: dict[str, Any]) -> dict[str, Any]:
     ids, target = batch
     pm = autopart.parallelize(
         tiny_mixtral(router_loss=True),
         autopart.Mesh.local(),
         (ids,),
-        loss_fn=router_loss,
+        loss_fn=lm_and_router_loss,
         optimizer=make_optimizer("adamw"),
         **{"tp": 1, "cp": 1, "pp": 1, **pins},
     )
@@ -50,7 +44,7 @@ def _trained(batch: tuple, pins: dict[str, Any]) -> dict[str, Any]:
 def test_a_load_balancing_loss_trains_like_one_device_under_a_split_of_the_batch(pins):
     batch = token_batch(8)
     want = train_reference(
-        tiny_mixtral(router_loss=True), "adamw", STEPS, batch[:1], batch[1], router_loss
+        tiny_mixtral(router_loss=True), "adamw", STEPS, batch[:1], batch[1], lm_and_router_loss
     )
     for result in run_world(_trained, 2, batch, pins):
         diff = max(abs(g - w) / w for g, w in zip(result["losses"], want["losses"], strict=True))

@@ -38,7 +38,7 @@ from tests.harness import (
 )
 from tests.models import (
     assert_matches,
-    lm_loss,
+    lm_and_router_loss,
     make_optimizer,
     snapshot,
     tiny_llama,
@@ -362,18 +362,13 @@ def test_other_mixtures_of_experts_train_like_one_device_under_ep():
         assert_every_rank_matches(per_rank, name, reference, label=name)
 
 
-def _router_loss(output, target):
-    """The language-model loss plus the load-balancing loss the model returns."""
-    return lm_loss(output, target) + 0.5 * output.aux_loss
-
-
 def _train_per_part(batch, pins) -> dict:
     ids, target = batch
     pm = autopart.parallelize(
         tiny_mixtral(router_loss=True),
         autopart.Mesh.local(),
         (ids,),
-        loss_fn=_router_loss,
+        loss_fn=lm_and_router_loss,
         optimizer=make_optimizer("adamw"),
         per_part_statistics=True,
         **{"tp": 1, "cp": 1, "pp": 1, **pins},
@@ -391,7 +386,7 @@ def _per_part_reference(batch) -> dict:
     for _ in range(STEPS):
         optimizer.zero_grad()
         halves = zip(*(t.chunk(2) for t in batch))
-        loss = sum(_router_loss(model(ids), target) for ids, target in halves) / 2
+        loss = sum(lm_and_router_loss(model(ids), target) for ids, target in halves) / 2
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
