@@ -113,15 +113,15 @@ def _keeping_captures(capturing: Callable[..., Any]) -> Callable[..., Any]:
     its values, which it has none of."""
     plan = autopart.api.plan.__code__
 
-    def captured(model, example_inputs, example_kwargs=None, autocast=None):
+    def captured(model, example_inputs, example_kwargs=None, autocast=None, **options):
         params = list(model.parameters())
         meta = bool(params) and all(p.is_meta for p in params)
         if sys._getframe(1).f_code is not plan or not meta or example_kwargs or autocast:
-            return capturing(model, example_inputs, example_kwargs, autocast)
+            return capturing(model, example_inputs, example_kwargs, autocast, **options)
         leaves = pytree.tree_leaves(example_inputs)
-        key = (id(model), repr([(t.shape, t.dtype) for t in leaves]))
+        key = (id(model), repr([(t.shape, t.dtype) for t in leaves]), repr(sorted(options.items())))
         if key not in _KEPT:
-            _KEPT[key] = (model, capturing(model, example_inputs))
+            _KEPT[key] = (model, capturing(model, example_inputs, **options))
         return _KEPT[key][1]
 
     return captured
