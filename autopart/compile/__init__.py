@@ -18,6 +18,12 @@ torch.distributed world of more than one process:
   by whole parameters over the world (compile/zero.py), so that the user's own
   optimizer, built on `model.parameters()`, steps only what this rank owns.
 
+Each graph, rewritten or not, is then handed to inductor (`compile_fx`, what
+`backend="inductor"` runs), so compiling with autopart gives at least what the default
+backend gives; `autopart.backend(mesh, inductor=False)` runs the graphs eagerly instead.
+A ZeRO-3 graph stays eager: its gathers on use and its saved-tensor hooks are Python
+that AOTAutograd would trace away.
+
 The loop stays `loss.backward(); optimizer.step()`. Pipelines, recomputation and mixed
 precision rewrite the training step itself: they go through `autopart.parallelize`.
 
@@ -32,10 +38,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -72,6 +79,7 @@ class AutopartBackend:
         mesh: Mesh | None = None,
         *,
         timeout: float | timedelta = COLLECTIVE_TIMEOUT_S,
+        inductor: bool = True,
         **pins: Any,
     ) -> None:
         unknown = sorted(set(pins) - set(_PINS))
@@ -86,6 +94,7 @@ class AutopartBackend:
             raise PlanError(f"zero is 0, 1, 2 or 3, not {zero!r}")
         self.mesh, self.zero, self.tp = mesh, zero, pins.get("tp") or 1
         self.dp = pins.get("dp")
+        self.inductor = inductor
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self._groups: MeshGroups | None = None
         self._synced: dict[tuple[int, ...], ParameterGradients] = {}
@@ -111,7 +120,7 @@ class AutopartBackend:
             and dist.is_initialized()
             and dist.get_world_size() > 1
         ):
-            return gm.forward
+            return self._compiled(gm, example_inputs)
         self._graphs += 1
         program = self._tensor_parallel(gm, example_inputs) if self.tp > 1 else None
         if program is None:
@@ -124,16 +133,34 @@ class AutopartBackend:
         params = list({id(p): p for _, p in param_inputs}.values())
         # Inputs follow first use in forward; backward runs the other way.
         sync = self._sync_for(list(reversed(params)))
+        run: Callable[..., Any]
         if sync.storage is not None:
             gather_on_use(graph, [node for node, _ in param_inputs], sync.storage)
+            run = program or graph.forward  # after the edit: recompiling replaces `forward`
+        elif program is not None:
+            run = program.compiled_by(self._compiled, example_inputs) if self.inductor else program
+        else:
+            run = self._compiled(graph, example_inputs)
         return _CompiledGraph(
-            program or graph.forward,  # after the edit: recompiling replaces `forward`
+            run,
             _signature(gm),
             sync,
             params[0].device,
             communicates=program is not None or self.zero == 3,
             tp_group=self.groups.group(Axis.TP) if program is not None else None,
         )
+
+    def _compiled(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """`gm` compiled by inductor, as the default backend compiles it (or its eager
+        `forward`, with `inductor=False`)."""
+        if not self.inductor:
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        began = time.perf_counter()
+        compiled = cast(Callable[..., Any], compile_fx(gm, list(example_inputs)))
+        log.info("autopart: inductor compiled a graph in %.1f s", time.perf_counter() - began)
+        return compiled
 
     def _tensor_parallel(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,10 @@ LOOP_PINS = {
 }
 
 
+# Compiles a graph given example inputs (inductor's `compile_fx`, in the backend).
+Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
+
+
 @dataclass
 class TensorParallelGraph:
     """This rank's program of one dynamo graph. It takes the graph's data inputs, then
@@ -57,15 +61,29 @@ class TensorParallelGraph:
     params: list[nn.Parameter]
     is_data: list[bool]  # for each of dynamo's inputs: not a parameter
     out_spec: Any
+    # What runs `program`: itself, or inductor's compiled code of it (`compiled_by`).
+    runs: Callable[..., Any] | None = None
 
     @property
     def parameter_inputs(self) -> list[fx.Node]:
         placeholders = list(self.program.graph.find_nodes(op="placeholder"))
         return placeholders[len(placeholders) - len(self.params) :]
 
+    def compiled_by(
+        self,
+        compile: Compiler,
+        args: Sequence[Any],
+    ) -> TensorParallelGraph:
+        """This program run by `compile(program, example inputs)`, given dynamo's
+        example `args` (fake tensors, where dynamo traced with them)."""
+        data = [x for x, keep in zip(args, self.is_data) if keep]
+        fake = torch._guards.detect_fake_mode(args)
+        params = [fake.from_tensor(p) for p in self.params] if fake else list(self.params)
+        return dataclasses.replace(self, runs=compile(self.program, [*data, *params]))
+
     def __call__(self, *args: Any) -> Any:
         data = [x for x, keep in zip(args, self.is_data) if keep]
-        out = self.program(*data, *self.params)
+        out = (self.runs or self.program)(*data, *self.params)
         return out if self.out_spec is None else pytree.tree_unflatten(list(out), self.out_spec)
 
 
