@@ -272,8 +272,8 @@ def _measure_model(
 
 def _interleaved_times(
     steps: dict[str, Callable[[], object]], rounds: int, count: int
-) -> dict[str, float]:
-    """Each plan's median step time over `rounds` rounds of `count` steps, the plans
+) -> dict[str, list[list[float]]]:
+    """Each plan's step times, per round: `rounds` rounds of `count` steps, the plans
     taking turns within a round, and the first to go rotating from round to round.
     Each turn starts with an untimed step: the plans before it have evicted this one's
     parameters and activations from the caches, which a training loop keeps."""
@@ -281,12 +281,12 @@ def _interleaved_times(
         for _ in range(WARMUP_STEPS):
             step()
     keys = list(steps)
-    samples: dict[str, list[float]] = {key: [] for key in keys}
+    samples: dict[str, list[list[float]]] = {key: [] for key in keys}
     for r in range(rounds):
         for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             steps[key]()
-            samples[key] += [world_step_seconds(steps[key]) for _ in range(count)]
-    return {key: statistics.median(s) for key, s in samples.items()}
+            samples[key].append([world_step_seconds(steps[key]) for _ in range(count)])
+    return samples
 
 
 # -- the report ------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def model_line(
     failures = per_rank[0]["failed"]  # a plan fails to build on every rank alike
     failed = {c.label: failures[c.path] for c in candidates if c.path in failures}
     ran = [c for c in candidates if c.path not in failures]
-    measured = {c.path: max(r["times"][c.path] for r in per_rank) for c in ran}
+    measured = {c.path: _slowest_rank(per_rank, c.path, _every_step) for c in ran}
     chosen = next(c for c in candidates if c.chosen)
     fastest = min(ran, key=lambda c: measured[c.path])
     predicted_fastest = min(ran, key=lambda c: c.predicted_s)
@@ -324,6 +324,7 @@ def model_line(
     return line | {
         "fastest_measured": fastest.label,
         "regret": round(measured[chosen.path] / measured[fastest.path], 3),
+        "regret_per_round": _per_round(per_rank, chosen.path, fastest.path),
         "spearman": round(
             spearman([c.predicted_s for c in ran], [measured[c.path] for c in ran]), 3
         ),
@@ -332,6 +333,32 @@ def model_line(
             measured[predicted_fastest.path] / measured[chosen.path], 3
         ),
     }
+
+
+def _every_step(rounds: list[list[float]]) -> float:
+    return statistics.median(t for steps in rounds for t in steps)
+
+
+def _slowest_rank(
+    per_rank: list[dict[str, Any]], path: str, of: Callable[[list[list[float]]], float]
+) -> float:
+    """`of` a plan's step times, on the rank where it is the largest: a step is as slow
+    as its slowest rank."""
+    return max(of(r["times"][path]) for r in per_rank)
+
+
+def _per_round(per_rank: list[dict[str, Any]], chosen: str, fastest: str) -> list[float]:
+    """The chosen plan's median step over the fastest's, round by round: the spread."""
+    rounds = len(per_rank[0]["times"][chosen])
+    in_round = [functools.partial(_round_median, i) for i in range(rounds)]
+    return [
+        round(_slowest_rank(per_rank, chosen, f) / _slowest_rank(per_rank, fastest, f), 3)
+        for f in in_round
+    ]
+
+
+def _round_median(i: int, rounds: list[list[float]]) -> float:
+    return statistics.median(rounds[i])
 
 
 def summary(lines: list[dict[str, Any]], loads: dict[int, tuple[float, float]]) -> dict:
@@ -381,8 +408,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--rounds", type=int, default=5, help="turns each plan takes")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per turn")
+    parser.add_argument("--rounds", type=int, default=12, help="turns each plan takes")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per turn")
     parser.add_argument("--alternatives", type=int, default=4, help="runners-up per model")
     parser.add_argument("--profiles", help="where to keep the profiles and plans (a temp dir)")
     args = parser.parse_args()

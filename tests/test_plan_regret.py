@@ -15,7 +15,7 @@ def test_plan_regret_measures_the_free_plan_against_a_runner_up(tmp_path, monkey
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
     from plan_regret import plan_and_measure, summary
 
-    args = argparse.Namespace(alternatives=1, rounds=1, steps=1)
+    args = argparse.Namespace(alternatives=1, rounds=2, steps=1)
     lines = plan_and_measure(2, ["gpt2", "random_wide"], "cpu", args, tmp_path)
 
     for line in lines:
