@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import autopart
 from autopart.capture import capture
 from autopart.testing import run_world
 from tests.harness import parallelize_lm, train_losses
@@ -214,3 +215,31 @@ def test_sixteen_bit_parameters_track_one_device(pins: dict[str, Any]) -> None:
         update = (w - init[name].detach()).norm()
         err = float((got["params"][name] - w).norm() / update)
         assert err <= 0.03, f"{name}: {err:.1%} of its update from one device's"
+
+
+def _resumed(path: str) -> dict[str, Any]:
+    """Two steps at ZeRO-1, saved; two more at ZeRO-3 from a model with other weights
+    that only the checkpoint can make right; and four steps at ZeRO-3 without a stop."""
+    batch = token_batch()
+    pins = {"precision": "bf16-params", "dp": 2}
+    first = parallelize_lm(tiny_llama(seed=0), batch, "adamw", zero=1, **pins)
+    losses = train_losses(first, batch, 2)
+    autopart.save_checkpoint(first, path)
+    first.close()
+    second = parallelize_lm(tiny_llama(seed=1), batch, "adamw", zero=3, **pins)
+    autopart.load_checkpoint(second, path)
+    losses += train_losses(second, batch, 2)
+    resumed = {"losses": losses, "params": second.full_state_dict()}
+    second.close()
+    whole = parallelize_lm(tiny_llama(seed=0), batch, "adamw", zero=3, **pins)
+    straight = {"losses": train_losses(whole, batch, 4), "params": whole.full_state_dict()}
+    whole.close()
+    return {"resumed": resumed, "straight": straight}
+
+
+@pytest.mark.slow  # another world of 2
+def test_a_checkpoint_keeps_the_fp32_masters(tmp_path) -> None:
+    """The checkpoint holds the masters, not their bf16 copies: a run resumed from it,
+    under another ZeRO stage, goes on as if it had not stopped."""
+    rank0 = run_world(_resumed, 2, str(tmp_path))[0]
+    _assert_close(rank0["resumed"], rank0["straight"])
