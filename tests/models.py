@@ -157,6 +157,24 @@ def lm_and_router_loss(output, target: torch.Tensor) -> torch.Tensor:
     return lm_loss(output, target) + 0.5 * output.aux_loss
 
 
+class RouterLoss(nn.Module):
+    """A load-balancing loss written as Hugging Face's Mixtral writes it: the tokens each
+    expert is chosen for (histc) and their router probabilities (sum), each divided by
+    the token count, multiplied."""
+
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, experts)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.router(tokens), dim=-1)
+        chosen = torch.topk(probs, 2, dim=-1).indices.reshape(-1).float()
+        experts = probs.shape[-1]
+        counts = torch.histc(chosen, bins=experts, min=0, max=experts) / tokens.shape[0]
+        return probs, (counts * (probs.sum(dim=0) / tokens.shape[0])).sum() * experts
+
+
 def tiny_mixtral(seed: int = 0, router_loss: bool = False, intermediate: int = 128) -> nn.Module:
     """A sparse mixture-of-experts decoder: 4 routed experts, 2 per token, in each of 2
     layers, each `intermediate` wide; with `router_loss`, it also returns the
