@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from autopart.cost_models.tp_costs import COPY, TpCollective, collectives_of, split_by
 from autopart.ops.params import parameter_names
@@ -129,4 +130,5 @@ def _as_rewritten(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.
     graph.eliminate_dead_code()
     alive = set(graph.nodes)
     original = {copy: node for node, copy in copies.items() if copy in alive}
-    return fx.GraphModule(gm, graph), original
+    # Walked, never run: its Python code is generated on first use, not here.
+    return _LazyGraphModule(gm, graph), original
