@@ -616,10 +616,33 @@ def _collective_fit(
         burst = _compute_burst(device)
         after = {nbytes: partial(_then, burst, run) for nbytes, run in runs.items()}
         times = _added_times(after, burst, device, repeats)
+        times |= _back_to_back_where_floored(runs, times, device, repeats, op)
     fitted = _per_ring_step(op, world, times)
     for nbytes in messages:
         progress.step(f"{op} {nbytes // 1024} KiB")
     return fitted
+
+
+def _back_to_back_where_floored(
+    runs: Mapping[int, Callable[[], object]],
+    added: Mapping[int, float],
+    device: torch.device,
+    repeats: int,
+    op: str,
+) -> dict[int, float]:
+    """For the messages whose added time fell to `COLLECTIVE_FLOOR_S`, their time back to
+    back. On a busy host the difference of two world times can come out at nothing or
+    less, and a fit over such points prices the collective free, whereas a collective
+    issued after compute takes at least what it takes back to back. Every rank holds
+    the same world means, so all of them measure the same messages again or none."""
+    floored = {nbytes: runs[nbytes] for nbytes, t in added.items() if t <= COLLECTIVE_FLOOR_S}
+    if not floored:
+        return {}
+    _warn(
+        f"{op}: {len(floored)} of {len(added)} messages added nothing measurable after "
+        "compute; their time back to back stands for it; the host may be busy"
+    )
+    return _median_times(floored, device, repeats, op)
 
 
 def _per_ring_step(op: str, world: int, times: Mapping[int, float]) -> dict[str, float]:

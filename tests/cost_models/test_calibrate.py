@@ -222,3 +222,29 @@ def test_the_profile_records_the_hosts_load_and_the_warnings(tmp_path, monkeypat
     assert warnings[0].startswith("function gelu 16384: not stable")
     assert any(w.startswith("operator floor") for w in warnings)
     assert json.loads(path.read_text())["calibration"] == record
+
+
+def test_a_collective_that_adds_nothing_measurable_is_timed_back_to_back(monkeypatch):
+    """On a busy host the time a collective adds after compute can fall to the floor;
+    those messages take their time back to back, so that the fit does not price the
+    collective free."""
+    monkeypatch.setattr(cal, "_collective_call", lambda op, nbytes, device, world: lambda: None)
+    monkeypatch.setattr(cal, "_compute_burst", lambda device: lambda: None)
+    added = {1024: cal.COLLECTIVE_FLOOR_S, 65536: 2e-3, 1024**2: cal.COLLECTIVE_FLOOR_S}
+    monkeypatch.setattr(cal, "_added_times", lambda runs, burst, device, repeats: dict(added))
+    back_to_back = {1024: 1e-3, 1024**2: 4e-3}
+    asked = []
+
+    def median_times(fns, device, repeats, what=""):
+        asked.append(sorted(fns))
+        return {n: back_to_back[n] for n in fns}
+
+    monkeypatch.setattr(cal, "_median_times", median_times)
+    cal.WARNINGS.clear()
+    fitted = cal._collective_fit(
+        "all_reduce", QUICK_MESSAGES, torch.device("cpu"), 2, 5, cal.Progress(3, False)
+    )
+    assert asked == [[1024, 1024**2]]  # only the messages at the floor
+    assert fitted is not None and fitted["alpha"] > 0 and fitted["beta"] > 1e-12
+    (warning,) = cal.WARNINGS
+    assert warning.startswith("all_reduce: 2 of 3 messages added nothing measurable")
