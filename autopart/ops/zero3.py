@@ -321,11 +321,16 @@ def _held(stage: nn.Module) -> ShardedParameters:
     return params
 
 
+# Both run as they are under torch.compile: they read and write the gathers' Python
+# state, which dynamo would guard on (and recompile for at every bucket); the compiled
+# program runs in regions between them.
+@torch.compiler.disable
 def all_gather_start(params: ShardedParameters, bucket: int) -> _Pending:
     """Issue the all-gather of a bucket's shards; `all_gather_wait` takes the result."""
     return params.start_gather(bucket)
 
 
+@torch.compiler.disable
 def all_gather_wait(
     params: ShardedParameters, bucket: int, pending: _Pending
 ) -> tuple[torch.Tensor, ...]:
