@@ -362,7 +362,7 @@ def test_other_mixtures_of_experts_train_like_one_device_under_ep():
         assert_every_rank_matches(per_rank, name, reference, label=name)
 
 
-def _train_per_part(batch, pins) -> dict:
+def _train_router_loss(batch, pins) -> dict:
     ids, target = batch
     pm = autopart.parallelize(
         tiny_mixtral(router_loss=True),
@@ -370,7 +370,6 @@ def _train_per_part(batch, pins) -> dict:
         (ids,),
         loss_fn=lm_and_router_loss,
         optimizer=make_optimizer("adamw"),
-        per_part_statistics=True,
         **{"tp": 1, "cp": 1, "pp": 1, **pins},
     )
     result = {"losses": train_losses(pm, batch, STEPS), "params": pm.full_state_dict()}
@@ -398,5 +397,20 @@ def _per_part_reference(batch) -> dict:
 def test_per_part_statistics_take_each_part_s_own_load_balancing_loss(pins):
     batch = token_batch(8)
     reference = _per_part_reference(batch)
-    for result in run_world(_train_per_part, 2, batch, pins):
+    for result in run_world(_train_router_loss, 2, batch, {**pins, "per_part_statistics": True}):
         assert_matches(result, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pins", [{"dp": 2, "ep": 1}, {"dp": 1, "ep": 2}], ids=["dp2", "ep2"])
+def test_a_load_balancing_loss_trains_like_one_device_under_a_split_of_the_batch(pins):
+    """Mixtral's `output_router_logits=True`: its token fractions and mean router
+    probabilities are the mean of the replicas' (passes/batch_statistics.py), so the
+    loss, and training, are one device's."""
+    batch = token_batch(8)
+    model = tiny_mixtral(router_loss=True)
+    want = train_reference(model, "adamw", STEPS, batch[:1], batch[1], lm_and_router_loss)
+    for result in run_world(_train_router_loss, 2, batch, pins):
+        diff = max(abs(g - w) / w for g, w in zip(result["losses"], want["losses"], strict=True))
+        print(f"{pins}: losses within {diff:.1e} of one device")
+        assert_matches(result, want, rtol=1e-5)
