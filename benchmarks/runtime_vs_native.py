@@ -6,9 +6,13 @@
     ZeRO-3          FSDP2 `fully_shard`                (zero3_vs_fsdp.py)      <= 1.05
     TP              `parallelize_module`               (tp_vs_native.py)       <= 1.0
     PP              a hand split with pipelining       (pp_vs_pipelining.py)   <= 1.05
+    dp, compiled    DDP over torch.compile             (compiled_vs_native.py) <= 1.05
+    ZeRO-3, bf16-params, compiled
+                    FSDP2 per block, MixedPrecisionPolicy(bf16, fp32), each block
+                    compiled                           (compiled_vs_native.py) <= 1.05
 
 Each pair trains the same model on the same world and batch, in one run, alternating
-between the two; this script runs the three and prints their JSON lines, one per pair.
+between the two; this script runs them all and prints their JSON lines, one per pair.
 """
 
 from __future__ import annotations
@@ -17,15 +21,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-PAIRS = ("zero3_vs_fsdp.py", "tp_vs_native.py", "pp_vs_pipelining.py")
+PAIRS = (
+    ("zero3_vs_fsdp.py",),
+    ("tp_vs_native.py",),
+    ("pp_vs_pipelining.py",),
+    ("compiled_vs_native.py", "--pair", "ddp"),
+    ("compiled_vs_native.py", "--pair", "fsdp2"),
+)
 
 
 def main() -> int:
     here = Path(__file__).parent
     status = 0
-    for script in PAIRS:
+    for script, *options in PAIRS:
         run = subprocess.run(
-            [sys.executable, str(here / script)],
+            [sys.executable, str(here / script), *options],
             capture_output=True,
             text=True,
             check=False,
