@@ -204,16 +204,25 @@ class Similarities(nn.Module):
         return embedded @ embedded.T
 
 
+class BiasedSimilarities(Similarities):
+    """The scores plus a per-example bias: the whole product would meet this replica's
+    examples alone, so gathering its operands over replicas cannot make it exact."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        embedded = self.layers(x)
+        return embedded @ embedded.T + embedded[:, :1]
+
+
 TWO_CPUS = Mesh.cluster("cpu", nodes=1, per_node=2)
 FOUR_CPUS = Mesh.cluster("cpu", nodes=1, per_node=4)
 IMAGES = torch.randn(8, 3, 4, 4)
 
 
 def test_a_model_that_mixes_its_examples_is_planned_on_the_whole_batch():
-    plan = autopart.plan(Similarities(), TWO_CPUS, (IMAGES,))
+    plan = autopart.plan(BiasedSimilarities(), TWO_CPUS, (IMAGES,))
     assert (plan.dp, plan.microbatches) == (1, 1)
     # A pipeline of one microbatch runs GPipe: 1F1B needs pp microbatches.
-    piped = autopart.plan(Similarities(), TWO_CPUS, (IMAGES,), pp=2)
+    piped = autopart.plan(BiasedSimilarities(), TWO_CPUS, (IMAGES,), pp=2)
     assert (piped.pp, piped.microbatches, piped.schedule) == (2, 1, "gpipe")
 
 
@@ -222,7 +231,17 @@ def test_pins_that_split_the_batch_of_such_a_model_are_refused_saying_where(pins
     with pytest.raises(
         autopart.PlanError, match=r"mixes the examples of a batch: matmul gives a batch × batch"
     ):
-        autopart.plan(Similarities(), TWO_CPUS, (IMAGES,), **pins)
+        autopart.plan(BiasedSimilarities(), TWO_CPUS, (IMAGES,), **pins)
+
+
+@pytest.mark.parametrize("pins", [{"dp": 2}, {"dp": 2, "zero": 3}])
+def test_a_batch_by_batch_product_splits_over_replicas_one_microbatch_each(pins):
+    """The batch-products rewrite gathers its operands over the replicas
+    (passes/batch_products.py): dp splits the batch, microbatches do not."""
+    plan = autopart.plan(Similarities(), TWO_CPUS, (IMAGES,), **pins)
+    assert (plan.dp, plan.microbatches, plan.batch_product_loss) == (2, 1, "whole")
+    with pytest.raises(autopart.PlanError, match="microbatches=2 would split each replica"):
+        autopart.plan(Similarities(), TWO_CPUS, (IMAGES,), microbatches=2, **pins)
 
 
 @pytest.mark.parametrize("pins", [{"dp": 2}, {"dp": 2, "zero": 3}])
@@ -248,11 +267,12 @@ def test_microbatches_of_a_batch_norm_model_are_refused_unless_per_part(pins):
 
 def test_axes_pinned_so_that_dp_must_split_such_a_batch_are_refused():
     with pytest.raises(autopart.PlanError, match="dp=4 would split the batch"):
-        autopart.plan(Similarities(), FOUR_CPUS, (IMAGES,), tp=1, pp=1, cp=1, ep=1)
+        autopart.plan(BiasedSimilarities(), FOUR_CPUS, (IMAGES,), tp=1, pp=1, cp=1, ep=1)
 
 
 class PairScores(nn.Module):
-    """A batch × batch product of one projection: too few segments for pp=4."""
+    """A batch × batch product of one projection, plus a per-example bias (which keeps
+    its batch whole): too few segments for pp=4."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -260,7 +280,7 @@ class PairScores(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         embedded = self.proj(x.flatten(1))
-        return embedded @ embedded.T
+        return embedded @ embedded.T + embedded[:, :1]
 
 
 def test_with_no_plan_on_the_whole_batch_the_refusal_says_why():
