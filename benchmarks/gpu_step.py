@@ -2,9 +2,12 @@
 
     python benchmarks/gpu_step.py            (on a CUDA machine: a world of 1, NCCL)
     python benchmarks/gpu_step.py --small    (anywhere: tiny sizes, a smoke test)
+    python benchmarks/gpu_step.py --precision bf16-mixed   (autopart under autocast)
 
 A Llama-style model of about 1B parameters (18 layers of width 2048, GQA 16/8 heads,
-vocabulary 32000) in bf16 mixed precision with AdamW, at sequence 2048:
+vocabulary 32000) in bf16 with AdamW, at sequence 2048; autopart with
+`precision="bf16-params"` (the baseline's policy: bf16 parameters, fp32 masters and
+gradient reductions) unless `--precision` says otherwise:
 
 autopart           the plan `parallelize` chooses for the world, eager
 autopart_compiled  the same plan with `compile=True` (inductor, each rank's program)
@@ -82,14 +85,16 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _autopart(small: bool, ids, target, compile: bool) -> tuple[Step, Callable, dict]:
+def _autopart(
+    small: bool, ids, target, compile: bool, precision: str
+) -> tuple[Step, Callable, dict]:
     pm = autopart.parallelize(
         _llama(small, ids.shape[1]),
         autopart.Mesh.local(),
         (ids,),
         loss_fn=_loss,
         optimizer=_adamw,
-        precision="bf16-mixed",
+        precision=precision,
         compile=compile,
     )
     plan = pm.plan
@@ -139,19 +144,21 @@ def _peak() -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
-def measure(small: bool, batch: int, seq: int, steps: int, rounds: int) -> dict:
+def measure(
+    small: bool, batch: int, seq: int, steps: int, rounds: int, precision: str = "bf16-params"
+) -> dict:
     device = _device()
     vocab = _sizes(small)["vocab_size"]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
     target = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
     # The baseline checkpoints where autopart's plan recomputes: where memory needs it.
-    _, close, chosen = _autopart(small, ids, target, compile=False)
+    _, close, chosen = _autopart(small, ids, target, False, precision)
     close()
     checkpoint = bool(chosen["recompute"])
     builders: dict[str, Callable[[], tuple[Step, Callable, dict]]] = {
-        "autopart": lambda: _autopart(small, ids, target, compile=False),
-        "autopart_compiled": lambda: _autopart(small, ids, target, compile=True),
+        "autopart": lambda: _autopart(small, ids, target, False, precision),
+        "autopart_compiled": lambda: _autopart(small, ids, target, True, precision),
         "fsdp2_compiled": lambda: _fsdp2(small, ids, target, checkpoint),
     }
     times: dict[str, list[float]] = {k: [] for k in builders}
@@ -192,6 +199,7 @@ def measure(small: bool, batch: int, seq: int, steps: int, rounds: int) -> dict:
         "batch": batch,
         "seq": seq,
         "autopart_plan": {k: str(v) for k, v in chosen.items()},
+        "autopart_precision": precision,
         "tokens_per_s": {k: round(v, 1) for k, v in rate.items()},
         "mfu": {k: round(v * per_token / peak, 3) for k, v in rate.items()} if peak else None,
         "peak_gib": memory or None,
@@ -210,11 +218,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--precision", default="bf16-params", help="autopart's precision")
     args = parser.parse_args(argv)
     autopart.Mesh.local()  # a world of 1: NCCL on a GPU, Gloo on a CPU
     batch = args.batch or (2 if args.small else 4)
     seq = args.seq or (32 if args.small else 2048)
-    result = measure(args.small, batch, seq, args.steps, args.rounds)
+    result = measure(args.small, batch, seq, args.steps, args.rounds, args.precision)
     print_json_line({"benchmark": "gpu_step", **result})
     return result
 
