@@ -35,7 +35,7 @@ its rank r_c among the N candidates by step time:
 
 The second solve keeps the simplest of the plans within `slack` (5%) of the fastest, so
 plain data parallelism stays when nothing is measurably faster: correct first, then
-fast. Simplicity counts mechanisms (an axis switched on, ZeRO-3, recomputation,
+fast. Simplicity counts mechanisms (an axis switched on, the ZeRO stage, recomputation,
 interleaving, gradient accumulation, sequence parallelism), not degrees; among equally
 simple plans, the fastest, so the choice does not depend on the order in which
 candidates are enumerated. The solver runs on one worker with a fixed
@@ -129,13 +129,10 @@ MAX_VIRTUAL_STAGES = 8
 # What switching an axis on (degree > 1) adds to a plan's complexity (3 where not named):
 # data parallelism adds none, so it is preferred among near-equal plans.
 AXIS_COMPLEXITY = {Axis.DP: 0}
-# ZeRO's, by stage. Stages 1 and 2 add none: they run plain data parallelism's
-# arithmetic with its optimizer sharded (the same bytes cross the links: a
-# reduce-scatter and an all-gather where stage 0 runs an all-reduce), so between them
-# and stage 0 the cost model's figures decide; measured on small models, the sharded
-# step was the faster more often than not (benchmarks/plan_regret.py). Stage 3 also
-# gathers the parameters around every use.
-ZERO_COMPLEXITY = {0: 0, 1: 0, 2: 0, 3: 2}
+# ZeRO's, by stage: stages 1 and 2 shard the optimizer's side of the step alike (the
+# same bytes cross the links: a reduce-scatter and an all-gather where stage 0 runs an
+# all-reduce); stage 3 also gathers the parameters around every use.
+ZERO_COMPLEXITY = {0: 0, 1: 1, 2: 1, 3: 2}
 
 
 class NoPlanFits(ValueError):
