@@ -1,8 +1,8 @@
 """Whether the free plan runs fastest: the plan autopart chooses against its runners-up,
 all measured, on zoo models and random models of the equivalence sweep.
 
-    python benchmarks/plan_regret.py [--worlds 2,4] [--models gpt2,...] [--rounds 5]
-                                     [--steps 3] [--alternatives 4] [--profiles DIR]
+    python benchmarks/plan_regret.py [--worlds 2,4] [--models gpt2,...] [--rounds 12]
+                                     [--steps 1] [--alternatives 4] [--profiles DIR]
 
 Per world (local Gloo processes on this host's CPUs):
 
@@ -20,10 +20,11 @@ Per world (local Gloo processes on this host's CPUs):
                 rounds, each plan in turn (the order rotating from round to round, so
                 the host's load hits all alike): one untimed step, then `--steps`
                 steps, each after a barrier. A plan's time is the median of its steps;
-                a step is as slow as the slowest rank.
+                a step is as slow as the slowest rank. One world per model.
 
 Prints one JSON line per model and world: each plan's predicted and measured step time,
-the regret (the chosen plan's measured time over the fastest measured), the Spearman
+the regret (the chosen plan's measured time over the fastest measured) and its value
+in each round (the chosen plan's median over the fastest's: the spread), the Spearman
 correlation of predicted and measured times over the plans, and whether the plan that
 was predicted fastest (the choice would have been, without the "simplest within the
 slack" rule) ran faster than the chosen one. Then a summary: regret per model, its
