@@ -138,10 +138,13 @@ def _on_meta(build: Any) -> nn.Module:
         return build()
 
 
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["llama3-8b", "llama3-70b", "gpt-1t"])
 def test_plan_speed_shapes_plan_alike(case, monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     from plan_speed import CASES
 
     shape = CASES[case]
@@ -149,3 +152,23 @@ def test_plan_speed_shapes_plan_alike(case, monkeypatch):
     ids = torch.zeros(shape.batch, shape.seq, dtype=torch.long, device="meta")
     mesh = autopart.Mesh.cluster(shape.device, nodes=shape.nodes, per_node=8)
     _plan_both_ways(model, (ids,), mesh, precision="bf16-mixed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    ["gpt-18.4b", "gpt-145.6b", "gpt-310.1b", "gpt-1008b", "mt-nlg-530b", "bloom-176b"],
+)
+def test_published_runs_plan_alike(case, monkeypatch):
+    """The published runs' configurations, pinned as `benchmarks/plan_quality.py` pins
+    them: the pipeline's cuts by module path, the layout, the predictions."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from harness import pinned_as_published
+    from plan_quality import CONFIGS
+
+    run = CONFIGS[case]
+    model = _on_meta(run.build)
+    ids = torch.zeros(run.batch, run.seq, dtype=torch.long, device="meta")
+    mesh = autopart.Mesh.cluster(run.device, nodes=run.gpus // 8, per_node=8)
+    pins = pinned_as_published(run.experts, run.gpus, run.batch, run.microbatch_size, run.precision)
+    _plan_both_ways(model, (ids,), mesh, **pins)
