@@ -212,27 +212,13 @@ def _host_masters_refusal(plan: Plan, captured: Captured, model: nn.Module) -> s
     return None
 
 
-@contextlib.contextmanager
-def _as_captured(model: nn.Module, plan: Plan) -> Iterator[None]:
+def _as_captured(model: nn.Module, plan: Plan) -> contextlib.AbstractContextManager[None]:
     """`model` with its trained parameters in fp32 (and no gradients) while it is
     captured again, where the plan keeps master weights on the host and they hold the
     device's 16-bit copies: the capture then records the dtypes the first program was
     made for."""
     host = plan.master_weights == MasterWeights.HOST
-    lowered = [
-        (p, p.data, p.grad)
-        for p in model.parameters()
-        if host and p.requires_grad and p.dtype != torch.float32
-    ]
-    for p, data, _ in lowered:
-        p.grad = None
-        p.data = data.float()
-    try:
-        yield
-    finally:
-        for p, data, grad in lowered:
-            p.data = data
-            p.grad = grad
+    return parameters_in(model, torch.float32 if host else None, trained_only=True)
 
 
 def _rank_program(

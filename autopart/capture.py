@@ -152,15 +152,21 @@ def floating_in(tree: Any, dtype: torch.dtype) -> Any:
 
 
 @contextlib.contextmanager
-def parameters_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
-    """`model`'s floating parameters hold `dtype` while it is captured and analysed
-    (nesting: the innermost restores what the outer set); their values (and gradients)
-    come back after. The graph keeps the parameter objects themselves, so the runtime
-    finds the fp32 values there for the masters, and lowers them."""
+def parameters_in(
+    model: nn.Module, dtype: torch.dtype | None, trained_only: bool = False
+) -> Iterator[None]:
+    """`model`'s floating parameters (those that need gradients, `trained_only`) hold
+    `dtype` while it is captured and analysed (nesting: the innermost restores what the
+    outer set); their values (and gradients) come back after. The graph keeps the
+    parameter objects themselves, so the runtime finds the fp32 values there for the
+    masters, and lowers them."""
     held = [
         (p, p.data, p.grad)
         for p in model.parameters()
-        if dtype is not None and p.is_floating_point() and p.dtype != dtype
+        if dtype is not None
+        and p.is_floating_point()
+        and p.dtype != dtype
+        and (p.requires_grad or not trained_only)
     ]
     for p, data, _ in held:
         p.grad = None

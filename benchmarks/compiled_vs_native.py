@@ -21,53 +21,28 @@ inductor's reordering in fp32, and within bf16's resolution for the bf16 pair.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.distributed as dist
+from dp_vs_ddp import build_model, ddp_baseline
 from harness import (
     Step,
     comparison_options,
     global_mean_loss,
-    llama,
     lm_loss,
     run_comparison,
     sgd,
     this_ranks_rows,
     time_against_native,
 )
-from torch.nn.parallel import DistributedDataParallel
-from transformers import LlamaForCausalLM
 
 import autopart
 
+ddp_compiled = functools.partial(ddp_baseline, compiled=True)
 # Where the two sides' first losses may differ: inductor fuses and reorders fp32 sums;
 # in bf16, one unit in the last place of the loss.
 LOSS_RTOL = {"ddp": 1e-4, "fsdp2": 2.0**-7}
-
-
-def build_model() -> LlamaForCausalLM:
-    return llama(
-        hidden=256, intermediate=512, layers=4, heads=4, kv_heads=4, vocab=2048, positions=64
-    )
-
-
-def ddp_compiled(pm: autopart.ParallelModule, ids: torch.Tensor, target: torch.Tensor) -> Step:
-    """DDP over the model compiled whole, as a DDP user compiles it."""
-    ddp = DistributedDataParallel(
-        build_model(), gradient_as_bucket_view=True, broadcast_buffers=False
-    )
-    compiled = torch.compile(ddp)
-    opt = sgd(ddp.parameters())
-    local = this_ranks_rows(ids.shape[0])
-
-    def step() -> float:
-        opt.zero_grad()
-        loss = lm_loss(compiled(ids[local]), target[local])
-        loss.backward()
-        opt.step()
-        return global_mean_loss(loss)
-
-    return step
 
 
 def fsdp2_compiled(pm: autopart.ParallelModule, ids: torch.Tensor, target: torch.Tensor) -> Step:

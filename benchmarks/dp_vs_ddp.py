@@ -37,19 +37,23 @@ def build_model() -> LlamaForCausalLM:
     )
 
 
-def ddp_baseline(pm: autopart.ParallelModule, ids: torch.Tensor, target: torch.Tensor) -> Step:
-    """A DDP step on this rank's share of the batch."""
+def ddp_baseline(
+    pm: autopart.ParallelModule, ids: torch.Tensor, target: torch.Tensor, compiled: bool = False
+) -> Step:
+    """A DDP step on this rank's share of the batch; with `compiled`, over the DDP
+    module compiled whole, as a DDP user compiles it."""
     # An expert's settings: gradients as views into the buckets (no copy into them),
     # and no buffer broadcast before each forward (the model's buffers never change).
     ddp = DistributedDataParallel(
         build_model(), gradient_as_bucket_view=True, broadcast_buffers=False
     )
+    forward = torch.compile(ddp) if compiled else ddp
     ddp_opt = sgd(ddp.parameters())
     local = this_ranks_rows(ids.shape[0])
 
     def ddp_step() -> float:
         ddp_opt.zero_grad()
-        loss = lm_loss(ddp(ids[local]), target[local])
+        loss = lm_loss(forward(ids[local]), target[local])
         loss.backward()
         ddp_opt.step()
         return global_mean_loss(loss)
