@@ -46,7 +46,10 @@ def _deeper(model: nn.Module, layers: int = LAYERS) -> nn.Module | None:
     if getattr(config, "layer_types", None):
         config.layer_types = (list(config.layer_types) * layers)[:layers]
     torch.manual_seed(0)
-    return type(model)(config)
+    try:
+        return type(model)(config)
+    except (IndexError, ValueError):  # per-stage lists of another length (ConvNeXt's)
+        return None
 
 
 def _structure(gm: fx.GraphModule) -> list[tuple]:
