@@ -1,4 +1,5 @@
-"""The batch dimension (dim 0 of every input): its size, and splitting it across ranks."""
+"""The batch dimension (dim 0 of every input): its size, and splitting it across ranks;
+and the inputs' floating tensors in another dtype."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from torch.utils import _pytree as pytree
 # dim 1 of an integer input (token ids, masks). Costs, checks and rules read them by name.
 BATCH = "batch"
 SEQ = "seq"
+
+
+def floating_in(inputs: Any, dtype: torch.dtype) -> Any:
+    """`inputs` with their floating tensors in `dtype` (16-bit parameters' inputs, at
+    capture and at every step); the others as they are."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, inputs
+    )
 
 
 class BatchError(ValueError):

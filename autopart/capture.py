@@ -29,7 +29,7 @@ from torch import fx, nn
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from autopart.batch import BATCH, SEQ, batch_size
+from autopart.batch import BATCH, SEQ, batch_size, floating_in
 from autopart.ops.meta import EXAMPLE_DIMS, SHAPE, TensorInfo
 from autopart.ops.params import parameter_names
 from autopart.passes.runner import PassContext
@@ -142,13 +142,6 @@ def capture(
     _bound_sequence(captured, model)
     EXAMPLE_DIMS.set(captured.gm, captured.dim_sizes)
     return captured
-
-
-def floating_in(tree: Any, dtype: torch.dtype) -> Any:
-    """`tree` with its floating tensors in `dtype`."""
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree
-    )
 
 
 @contextlib.contextmanager

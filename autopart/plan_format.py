@@ -260,11 +260,24 @@ def _sixteen_bit_parameters(plan: Plan) -> str:
         f"parameters and inputs, and the fp32 master weights live with the optimizer "
         f"({held}), which refreshes the bf16 copies once after each step instead of "
         f"autocast's cast at every use. {gathered}"
-        f"Gradients are reduced in {plan.reduce_dtype}. The predictions price that: "
+        f"Gradients are reduced in {plan.reduce_dtype}{_sixteen_bit_accumulation(plan)}. "
+        "The predictions price that: "
         "2 bytes a weight held for compute, 12 for the masters and Adam's moments, 4 for "
         "the gradients the optimizer reads, and the graph's own bf16 bytes moved, with no "
         "casts. This changes the math from fp32 (and from autocast): every operator, "
         "norms and elementwise ones included, reads bf16 weights and activations."
+    )
+
+
+def _sixteen_bit_accumulation(plan: Plan) -> str:
+    """Where 16-bit parameters sum microbatches' gradients in bf16 (their `.grad`, which
+    holds the parameter's dtype) before widening them: ZeRO-0/1's whole gradients. FSDP2
+    accumulates in its reduce dtype; ZeRO-2/3 reduce each microbatch, into fp32."""
+    if plan.microbatches == 1 or plan.zero >= 2:
+        return ""
+    return (
+        f", after each rank sums its {plan.microbatches} microbatches' gradients in bf16 "
+        "(the parameters' own dtype; FSDP2 sums them in fp32: zero=2 or 3 would too)"
     )
 
 

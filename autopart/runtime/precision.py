@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
+from autopart.batch import floating_in
 from autopart.policy import LOW_DTYPES, PARAM_DTYPES
 from autopart.policy import Precision as PrecisionName
 
@@ -51,12 +51,7 @@ class Precision:
     def model_inputs(self, inputs: Any) -> Any:
         """The model's inputs as its graph takes them: floating ones in the parameters'
         dtype under 16-bit parameters (the target stays as it is: the loss's)."""
-        dtype = self.param_dtype
-        if dtype is None:
-            return inputs
-        return pytree.tree_map_only(
-            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, inputs
-        )
+        return inputs if self.param_dtype is None else floating_in(inputs, self.param_dtype)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler else loss
