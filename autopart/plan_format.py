@@ -158,17 +158,20 @@ def _batch_product_lines(plan: Plan) -> list[str]:
     """What the loss gets of a batch × batch product under a split of the batch."""
     if plan.batch_product_loss is None:
         return []
-    rows = plan.batch_product_loss == "rows"
-    kept = (
-        "each keeps its own rows of it, and the loss, a mean over the rows, runs on them"
-        if rows
-        else "the loss, which is not a mean over the product's rows, runs on the whole "
-        "product and the whole target on every replica"
-    )
+    if plan.batch_product_loss == "rows":
+        return [
+            "The model scores its batch against itself (a batch × batch product), and the "
+            "loss is a mean over the product's rows: each replica gathers the other side's "
+            "embeddings (the columns) over the replicas, their gradients flowing back to "
+            "their owners, scores its own rows against every column, and the loss runs on "
+            "its rows, their mean over the replicas one device's."
+        ]
     return [
-        "The model scores its batch against itself (a batch × batch product): each replica "
-        "gathers both sides' embeddings over the replicas, their gradients flowing back to "
-        f"their owners, and computes the whole product; {kept}, as on one device."
+        "The model scores its batch against itself (a batch × batch product), and the loss "
+        "is not a mean over the product's rows: each replica gathers both sides' "
+        "embeddings over the replicas, their gradients flowing back to their owners, "
+        "computes the whole product, and the loss runs on the whole product and the whole "
+        "target on every replica, as on one device."
     ]
 
 

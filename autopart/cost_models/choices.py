@@ -61,6 +61,9 @@ class Choices(AxisAttributes):
     per_part_statistics: bool = False
     # Under 16-bit parameters: the dtype gradients are reduced in (`Plan.reduce_dtype`).
     reduce_dtype: str = "fp32"
+    # What the loss reads of a batch × batch product (`Plan.batch_product_loss`): "rows"
+    # gathers only its columns' side over the replicas, "whole" (or None) both.
+    batch_product_loss: str | None = None
 
     def __post_init__(self) -> None:
         if self.pp > 1 and self.schedule is None:
@@ -89,6 +92,7 @@ class Choices(AxisAttributes):
             plan.master_weights,
             plan.per_part_statistics,
             plan.reduce_dtype,
+            plan.batch_product_loss,
         )
 
     @property

@@ -64,6 +64,7 @@ from autopart.passes.batch_mixing import (
     updates_running_statistics,
 )
 from autopart.passes.experts import expert_layers
+from autopart.passes.product_rows import row_operands
 from autopart.passes.tp_decision import R
 from autopart.passes.tp_propagate import propagate
 from autopart.policy import Precision
@@ -108,9 +109,12 @@ class Segment:
     # replicas where the batch is split (`passes/batch_norm.py`).
     norm_channels: tuple[int, ...] = ()
     # Bytes of each operand of a batch × batch product the batch-products rewrite
-    # gathers over the replicas, and of each statistic the batch-statistics rewrite
-    # averages over them, where the batch is split (`cost_models/batch_mixing.py`).
+    # gathers over the replicas, of those of them that give the rows a loss over the
+    # rows reads (each replica keeps its own: `passes/product_rows.py`), and of each
+    # statistic the batch-statistics rewrite averages over them, where the batch is
+    # split (`cost_models/batch_mixing.py`).
     gathered: tuple[sympy.Expr, ...] = ()
+    gathered_rows: tuple[sympy.Expr, ...] = ()
     statistics: tuple[sympy.Expr, ...] = ()
     # It updates buffers in place (a batch norm's running statistics in training mode):
     # recomputed, it would update them twice, so it is never recomputed.
@@ -156,8 +160,10 @@ class SegmentWork:
     # Under context parallelism, the collectives of the cp rewrite's conversions
     # (`cp_layout.py`: the sequence gathered for what runs whole), as `tp_traffic`.
     cp_traffic: Traffic = ()
-    # Bytes of the operands its batch × batch products gather (as captured).
+    # Bytes of the operands its batch × batch products gather (as captured), and of
+    # those of them a loss over the product's rows keeps local (`Segment.gathered_rows`).
     gathered_bytes: float = 0.0
+    rows_bytes: float = 0.0
     # What the search reads of its operators for every plan, summed once (`Totals`).
     totals: Totals | None = field(default=None, repr=False, compare=False)
 
@@ -424,8 +430,15 @@ class GraphSummary:
                 output = _output_bytes(seg.nodes, dims) * scale
                 rows = sum(evaluate(r, dims) for r in seg.expert_rows) * scale
                 gathered = sum(evaluate(b, dims) for b in seg.gathered) * scale
+                own = sum(evaluate(b, dims) for b in seg.gathered_rows) * scale
                 work = SegmentWork(
-                    seg, works, output, _traffic(seg, size), rows, gathered_bytes=gathered
+                    seg,
+                    works,
+                    output,
+                    _traffic(seg, size),
+                    rows,
+                    gathered_bytes=gathered,
+                    rows_bytes=own,
                 )
                 if seg.block_id is not None:
                     by_block[seg.block_id] = (work, _signature(seg))
@@ -473,6 +486,7 @@ def _segments(
     experts, rows = _experts(gm, runs)
     flags = [_sharded_flags(gm, key, block_id, nodes, layout) for key, block_id, nodes in runs]
     gathered, statistics = _replica_mixing(gm)
+    kept = set((row_operands(gm) or {}).values())
     return tuple(
         Segment(
             key,
@@ -496,6 +510,9 @@ def _segments(
             ),
             norm_channels=_norm_channels(nodes),
             gathered=tuple(tensor_info(a).nbytes for n in nodes for a in gathered.get(n, ())),
+            gathered_rows=tuple(
+                tensor_info(a).nbytes for n in nodes for a in gathered.get(n, ()) if a in kept
+            ),
             statistics=tuple(tensor_info(n).nbytes for n in nodes if n in statistics),
             updates_buffers=any(map(updates_running_statistics, nodes)),
         )

@@ -1,19 +1,18 @@
 """Batch × batch products (CLIP's image × caption scores) under a split of the batch over
 replicas: what the batch-products rewrite (`passes/batch_products.py`) and the runtime's
-loss use.
-
-The rewrite gathers both operands of such a product over the replicas with
-`collectives.gather_for_grad` (all-gather forward, reduce-scatter backward), so every
-replica holds the whole score matrix. Then, as the plan says (`Plan.batch_product_loss`):
+loss use. As the plan says (`Plan.batch_product_loss`):
 
 - "rows": the loss is a mean over the product's rows, each row's term its own (a
-  cross-entropy of each image over every caption). Each replica keeps its own rows
-  (`own_rows`) and the loss runs on them with its own part of the target, as for any
-  other output;
+  cross-entropy of each image over every caption). The rewrite gathers only the
+  columns' side over the replicas with `collectives.gather_for_grad` (all-gather
+  forward, reduce-scatter backward), so each replica scores its own rows against every
+  column, and the loss runs on them with its own part of the target, as for any other
+  output. Where no one operand gives the rows, both are gathered and each replica keeps
+  its own rows of the whole (`own_rows`);
 - "whole": the loss is not separable by rows (CLIP's symmetric loss also reads the
-  columns). Every replica hands the user's loss the whole product and the whole target
-  (`WholeBatchLoss`), and the other batched outputs gathered too: each computes one
-  device's loss.
+  columns). Both sides are gathered, and every replica hands the user's loss the whole
+  product and the whole target (`WholeBatchLoss`), and the other batched outputs
+  gathered too: each computes one device's loss.
 
 Both are exact. Each replica's copy of the loss sends its gradient back through the
 gathers, whose reduce-scatter sums the copies' gradients on each embedding's owner; the

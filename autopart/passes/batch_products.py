@@ -2,17 +2,20 @@
 group): the rewrite that makes a model such as CLIP, which scores every image against
 every caption of the batch, exact where each replica holds a part of the batch.
 
-Each operand of a product `batch_mixing.gathered_products` finds (an image's and a
-caption's embeddings) is gathered over the replicas before it, with
-`collectives.gather_for_grad`: all-gather forward, reduce-scatter backward, so each
-embedding's gradient comes back to the replica that computed it. Every replica then
-holds the whole product, as one device does. What the loss sees follows the plan
-(`Plan.batch_product_loss`, ops/batch_products.py):
+What each replica gathers, with `collectives.gather_for_grad` (all-gather forward,
+reduce-scatter backward, so each embedding's gradient comes back to the replica that
+computed it), follows what the loss reads (`Plan.batch_product_loss`,
+ops/batch_products.py):
 
-- "rows": each batched output computed from the product keeps this replica's rows
-  (`own_rows`), its part of a loss that is a mean over the rows;
-- "whole": every other batched output is gathered as well (along the batch, dim 0), and
-  the runtime hands the user's loss the whole target: one device's loss on every
+- "rows", a loss that is a mean over the product's rows: each product gathers only its
+  columns' side (`product_rows.row_operands`), so each replica scores its own rows
+  against every column, and the loss runs on them with its own part of the target, as
+  for any other output. Where no one side gives the rows of every output computed from
+  the products, both sides are gathered and each batched output computed from them
+  keeps this replica's rows of the whole (`own_rows`);
+- "whole": both sides are gathered, so every replica holds the whole product as one
+  device does; every other batched output is gathered as well (along the batch, dim 0),
+  and the runtime hands the user's loss the whole target: one device's loss on every
   replica.
 """
 
@@ -26,6 +29,7 @@ from autopart.ops import collectives as c
 from autopart.ops.batch_products import ROWS, own_rows
 from autopart.ops.meta import COLLECTIVE, SHAPE, CollectiveInfo, inherit, tensor_info
 from autopart.passes.batch_mixing import batched, computed_from, gathered_products, product_operands
+from autopart.passes.product_rows import row_operands
 from autopart.passes.runner import PassContext
 from autopart.plan import Plan
 
@@ -42,24 +46,27 @@ def batch_products_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     groups = ctx.rank.groups
     group = groups.batch_group().group_name
     axes = " × ".join(str(a) for a in BATCH_AXES if groups.size(a) > 1)
+    rows = ctx.rank.plan.batch_product_loss == ROWS
+    kept = row_operands(gm) if rows else None
     for product in products:
         for operand, dim in dict(product_operands(product)).items():
+            if kept and kept[product] is operand:
+                continue  # this replica's own rows
             gathered = _insert(gm, c.gather_for_grad, (operand, dim, group), product, operand)
             COLLECTIVE.set(gathered, CollectiveInfo("all_gather", axes, group, _nbytes(operand)))
             product.replace_input_with(operand, gathered)
     carried = computed_from(products)
-    rows = ctx.rank.plan.batch_product_loss == ROWS
     (output,) = gm.graph.find_nodes(op="output")
     for leaf in pytree.tree_leaves(output.args[0]):
         at = _batch_dim(leaf)
-        if at is None or (leaf in carried) != rows:
+        if at is None or (leaf in carried) != rows or kept:
             continue
         if rows:
-            kept = _insert(gm, own_rows, (leaf, group), output, leaf)
+            part = _insert(gm, own_rows, (leaf, group), output, leaf)
         else:
-            kept = _insert(gm, c.gather_for_grad, (leaf, at, group), output, leaf)
-            COLLECTIVE.set(kept, CollectiveInfo("all_gather", axes, group, _nbytes(leaf)))
-        output.replace_input_with(leaf, kept)
+            part = _insert(gm, c.gather_for_grad, (leaf, at, group), output, leaf)
+            COLLECTIVE.set(part, CollectiveInfo("all_gather", axes, group, _nbytes(leaf)))
+        output.replace_input_with(leaf, part)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -642,6 +642,7 @@ def _choices(
                         sync_every=pins.sync_every,
                         per_part_statistics=pins.per_part_statistics,
                         reduce_dtype=pins.reduce_dtype,
+                        batch_product_loss=pins.batch_product_loss,
                     )
 
 

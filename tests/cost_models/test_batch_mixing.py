@@ -1,6 +1,7 @@
 """What taking a model's mixing of its batch over the whole batch costs under a split of
 it over replicas: a batch × batch product's operands all-gathered forward and
-reduce-scattered backward (passes/batch_products.py); a load-balancing loss's
+reduce-scattered backward, only the columns' side where the loss reads each replica's
+own rows (passes/batch_products.py); a load-balancing loss's
 statistics all-reduced both ways, unless taken per part (passes/batch_statistics.py);
 nothing where the batch is not split."""
 
@@ -38,6 +39,12 @@ def test_a_product_gathers_both_embeddings_forward_and_scatters_their_gradients(
     want = comm.time(ALL_GATHER, whole, 2) + comm.time(REDUCE_SCATTER, whole, 2)
     assert mixing_sync_comm(segments, Choices(8, Degrees(dp=2)), comm) == pytest.approx(want)
     assert mixing_sync_comm(segments, Choices(8, Degrees(tp=2)), comm) == 0.0
+    # A loss over the product's rows: the captions alone, each replica's images its own.
+    assert sum(s.rows_bytes for s in segments) == 4 * 8 * 4
+    rows = Choices(8, Degrees(dp=2), batch_product_loss="rows")
+    half = whole / 2
+    want = comm.time(ALL_GATHER, half, 2) + comm.time(REDUCE_SCATTER, half, 2)
+    assert mixing_sync_comm(segments, rows, comm) == pytest.approx(want)
     synced = predict(summary, TWO_CPUS, Choices(8, Degrees(dp=2)))
     assert synced.exposed_comm_s > 0.0
 

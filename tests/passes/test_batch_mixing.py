@@ -27,6 +27,7 @@ from autopart.passes.batch_mixing import (
     product_operands,
     replica_statistics,
 )
+from autopart.passes.product_rows import row_operands
 from tests.models import MLP, RouterLoss, tiny_mixtral, token_batch
 from tests.random_models import Case, RandomLM, batch_of
 
@@ -234,3 +235,33 @@ def test_a_load_balancing_loss_is_taken_over_replicas_from_its_means_and_divided
     assert sorted(op_name(r) for r in found.roots) == ["histc", "sum"]
     assert batch_mixing(gm, over_replicas=False) == []
     assert replica_statistics(_analyzed(MaxLoad(), torch.randn(6, 8))) is None
+
+
+class TransposedScores(PairScores):
+    """Hugging Face CLIP's way: the captions' scores against the images, returned
+    transposed as each image's against the captions."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = F.normalize(self.a(x), dim=-1), F.normalize(self.b(x), dim=-1)
+        return (b @ a.T).T * 10.0
+
+
+class BothWays(PairScores):
+    """The scores and their transpose both returned: no one side gives every output's
+    rows."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = super().forward(x)[1]
+        return scores, scores.T
+
+
+def test_the_side_that_gives_a_product_s_rows_is_the_one_each_replica_keeps():
+    """Under a loss over the rows, a replica keeps that side's embeddings its own and
+    gathers the other (passes/batch_products.py): the side whose batch leads every
+    output computed from the product, transposed or not."""
+    for model, side in ((PairScores(), 0), (TransposedScores(), 1)):
+        gm = _analyzed(model, torch.randn(4, 8))
+        (product,) = gathered_products(gm)
+        assert row_operands(gm) == {product: product_operands(product)[side][0]}
+    assert row_operands(_analyzed(BothWays(), torch.randn(4, 8))) is None
+    assert row_operands(_analyzed(MLP(), torch.randn(4, 32))) == {}

@@ -197,11 +197,31 @@ def _quick_world() -> list[dict[str, Any]]:
     return run_world(_world, 2, QUICK, "sgd")
 
 
+def differences(got: dict[str, Any], want: dict[str, Any]) -> str:
+    """The largest relative difference of the losses, of the parameters (as one vector,
+    and of the worst tensor) and of any running statistic, for the record (`pytest -s`)."""
+    loss = max(abs(g - w) / abs(w) for g, w in zip(got["losses"], want["losses"], strict=True))
+    params = want["params"]
+    err = sum((got["params"][k] - v).norm() ** 2 for k, v in params.items()) ** 0.5
+    norm = sum(v.norm() ** 2 for v in params.values()) ** 0.5
+    worst = max((got["params"][k] - v).norm() / max(v.norm(), 1e-12) for k, v in params.items())
+    stats = max(
+        ((got["statistics"][k].double() - w.double()).norm() / max(w.double().norm(), 1e-12))
+        for k, w in want["statistics"].items()
+        if k in got["statistics"]
+    )
+    return (
+        f"losses {loss:.1e}, parameters {float(err / norm):.1e} (worst tensor "
+        f"{float(worst):.1e}), statistics {float(stats):.1e}"
+    )
+
+
 def _assert_as_one_device(per_rank: list[dict[str, Any]], cases: list) -> None:
     for i, (pins, optimizer) in enumerate(cases):
         want = _one_device(optimizer)
         for rank, result in enumerate(per_rank):
             got = result["cases"][i]
+            print(f"{pins}, {optimizer}, rank {rank}: {differences(got, want)}")
             assert (got["plan"].dp, got["plan"].zero) == (2, pins["zero"]), got["plan"]
             try:
                 assert_matches(got, want, rtol=RTOL[optimizer])
@@ -213,6 +233,7 @@ def _assert_as_one_device(per_rank: list[dict[str, Any]], cases: list) -> None:
 def _assert_as_ddp(per_rank: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(per_rank):
         ours, ddp = result["per_part"]["ours"], result["per_part"]["ddp"]
+        print(f"per-part statistics against DDP, rank {rank}: {differences(ours, ddp)}")
         try:
             assert_matches(ours, ddp, rtol=1e-5)
             assert_statistics_match(ours["statistics"], ddp["statistics"], 1e-5)
