@@ -221,3 +221,17 @@ def test_the_benchmarks_page_describes_every_benchmark():
 
 def test_the_readme_stays_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 160
+
+
+def test_the_zoo_table_refuses_no_data_parallel_pin_of_a_model_that_mixes_its_batch():
+    """BatchNorm CNNs and CLIP-style models train under DP2 and ZeRO-3 as on one device
+    (tests/runtime/test_model_zoo.py): the model zoo's table says so."""
+    lines = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines if line.startswith("|")]
+    header = next(r for r in rows if r[:1] == ["model"] and "DP2" in r)
+    mixing = {"CNN with BatchNorm", "ResNet", "MobileNetV2", "EfficientNet", "CLIP"}
+    mixing.add("two-tower (CLIP-style)")
+    cells = {r[0]: dict(zip(header, r, strict=True)) for r in rows if r[0] in mixing}
+    assert cells.keys() == mixing
+    refused = [(m, pin, c[pin]) for m, c in cells.items() for pin in ("DP2", "ZeRO-3")]
+    assert [r for r in refused if not r[2].startswith("✓")] == []
