@@ -175,13 +175,24 @@ def test_dropless_routing_moves_rows_by_their_positions_and_mixes_nothing(kernel
 
 
 def test_routing_over_the_batch_keeps_it_whole_unless_asked():
-    model, ids = _routed("expert")
+    """Expert-choice and capacity-limited routing rank or count the whole batch's
+    tokens, which no rewrite takes over the replicas: a split of the batch over dp or
+    ep is refused, saying where, unless the user takes the routing per part, which the
+    plan then states."""
     mesh = autopart.Mesh.cluster("cpu", nodes=1, per_node=2)
+    model, ids = _routed("expert")
     assert autopart.plan(model, mesh, (ids,)).dp == 1
-    with pytest.raises(autopart.PlanError, match="topk ranks the batch's rows"):
-        autopart.plan(model, mesh, (ids,), dp=2)
+    capacity, _ = _routed("capacity")
+    for routed, why in ((model, "topk ranks the batch's rows"), (capacity, "an expert's capacity")):
+        for pins in ({"dp": 2}, {"ep": 2}):
+            with pytest.raises(autopart.PlanError, match=f"would split the batch.*{why}"):
+                autopart.plan(routed, mesh, (ids,), **pins)
     accepted = autopart.plan(model, mesh, (ids,), dp=2, per_part_statistics=True)
-    assert accepted.dp == 2 and "routing over the batch's tokens" in accepted.explain()
+    assert (
+        accepted.dp == 2
+        and "routing over the batch's tokens (an expert's capacity, expert choice)"
+        in accepted.explain()
+    )
 
 
 class BiasedScores(PairScores):

@@ -414,3 +414,19 @@ def test_a_load_balancing_loss_trains_like_one_device_under_a_split_of_the_batch
         diff = max(abs(g - w) / w for g, w in zip(result["losses"], want["losses"], strict=True))
         print(f"{pins}: losses within {diff:.1e} of one device")
         assert_matches(result, want, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_load_balancing_loss_trains_like_one_device_under_context_parallelism():
+    """cp=2 splits the sequence, not the batch: the routed layers gather the whole
+    sequence and run whole on every cp rank, so the load-balancing loss's token
+    fractions and router probabilities are the whole batch's, exact, not per part."""
+    batch = token_batch(8)
+    model = tiny_mixtral(router_loss=True)
+    want = train_reference(model, "adamw", STEPS, batch[:1], batch[1], lm_and_router_loss)
+    ids = batch[0]
+    plan = autopart.plan(tiny_mixtral(router_loss=True), TWO_CPUS, (ids,), cp=2)
+    assert plan.cp == 2 and not plan.per_part_statistics
+    assert "per_part_statistics" not in plan.explain()
+    for result in run_world(_train_router_loss, 2, batch, {"cp": 2}):
+        assert_matches(result, want, rtol=1e-5)
