@@ -34,8 +34,14 @@
                   Llama's steps take after their backward.)
     collectives   all_reduce, all_gather, reduce_scatter, broadcast and all_to_all
                   (each where the backend supports it) of 1 KiB to 64 MiB buffers,
-                  each issued after a burst of compute as training issues it: what it
-                  adds to the world's time (`_added_times`); all-gather and
+                  each issued between compute as training issues it: what it adds to
+                  the world's time (`_added_times`). On a CPU, where Gloo blocks the
+                  calling rank and each collective is a rendezvous of ranks that were
+                  computing, on cores time-sliced with whatever else runs, a stream of
+                  them: a small layer's forward and backward over pieces of its
+                  tokens, one collective after each piece (`_blocking_stream`), as
+                  tensor parallelism issues its reductions between a block's layers;
+                  on a GPU one after a burst of compute. All-gather and
                   reduce-scatter in their single-tensor forms, which runtimes use (on
                   Gloo the list forms take up to 3× longer). Send/recv too, as a ring
                   shift (each rank sends to the next, as pipeline stages do) timed
@@ -109,7 +115,9 @@ DEFAULT_SIZES = (128, 256, 512, 1024, 2048)
 GPU_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 QUICK_SIZES = (64, 128, 256)
 MESSAGE_SIZES = tuple(1024 * 4**i for i in range(9))  # 1 KiB ... 64 MiB
-QUICK_MESSAGES = (1024, 64 * 1024, 1024**2)
+# Up to a few MiB: a step's tensor-parallel gathers and gradient buckets reach them, and a
+# fit over messages the rendezvous dominates cannot see the per-byte cost.
+QUICK_MESSAGES = (1024, 64 * 1024, 1024**2, 4 * 1024**2)
 COPY_BYTES = 256 * 1024**2
 MAX_EXTRAPOLATION = 1.25  # a fitted peak may exceed the best measured rate by this much
 # The length of one timing sample. On a CPU shared by more runnable processes than it has
@@ -160,6 +168,11 @@ BURST_BATCH = (8, 64)  # its input: sequences, tokens each
 # The buckets of the ZeRO-3 stream measured on a CPU (`_zero3_stream`): the burst's
 # tokens split over this many, each bucket's compute a quarter of the burst's.
 ZERO3_STREAM_BUCKETS = 4
+# The pieces of the burst's tokens between which a CPU's collectives are timed
+# (`_blocking_stream`): a collective after each piece's forward and backward, as many
+# per step as tensor parallelism issues in a block or two.
+STREAM_PIECES = 4
+STREAM_ROUNDS = 2  # steps of the stream per sample: 16 collectives, twice the burst's 8
 QUICK_COPY_BYTES = 16 * 1024**2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVE_OPS = (
@@ -612,6 +625,15 @@ def _collective_fit(
         # A pipeline's receiver waits for its peer, idle: a transfer adds its own time
         # back to back, not the peers' lateness after compute (the schedule's bubble).
         times = _median_times(runs, device, repeats, op)
+    elif device.type == "cpu":
+        # Gloo blocks the calling rank: each collective is a rendezvous of ranks that
+        # were computing, priced as a layer's pieces issue them (`_blocking_stream`).
+        alone = _blocking_stream(None, device)
+        streams = {nbytes: _blocking_stream(run, device) for nbytes, run in runs.items()}
+        alone()  # the warm-up: the layer's first backward
+        per_run = 2 * STREAM_PIECES
+        times = _added_times(streams, alone, device, repeats, per_run, STREAM_ROUNDS)
+        times |= _back_to_back_where_floored(runs, times, device, repeats, op)
     else:
         burst = _compute_burst(device)
         after = {nbytes: partial(_then, burst, run) for nbytes, run in runs.items()}
@@ -697,12 +719,13 @@ def _added_times(
     device: torch.device,
     repeats: int,
     per_run: int = 1,
+    rounds: int = COLLECTIVE_ROUNDS,
 ) -> dict[int, float]:
     """Seconds each of `runs` (compute with collectives) adds to the world's time over
     `alone` (the same compute without them), divided by `per_run`. A sample is the
-    world's time, from a barrier to a barrier, of `COLLECTIVE_ROUNDS` calls of a run
-    less that of as many calls of `alone`; the median over at least
-    `COLLECTIVE_SAMPLES` samples, which go round all the runs in turn.
+    world's time, from a barrier to a barrier, of `rounds` calls of a run less that of
+    as many calls of `alone`; the median over at least `COLLECTIVE_SAMPLES` samples,
+    which go round all the runs in turn.
 
     A collective issued right after a burst of compute (`_collective_fit`) counts what
     a step waits for beyond a back-to-back call, the peers finishing their compute and
@@ -713,9 +736,9 @@ def _added_times(
     world's time while its slowest rank waited 6.3 ms for it."""
     added: dict[int, list[float]] = {key: [] for key in runs}
     for _ in range(max(repeats, COLLECTIVE_SAMPLES)):
-        base = _world_time(alone, device)
+        base = _world_time(alone, device, rounds)
         for key, run in runs.items():
-            added[key].append((_world_time(run, device) - base) / per_run)
+            added[key].append((_world_time(run, device, rounds) - base) / per_run)
     medians = _world_mean({key: statistics.median(t) for key, t in added.items()}, device)
     return {key: max(t, COLLECTIVE_FLOOR_S) for key, t in medians.items()}
 
@@ -761,12 +784,7 @@ def _zero3_stream(nbytes: int | None, device: torch.device, world: int) -> Calla
     taken, and each bucket's gradients are reduce-scattered after its backward, at most
     `REDUCE_DEPTH` in flight."""
     layer = _burst_layer(device)
-    sequences, tokens = BURST_BATCH
-    rows = sequences // ZERO3_STREAM_BUCKETS
-    inputs = [
-        torch.randn(rows, tokens, BURST_WIDTH, device=device, requires_grad=True)
-        for _ in range(ZERO3_STREAM_BUCKETS)
-    ]
+    inputs = _burst_pieces(ZERO3_STREAM_BUCKETS, device)
     numel = max(world, (nbytes or 0) // 4 // world * world)
     shard = torch.ones(numel // world, device=device)
 
@@ -805,17 +823,49 @@ def _zero3_stream(nbytes: int | None, device: torch.device, world: int) -> Calla
     return step
 
 
-def _world_time(run: Callable[[], object], device: torch.device) -> float:
-    """Seconds per call of `COLLECTIVE_ROUNDS` calls of `run` on every rank, from a
-    barrier to a barrier."""
+def _blocking_stream(
+    collective: Callable[[], object] | None, device: torch.device
+) -> Callable[[], None]:
+    """One step of the burst's layer over `STREAM_PIECES` pieces of its tokens, with a
+    blocking `collective` after each piece's forward and each piece's backward (None:
+    the same compute alone), as tensor parallelism issues its reductions between a
+    block's layers."""
+    layer = _burst_layer(device)
+    inputs = _burst_pieces(STREAM_PIECES, device)
+    then = collective or (lambda: None)
+
+    def step() -> None:
+        outputs = []
+        for x in inputs:
+            outputs.append(layer(x))
+            then()
+        for y in reversed(outputs):
+            y.sum().backward()
+            then()
+
+    return step
+
+
+def _burst_pieces(pieces: int, device: torch.device) -> list[torch.Tensor]:
+    """The burst's input split into `pieces` inputs of as many sequences each."""
+    sequences, tokens = BURST_BATCH
+    shape = (sequences // pieces, tokens, BURST_WIDTH)
+    return [torch.randn(shape, device=device, requires_grad=True) for _ in range(pieces)]
+
+
+def _world_time(
+    run: Callable[[], object], device: torch.device, rounds: int = COLLECTIVE_ROUNDS
+) -> float:
+    """Seconds per call of `rounds` calls of `run` on every rank, from a barrier to a
+    barrier."""
     dist.barrier()
     _sync(device)
     start = time.perf_counter()
-    for _ in range(COLLECTIVE_ROUNDS):
+    for _ in range(rounds):
         run()
     _sync(device)
     dist.barrier()
-    return (time.perf_counter() - start) / COLLECTIVE_ROUNDS
+    return (time.perf_counter() - start) / rounds
 
 
 def _median_after(

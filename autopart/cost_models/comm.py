@@ -64,7 +64,11 @@ bucket's three add as ZeRO-3 runs them (`zero3_bucket_time`).
 Measured costs. A device profile from `autopart calibrate` carries, per collective,
 `alpha` (seconds per ring step) and `beta` (seconds per byte a rank sends) fitted on the
 local backend. When present they replace the topology for that collective, with the
-ring's step and volume counts for the group size.
+ring's step and volume counts for the group size. On a CPU the profile times each
+collective as a step issues it, between pieces of a layer's compute, so its alpha
+holds what a blocking collective costs the world beyond its transfer: the wait for
+the latest rank, time-sliced on cores it shares. A tensor-parallel step pays it at
+every reduction, a data-parallel one at each gradient bucket.
 """
 
 from __future__ import annotations

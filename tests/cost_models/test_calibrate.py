@@ -224,14 +224,29 @@ def test_the_profile_records_the_hosts_load_and_the_warnings(tmp_path, monkeypat
     assert json.loads(path.read_text())["calibration"] == record
 
 
+def test_a_cpu_collective_is_timed_between_pieces_of_compute():
+    """On a CPU each collective is timed as a step issues it, a rendezvous after each
+    piece of a layer's forward and of its backward, not back to back."""
+    issued = []
+    step = cal._blocking_stream(lambda: issued.append(len(issued)), torch.device("cpu"))
+    step()
+    assert len(issued) == 2 * cal.STREAM_PIECES
+
+
 def test_a_collective_that_adds_nothing_measurable_is_timed_back_to_back(monkeypatch):
-    """On a busy host the time a collective adds after compute can fall to the floor;
+    """On a busy host the time a collective adds between compute can fall to the floor;
     those messages take their time back to back, so that the fit does not price the
     collective free."""
     monkeypatch.setattr(cal, "_collective_call", lambda op, nbytes, device, world: lambda: None)
-    monkeypatch.setattr(cal, "_compute_burst", lambda device: lambda: None)
+    monkeypatch.setattr(cal, "_blocking_stream", lambda collective, device: lambda: None)
     added = {1024: cal.COLLECTIVE_FLOOR_S, 65536: 2e-3, 1024**2: cal.COLLECTIVE_FLOOR_S}
-    monkeypatch.setattr(cal, "_added_times", lambda runs, burst, device, repeats: dict(added))
+    per_collective = []
+
+    def added_times(runs, alone, device, repeats, per_run=1, rounds=cal.COLLECTIVE_ROUNDS):
+        per_collective.append(per_run)
+        return dict(added)
+
+    monkeypatch.setattr(cal, "_added_times", added_times)
     back_to_back = {1024: 1e-3, 1024**2: 4e-3}
     asked = []
 
@@ -242,8 +257,9 @@ def test_a_collective_that_adds_nothing_measurable_is_timed_back_to_back(monkeyp
     monkeypatch.setattr(cal, "_median_times", median_times)
     cal.WARNINGS.clear()
     fitted = cal._collective_fit(
-        "all_reduce", QUICK_MESSAGES, torch.device("cpu"), 2, 5, cal.Progress(3, False)
+        "all_reduce", tuple(added), torch.device("cpu"), 2, 5, cal.Progress(3, False)
     )
+    assert per_collective == [2 * cal.STREAM_PIECES]  # the stream's collectives, each
     assert asked == [[1024, 1024**2]]  # only the messages at the floor
     assert fitted is not None and fitted["alpha"] > 0 and fitted["beta"] > 1e-12
     (warning,) = cal.WARNINGS
