@@ -55,11 +55,24 @@ def batch_products_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             gathered = _insert(gm, c.gather_for_grad, (operand, dim, group), product, operand)
             COLLECTIVE.set(gathered, CollectiveInfo("all_gather", axes, group, _nbytes(operand)))
             product.replace_input_with(operand, gathered)
+    if not kept:  # else each output computed from the products holds this replica's rows
+        _match_outputs(gm, products, rows, group, axes)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _match_outputs(
+    gm: fx.GraphModule, products: list[fx.Node], rows: bool, group: str, axes: str
+) -> None:
+    """Where both sides of the products are gathered: under a loss over the rows, each
+    batched output computed from them keeps this replica's rows; under the whole, every
+    other batched output is gathered too."""
     carried = computed_from(products)
     (output,) = gm.graph.find_nodes(op="output")
     for leaf in pytree.tree_leaves(output.args[0]):
         at = _batch_dim(leaf)
-        if at is None or (leaf in carried) != rows or kept:
+        if at is None or (leaf in carried) != rows:
             continue
         if rows:
             part = _insert(gm, own_rows, (leaf, group), output, leaf)
@@ -67,9 +80,6 @@ def batch_products_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             part = _insert(gm, c.gather_for_grad, (leaf, at, group), output, leaf)
             COLLECTIVE.set(part, CollectiveInfo("all_gather", axes, group, _nbytes(leaf)))
         output.replace_input_with(leaf, part)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
 
 
 def _insert(gm: fx.GraphModule, fn: object, args: tuple, before: fx.Node, like: fx.Node) -> fx.Node:
