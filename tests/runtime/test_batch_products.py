@@ -20,9 +20,24 @@ from tests import zoo_media as media
 from tests.models import assert_matches, make_optimizer, train_reference
 
 STEPS = 3
-LOSSES = {"symmetric": media.contrastive_loss, "rows": media.image_loss}
-KEPT = {"symmetric": "whole", "rows": "rows"}  # what the loss gets of the product
-MODELS = {"two_tower": media.TwoTower, "clip": media.clip}
+
+
+class BothWays(media.TwoTower):
+    """The scores and their transpose, both returned: no one side gives both outputs'
+    rows."""
+
+    def forward(self, ids: torch.Tensor, pixels: torch.Tensor) -> tuple:
+        scores = super().forward(ids, pixels)
+        return scores, scores.T
+
+
+def _first_rows(output: tuple, target: torch.Tensor) -> torch.Tensor:
+    return media.image_loss(output[0], target)
+
+
+LOSSES = {"symmetric": media.contrastive_loss, "rows": media.image_loss, "first": _first_rows}
+KEPT = {"symmetric": "whole", "rows": "rows", "first": "rows"}  # what the loss gets
+MODELS = {"two_tower": media.TwoTower, "clip": media.clip, "both_ways": BothWays}
 # Each replica's part of the batch, and the bytes it holds of one side's embeddings
 # (the two-tower model's are 8 wide, float32).
 LOCAL = media.BATCH // 2
@@ -51,10 +66,14 @@ def _trained(model: str, loss: str, optimizer: str, pins: dict[str, Any]) -> dic
         "plan": pm.plan,
         # What a replica gathers of the batch, and the score matrix it computes.
         "gathered": [_local(i.bytes) for _, i in pm.collectives() if i.kind == "all_gather"],
-        "scores": tuple(pm(*pm.local_batch(inputs)).shape),
+        "scores": tuple(_first(pm(*pm.local_batch(inputs))).shape),
     }
     pm.close()
     return result
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
 
 
 def _local(nbytes: object) -> int:
@@ -122,3 +141,15 @@ def test_clip_trains_like_one_device_under_a_split_of_the_batch(case):
         # The zoo's bound: a key bias's gradient is zero but for rounding, which AdamW
         # turns into steps of the learning rate's size (4e-4 of that tensor here).
         assert_matches(result, want, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_loss_over_the_rows_of_outputs_no_one_side_leads_keeps_its_rows_of_the_whole():
+    """Where the outputs' rows come from both sides (the scores and their transpose),
+    both sides are gathered and each replica keeps its own rows of each output."""
+    want = _one_device("both_ways", "first", "adamw")
+    for result in run_world(_trained, 2, "both_ways", "first", "adamw", {"dp": 2}):
+        assert result["plan"].batch_product_loss == "rows"
+        assert sorted(result["gathered"]) == [EMBEDDING, EMBEDDING]
+        assert result["scores"] == (LOCAL, media.BATCH)
+        assert_matches(result, want, rtol=1e-5)
