@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 
+import pytest
 from torch.autograd.graph import saved_tensors_hooks
 
 from autopart.ops.zero3 import sharded_parameters
@@ -19,7 +20,9 @@ EVERY_LAYER = {
     "gpt2": ("transformer.h.0", "transformer.h.1"),
     "llama": ("model.layers.0", "model.layers.1"),
 }
-CASES = [("gpt2", {"dp": 2}), ("llama", {"dp": 2}), ("llama", {"tp": 2})]
+# The quick suite recomputes one model under dp; the slow sweeps the others and tp.
+CASES = [("llama", {"dp": 2})]
+MORE_CASES = [("gpt2", {"dp": 2}), ("llama", {"tp": 2})]
 
 
 def _saved_bytes(pm, ids) -> int:
@@ -46,7 +49,7 @@ def _recompute_report(ids, pm) -> dict:
     }
 
 
-def _train(batch):
+def _train(batch, cases):
     report = functools.partial(_recompute_report, batch[0])
     return {
         case_key(name, pins): {
@@ -55,14 +58,15 @@ def _train(batch):
             )
             for recompute in ((), EVERY_LAYER[name])
         }
-        for name, pins in CASES
+        for name, pins in cases
     }
 
 
-def test_recomputed_blocks_save_less_and_train_the_same():
+@pytest.mark.parametrize("cases", [CASES, pytest.param(MORE_CASES, marks=pytest.mark.slow)])
+def test_recomputed_blocks_save_less_and_train_the_same(cases):
     batch = token_batch(8)
-    results = run_world(_train, 2, batch)[0]
-    for name, pins in CASES:
+    results = run_world(_train, 2, batch, cases)[0]
+    for name, pins in cases:
         by_recompute = results[case_key(name, pins)]
         plain, recomputed = by_recompute[False], by_recompute[True]
         assert recomputed["outlined"] == 2 and plain["outlined"] == 0
@@ -76,11 +80,12 @@ def test_recomputed_blocks_save_less_and_train_the_same():
         assert_matches(recomputed, train_single_device(name, "adamw", STEPS, batch))
 
 
-SELECTIVE_CASES = [("gpt2-eager", {"dp": 2}), ("llama-eager", {"tp": 2})]
+SELECTIVE_CASES = [("llama-eager", {"tp": 2})]
+MORE_SELECTIVE_CASES = [("gpt2-eager", {"dp": 2})]
 HEADS = 4
 
 
-def _train_selective(batch):
+def _train_selective(batch, cases):
     report = functools.partial(_recompute_report, batch[0])
     return {
         case_key(name, pins): {
@@ -89,17 +94,20 @@ def _train_selective(batch):
             )
             for recompute in ("none", "attention")
         }
-        for name, pins in SELECTIVE_CASES
+        for name, pins in cases
     }
 
 
-def test_recomputed_attention_cores_free_the_scores_and_train_the_same():
+@pytest.mark.parametrize(
+    "cases", [SELECTIVE_CASES, pytest.param(MORE_SELECTIVE_CASES, marks=pytest.mark.slow)]
+)
+def test_recomputed_attention_cores_free_the_scores_and_train_the_same(cases):
     """Selective recomputation (the attention core alone) on models whose attention is
     written out: each layer's softmax probabilities are no longer saved, and training
     matches one device."""
     ids, target = batch = token_batch(8)
-    results = run_world(_train_selective, 2, batch)[0]
-    for name, pins in SELECTIVE_CASES:
+    results = run_world(_train_selective, 2, batch, cases)[0]
+    for name, pins in cases:
         plain, selective = (results[case_key(name, pins)][r] for r in ("none", "attention"))
         assert plain["outlined"] == 0 and selective["outlined"] == 2
         # Per layer, this rank's probabilities: its batch × its heads × seq² fp32 values.
@@ -112,9 +120,9 @@ def test_recomputed_attention_cores_free_the_scores_and_train_the_same():
 # Each block of the tiny models spans several ZeRO-3 buckets at this cap (bytes), as a
 # large model's blocks do at the policy's.
 SMALL_BUCKETS = 40_000
-ZERO3_CASES = [
+ZERO3_CASES = [("llama", {"recompute": ("model.layers.1",)})]
+MORE_ZERO3_CASES = [
     ("llama", {"recompute": EVERY_LAYER["llama"]}),
-    ("llama", {"recompute": ("model.layers.1",)}),
     ("llama-eager", {"recompute": "attention"}),
 ]
 
@@ -146,26 +154,29 @@ def _zero3_report(batch, pm) -> dict:
     }
 
 
-def _train_zero3(batch):
+def _train_zero3(batch, cases):
     zero.ZERO3_BUCKET_BYTES = SMALL_BUCKETS  # this rank's process only
     report = functools.partial(_zero3_report, batch)
     return {
         case_key(name, pins): train_case(
             LM_FACTORIES[name](), batch, STEPS, inspect=report, dp=2, zero=3, **pins
         )
-        for name, pins in ZERO3_CASES
+        for name, pins in cases
     }
 
 
-def test_zero3_gathers_a_recomputed_block_again_and_trains_the_same():
+@pytest.mark.parametrize(
+    "cases", [ZERO3_CASES, pytest.param(MORE_ZERO3_CASES, marks=pytest.mark.slow)]
+)
+def test_zero3_gathers_a_recomputed_block_again_and_trains_the_same(cases):
     """Under ZeRO-3 a recomputed block (every block, one, or the attention cores alone)
     leaves its gathered parameters to backward as tokens: its recomputation gathers its
     buckets again, all at once, and that is backward's gather, not a third. At most two
     blocks are held gathered (the memory model's ZeRO-3 buffer), none after the step,
     and training matches one device."""
     batch = token_batch(8)
-    results = run_world(_train_zero3, 2, batch)[0]
-    for name, pins in ZERO3_CASES:
+    results = run_world(_train_zero3, 2, batch, cases)[0]
+    for name, pins in cases:
         got = results[case_key(name, pins)]
         recomputed = pins["recompute"] if pins["recompute"] != "attention" else ()
         mine = {b for b, block in enumerate(got["buckets"]) if block in recomputed}

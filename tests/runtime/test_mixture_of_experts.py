@@ -50,19 +50,23 @@ from tests.models import (
 
 STEPS = 3
 LAYERS = 2
+# The quick suite runs expert parallelism plain and under ZeRO-3; the slow sweeps run the
+# rest on 2 ranks and every composition on 4.
 CASES = {
-    2: [
-        {"dp": 2},
-        {"pp": 2, "schedule": "1f1b", "microbatches": 2},
+    "quick": [
         {"ep": 2, "dp": 1},
-        {"ep": 2, "dp": 1, "zero": 1},  # the other weights' shards over ep's 2 ranks
         # ZeRO-3: the other weights gathered over ep's 2 ranks, each expert held whole
         {"ep": 2, "dp": 1, "zero": 3},
+    ],
+    "more": [
+        {"dp": 2},
+        {"pp": 2, "schedule": "1f1b", "microbatches": 2},
+        {"ep": 2, "dp": 1, "zero": 1},  # the other weights' shards over ep's 2 ranks
         # Local SGD with one replica: each local step averages the other weights'
         # gradients over the replica's ep ranks and divides the experts' by ep.
         {"ep": 2, "dp": 1, "sync_every": 2, "sync_warmup": 1},
     ],
-    4: [
+    "four": [
         {"ep": 2, "dp": 2},
         {"ep": 2, "dp": 1, "pp": 2, "schedule": "1f1b", "microbatches": 2},
         # The other weights sharded over dp x ep, the experts over dp.
@@ -115,13 +119,20 @@ def _train(batch, cases) -> dict:
     }
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_mixture_of_experts_trains_like_one_device(world):
+@pytest.mark.parametrize(
+    "world, cases",
+    [
+        (2, "quick"),
+        pytest.param(2, "more", marks=pytest.mark.slow),
+        pytest.param(4, "four", marks=pytest.mark.slow),
+    ],
+)
+def test_mixture_of_experts_trains_like_one_device(world, cases):
     batch = token_batch(8)
     reference = train_reference(tiny_mixtral(), "sgd", STEPS, (batch[0],), batch[1])
     reference_numel = sum(p.numel() for p in reference["params"].values())
-    per_rank = run_world(_train, world, batch, CASES[world])
-    for pins in CASES[world]:
+    per_rank = run_world(_train, world, batch, CASES[cases])
+    for pins in CASES[cases]:
         key = case_key("mixtral", pins)
         assert_every_rank_matches(per_rank, key, reference, label=pins)
         if "ep" not in pins:
