@@ -20,6 +20,8 @@ so these are the costs of what will run:
       copy_to_group         -                all-reduce
       row-parallel output   all-reduce (or reduce-scatter under sequence parallelism,
                             with an all-gather back)
+      sharded logits        3 all-reduces of one fp32 value a token (the runtime's
+                            vocabulary-parallel cross-entropy) -
 
 An activation's conversion is shared by every consumer that asks for the same target
 (the rewrite inserts it once), so those are reported with the key the rewrite uses; a
@@ -54,6 +56,10 @@ if TYPE_CHECKING:
     from autopart.cost_models.choices import CostModels
 
 COPY = "copy_to_group"
+# The runtime's vocabulary-parallel cross-entropy (`ops/vocab_parallel_loss.py`) reduces
+# one fp32 value a token three times in forward: the max, the sum of exponentials and
+# the target's logit; its backward is local.
+LOSS_ALL_REDUCES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +113,21 @@ def collectives_of(ops: Operands, decision: Decision, output_grad: bool) -> list
             out.append(TpCollective(REDUCE_SCATTER, full, False, True, low_precision=low))
             if output_grad:
                 out.append(TpCollective(ALL_GATHER, full, True, True, low_precision=low))
+    if node.op == "output":
+        out += _sharded_logits_loss(ops, decision)
+    return out
+
+
+def _sharded_logits_loss(ops: Operands, decision: Decision) -> list[TpCollective]:
+    """The loss's all-reduces over an output leaf the graph leaves sharded (the logits
+    of a cross-entropy, `tp_propagate.decide_node`): one fp32 value a token each."""
+    out = []
+    for i in ops.tensors:
+        info = ops.shapes[i]
+        if i in decision.inputs or ops.places[i] == R or info is None or not info.shape:
+            continue
+        per_token = info.numel / info.shape[-1] * 4
+        out += [TpCollective(ALL_REDUCE, per_token, False, False)] * LOSS_ALL_REDUCES
     return out
 
 
