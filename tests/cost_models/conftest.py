@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopart.capture import capture
 from autopart.passes import analyze
+from autopart.stack_expansion import capture_repeated_once
 from tests.models import llama3_8b_on_meta
 
 # Megatron-LM's FLOPs check: a GPT with h=1024, l=8, s=1024, V=50257 (tied embeddings).
@@ -14,7 +14,9 @@ GPT = {"hidden": 1024, "layers": 8, "seq": 1024, "vocab": 50257, "batch": 2}
 
 
 def _analyzed_gm(model, ids):
-    captured = capture(model, (ids,))
+    # The repeated stack traced once and copied: the whole capture's graph
+    # (tests/test_stack_expansion.py), in a fraction of its time.
+    captured = capture_repeated_once(model, (ids,))
     analyze(captured.gm, captured.context())
     return captured.gm
 
