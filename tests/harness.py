@@ -39,9 +39,9 @@ def parallelize_lm(
 def plan_lm(model: nn.Module, ids: torch.Tensor, mesh: autopart.Mesh, **pins: Any) -> Plan:
     """The plan for a language model trained in bf16 mixed precision with the
     language-model loss on logits sharded over the vocabulary, as
-    `benchmarks/plan_speed.py` plans it (a model and `ids` on the meta device plan
-    without a world)."""
-    captured = captured_for_planning(model, (ids,))
+    `benchmarks/plan_speed.py` plans it, from the shortened capture (a model and `ids`
+    on the meta device plan without a world)."""
+    captured = captured_for_planning(model, (ids,), repeated_once=True)
     loss = match_cross_entropy(lm_loss, captured.gm)
     assert loss is not None, "the language-model loss is a standard cross-entropy"
     pins = {"precision": "bf16-mixed", **pins}

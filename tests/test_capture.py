@@ -119,6 +119,7 @@ def test_uncapturable_model_names_construct_line_and_fix():
     assert "torch.cond" in message
 
 
+@pytest.mark.slow  # a whole 8B trace; the quick suite captures tiny models on meta
 def test_llama3_8b_config_captures_on_meta():
     model = llama3_8b_on_meta()
     ids = torch.zeros(1, 8192, dtype=torch.long, device="meta")

@@ -169,6 +169,7 @@ def test_info_reaches_the_terminal_and_debug_only_with_v(monkeypatch, capsys):
     assert not logging.getLogger("autopart").handlers  # none left behind
 
 
+@pytest.mark.slow  # a world of 2; tests/test_verify.py checks verify quick
 def test_verify_runs_a_saved_plan_beside_one_device(tmp_path, capsys):
     from tests.models import llama_training_case
 

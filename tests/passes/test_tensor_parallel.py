@@ -261,6 +261,7 @@ def _train_sequence_parallel(batch):
     }
 
 
+@pytest.mark.slow  # tp2 is checked quick; sequence parallelism in the slow sweeps
 def test_sequence_parallel_matches_single_device_and_reduce_scatters():
     batch = token_batch(batch=8)
     results = run_world(_train_sequence_parallel, 2, batch)[0]
@@ -344,6 +345,7 @@ def _train_padded_vocabulary(batch):
     return train_case(model, batch, STEPS, inspect=lookups, plan=plan)
 
 
+@pytest.mark.slow  # another world of 2
 def test_a_padding_row_keeps_the_embedding_lookup_whole():
     batch = token_batch(batch=8)
     per_rank = run_world(_train_padded_vocabulary, 2, batch)

@@ -209,6 +209,7 @@ def _train_forms(batch) -> dict:
     }
 
 
+@pytest.mark.slow  # cp=2 is checked quick; attention over views in the slow sweeps
 def test_ring_attention_over_views_trains_like_one_device():
     """cp=2 on 2 Gloo ranks over keys and values that are transposed views, for each
     form of the call: every rank's losses and parameters are one device's, each layer's

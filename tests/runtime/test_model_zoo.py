@@ -13,6 +13,7 @@ import pytest
 from tests.zoo import judge_model, pins_of
 
 
+@pytest.mark.slow  # ep and cp are each checked quick
 def test_a_mixture_of_experts_trains_like_one_device_over_the_sequence_and_the_experts():
     verdicts = judge_model("mixtral", ["cp2", "ep2"])
     assert all(v["status"] == "pass" for v in verdicts.values()), verdicts

@@ -142,8 +142,8 @@ def _blocks_held(pm) -> dict:
     return {"blocks": sorted({int(m[1]) for m in found if m})}
 
 
-# pp=4 runs with the slow sweeps: the quick suite keeps to 10 minutes.
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # uneven cuts; the quick suite keeps the even 2-stage schedules
+@pytest.mark.parametrize("world", [2, 4])
 def test_uneven_stages_and_partial_recomputation_match_single_device(world):
     batch = token_batch(batch=8)
     cases = [case for case in UNEVEN if case[3] == world]

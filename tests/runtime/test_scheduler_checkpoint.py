@@ -90,6 +90,7 @@ def _uninterrupted(batch) -> dict:
     return {"losses": losses, "rates": rates}
 
 
+@pytest.mark.slow  # a world of 2 resumed twice; the finetune example resumes a schedule quick
 def test_a_warmup_cosine_schedule_resumes_under_another_plan(tmp_path):
     batch = token_batch(8)
     per_rank = run_world(_resume, 2, str(tmp_path), batch)

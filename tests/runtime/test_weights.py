@@ -123,6 +123,7 @@ def _loaded(checkpoint_dir, batch) -> dict:
     return pm.full_state_dict()
 
 
+@pytest.mark.slow  # another world of 2
 def test_a_save_interrupted_halfway_leaves_the_previous_checkpoint_whole(tmp_path):
     checkpoint_dir = tmp_path / "ckpt"
     result = run_world(_interrupted_save, 1, str(checkpoint_dir), token_batch(8))[0]

@@ -153,6 +153,7 @@ def _owned(pm) -> dict:
     }
 
 
+@pytest.mark.slow  # a non-elementwise optimizer; ZeRO itself is checked quick
 def test_zero_by_whole_parameters_matches_single_device_with_adafactor():
     per_rank = run_world(_train_whole, 2, WHOLE, BATCH)
     for model_name, pins in WHOLE:

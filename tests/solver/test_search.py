@@ -78,6 +78,7 @@ def test_a_model_too_large_for_data_parallelism_is_sharded_until_it_fits():
     assert plan.predicted.peak_memory_bytes <= 80 * GiB
 
 
+@pytest.mark.slow  # a larger model planned twice
 def test_zero3_is_left_out_for_an_optimizer_that_reads_whole_tensors():
     """ZeRO-3 shards parameters flat: exact for AdamW, not for Adafactor's row and column
     statistics. ZeRO-1/2 step whole parameters for Adafactor (runtime/zero_owners.py),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 from autopart.mesh import Mesh
@@ -24,6 +25,7 @@ def _plan(virtual_stages: int | None):
     return plan_lm(llama2_7b_on_meta(TOKENS), ids, MESH, virtual_stages=virtual_stages, **PINS)
 
 
+@pytest.mark.slow  # a deep model planned twice
 def test_a_deep_pipeline_with_few_microbatches_runs_more_virtual_stages():
     chosen, two = _plan(None), _plan(2)
     assert chosen.virtual_stages > 2, chosen.explain()
