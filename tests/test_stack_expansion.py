@@ -67,8 +67,15 @@ def _structure(gm: fx.GraphModule) -> list[tuple]:
     ]
 
 
-@pytest.mark.parametrize("device", ["meta", "cpu"])
-@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2])
+@pytest.mark.parametrize(
+    "build, device",
+    [
+        (tiny_llama, "meta"),
+        (tiny_gpt2, "cpu"),
+        pytest.param(tiny_llama, "cpu", marks=pytest.mark.slow),
+        pytest.param(tiny_gpt2, "meta", marks=pytest.mark.slow),
+    ],
+)
 def test_the_expanded_graph_is_the_whole_capture(build, device):
     with torch.device(device):
         model = build(layers=LAYERS)

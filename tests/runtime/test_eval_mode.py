@@ -76,11 +76,12 @@ def _holding(weights: dict[str, torch.Tensor], layers: int) -> nn.Module:
     return model.eval()
 
 
-# dp=2 ZeRO-3 (whose forward gathers its parameters from the trained shards) and the
-# pipeline (the schedule forward only, tied weights across stages) run in the quick suite.
+# dp=2 ZeRO-3 (whose forward gathers its parameters from the trained shards) runs in the
+# quick suite; the pipeline (the schedule forward only, tied weights across stages) and
+# the rest with the slow sweeps.
 PLANS = [
     {"dp": 2, "zero": 3},
-    {"pp": 2, "microbatches": 2},
+    pytest.param({"pp": 2, "microbatches": 2}, marks=pytest.mark.slow),
     pytest.param({"dp": 2}, marks=pytest.mark.slow),
     pytest.param({"dp": 2, "zero": 1}, marks=pytest.mark.slow),
     pytest.param({"dp": 2, "zero": 2}, marks=pytest.mark.slow),

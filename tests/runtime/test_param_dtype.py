@@ -194,7 +194,7 @@ def _autopart_sgd(pins: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "pins",
     [
-        {"tp": 2},
+        pytest.param({"tp": 2}, marks=pytest.mark.slow),
         pytest.param({"pp": 2, "microbatches": 2, "schedule": "1f1b"}, marks=pytest.mark.slow),
         pytest.param({"dp": 2, "zero": 3, "microbatches": 2}, marks=pytest.mark.slow),
     ],

@@ -68,7 +68,7 @@ def _train_clipped(cases, batch, name: str = "llama") -> dict:
 
 CLIPPED = [
     {"dp": 2, "zero": 2},
-    {"tp": 2},
+    pytest.param({"tp": 2}, marks=pytest.mark.slow),
     pytest.param({"dp": 2, "zero": 0}, marks=pytest.mark.slow),
     pytest.param({"dp": 2, "zero": 1}, marks=pytest.mark.slow),
     pytest.param({"dp": 2, "zero": 3}, marks=pytest.mark.slow),
@@ -362,7 +362,7 @@ def _break_convention(convention: str, batch) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("convention", ["global", "per_rank"])
+@pytest.mark.parametrize("convention", ["per_rank", pytest.param("global", marks=pytest.mark.slow)])
 def test_a_broken_batch_convention_raises_on_every_rank(convention):
     """batch='global' fed per-rank shares, and batch='per_rank' fed the global batch on
     every rank: every rank raises, naming the convention, before the step reaches the
