@@ -211,6 +211,7 @@ def test_data_and_tensor_parallel_with_zero_on_four_ranks():
             _assert_like_eager(got, reference, pins)
 
 
+@pytest.mark.slow  # another compiled world of 2
 def test_gradient_accumulation_without_zeroing_adds_up_like_eager():
     per_rank = run_world(_train_compiled, 2, {"zero": 0}, "sgd", 2)
     reference = _train_eager("sgd")
@@ -292,6 +293,7 @@ def _feed_different_data() -> str:
     return "no error"
 
 
+@pytest.mark.slow  # another compiled world of 2
 def test_tensor_parallel_ranks_fed_different_data_all_raise():
     messages = run_world(_feed_different_data, 2)
     assert all("tensor-parallel group fed different inputs" in m for m in messages), messages

@@ -120,6 +120,7 @@ def _overflow_in_a_real_step(batch, poisoned):
     return unchanged, scale, after, moved
 
 
+@pytest.mark.slow  # a world of 2; the skip itself is checked quick
 def test_an_overflow_in_a_real_fp16_step_skips_it_on_every_rank():
     ids, target = token_batch(8)
     poisoned = target.clone()

@@ -32,7 +32,9 @@ def _from_meta(source, checkpoint_dir, batch):
     return losses, local
 
 
-@pytest.mark.parametrize("source", ["state_dict", "checkpoint"])
+@pytest.mark.parametrize(
+    "source", ["state_dict", pytest.param("checkpoint", marks=pytest.mark.slow)]
+)
 def test_meta_model_loads_its_shards_and_trains_like_the_real_one(source, tmp_path):
     batch = token_batch(8)
     losses, local = run_world(_from_meta, 2, source, str(tmp_path / "ckpt"), batch)[0]

@@ -289,6 +289,7 @@ def test_with_no_plan_on_the_whole_batch_the_refusal_says_why():
         autopart.plan(PairScores(), FOUR_CPUS, (IMAGES,), tp=1)
 
 
+@pytest.mark.slow  # a large model planned with and without room
 def test_offload_is_chosen_only_where_nothing_fits_on_the_device():
     """ZeRO offload (the optimizer state in host memory, stepped there) is the solver's
     last resort: chosen where no plan keeping the state on the device fits, and not

@@ -92,8 +92,23 @@ def _synthetic(memory: int, pp: int = 2, chunks: int = 2, schedule_depth: bool =
     )
 
 
-@pytest.mark.parametrize("memory", [10**9, 2_100, 2_000, 1_900, 1_800, 1_700, 1_500, 100])
-@pytest.mark.parametrize("pp,chunks", [(1, 1), (2, 2), (3, 3), (2, 4)])
+def _memory_grid(memories: list[int], slow: set[int]) -> list:
+    """(memory, pp, chunks) over every shape. The limits in `slow`, and the limits
+    between the extremes for the largest brute force (pp=2 over 4 chunks), run with the
+    slow sweeps."""
+    grid = []
+    for pp, chunks in [(1, 1), (2, 2), (3, 3), (2, 4)]:
+        for memory in memories:
+            largest = (pp, chunks) == (2, 4) and memory not in (memories[0], memories[-1])
+            marks = [pytest.mark.slow] if memory in slow or largest else []
+            grid.append(pytest.param(memory, pp, chunks, marks=marks))
+    return grid
+
+
+LIMITS = [10**9, 2_100, 2_000, 1_900, 1_800, 1_700, 1_500, 100]
+
+
+@pytest.mark.parametrize("memory, pp, chunks", _memory_grid(LIMITS, {2_000, 1_700}))
 def test_synthetic_problems_match_brute_force(memory, pp, chunks):
     _assert_optimal(_synthetic(memory, pp, chunks))
 

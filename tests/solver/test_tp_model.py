@@ -142,9 +142,9 @@ MESHES = {"h100": Mesh.cluster("h100-80g", 1, 8), "cpu": Mesh.cluster("cpu", 1, 
         (MlpLM, 2, "cpu", False),
         (MlpLM, 4, "cpu", False),
         (AttentionLM, 2, "h100", False),
-        (AttentionLM, 4, "cpu", False),
+        pytest.param(AttentionLM, 4, "cpu", False, marks=pytest.mark.slow),
         (MlpLM, 2, "h100", True),
-        (AttentionLM, 2, "h100", True),
+        pytest.param(AttentionLM, 2, "h100", True, marks=pytest.mark.slow),
     ],
 )
 def test_the_model_finds_the_brute_force_optimum(factory, tp, mesh, sp):
@@ -238,6 +238,7 @@ def test_the_logits_of_a_parallel_cross_entropy_are_priced_without_their_gather(
     assert comm[1] < comm[0]
 
 
+@pytest.mark.slow  # tp plans of a larger model; the brute-force checks run quick
 def test_sequence_parallelism_comes_out_of_the_costs():
     """Sequence parallelism is a choice the costs make: on H100s at a long sequence its
     Megatron layout (row-parallel products reduce-scattered, the norms on sequence
