@@ -158,7 +158,7 @@ def _assert_like_eager(got: dict, want: dict, pins: dict) -> None:
 
 
 # SGD with momentum: unlike Adam, it does not normalize away a wrong gradient scale.
-QUICK = [({"zero": 1}, "sgd"), ({"zero": 3}, "sgd"), ({"tp": 2}, "sgd")]
+QUICK = [({"zero": 3}, "sgd"), ({"tp": 2}, "sgd")]
 
 
 def test_zero_and_tensor_parallel_plans_train_like_eager():
@@ -167,14 +167,19 @@ def test_zero_and_tensor_parallel_plans_train_like_eager():
     for results in per_rank:
         for (pins, _), got in zip(QUICK, results):
             _assert_like_eager(got, reference, pins)
-    zero3 = [results[1] for results in per_rank]
+    zero3 = [results[0] for results in per_rank]
     # ZeRO-3: between steps each rank holds only the parameters it owns, and together
     # they hold every parameter once.
     assert all(r["held"] < 0.75 * reference["held"] for r in zero3)
     assert sum(r["held"] for r in zero3) == reference["held"]
 
 
-SLOW = [({"zero": 2}, "adamw"), ({"zero": 3}, "adamw"), ({"zero": 2}, "adafactor")]
+SLOW = [
+    ({"zero": 1}, "sgd"),
+    ({"zero": 2}, "adamw"),
+    ({"zero": 3}, "adamw"),
+    ({"zero": 2}, "adafactor"),
+]
 # Inductor compiling the tp program and a ZeRO-1 graph (ZeRO-3's stay eager).
 INDUCTOR = [({"tp": 2, "inductor": True}, "sgd"), ({"zero": 1, "inductor": True}, "sgd")]
 
@@ -191,7 +196,7 @@ def test_inductor_compiles_the_plans_and_trains_like_eager():
 @pytest.mark.slow
 def test_every_zero_stage_trains_like_eager_for_any_optimizer():
     per_rank = run_world(_several, 2, SLOW)
-    for optimizer in ("adamw", "adafactor"):
+    for optimizer in ("sgd", "adamw", "adafactor"):
         reference = _train_eager(optimizer)
         for results in per_rank:
             for (pins, kind), got in zip(SLOW, results):
