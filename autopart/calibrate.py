@@ -46,7 +46,9 @@
                   Gloo the list forms take up to 3× longer). Send/recv too, as a ring
                   shift (each rank sends to the next, as pipeline stages do) timed
                   back to back: a stage waits for its peer idle, and what its peer's
-                  compute costs it is the schedule's bubble. t(M) = A + B·M is
+                  compute costs it is the schedule's bubble; and the same shift as an
+                  exchange between compute, as ring attention passes its keys and
+                  values on between the pairs it computes. t(M) = A + B·M is
                   fitted by least squares on relative error and stored per ring step
                   and per byte sent: alpha = A / ring_steps(op, world), beta = B /
                   ring_volume(op, world), which `cost_models.comm.CommModel` reads
@@ -182,6 +184,7 @@ COLLECTIVE_OPS = (
     "broadcast",
     "all_to_all",
     "send_recv",
+    "exchange",
 )
 K = TypeVar("K")
 
@@ -680,7 +683,8 @@ def _per_ring_step(op: str, world: int, times: Mapping[int, float]) -> dict[str,
 def _collective_call(op: str, nbytes: int, device: torch.device, world: int) -> Callable[[], Any]:
     """One `op` of an `nbytes` buffer; all-gather and reduce-scatter in the
     single-tensor forms runtimes use; send/recv as pipeline stages exchange
-    activations and gradients (`_ring_shift`)."""
+    activations and gradients, and an exchange as ring attention's steps pass keys
+    and values on (both `_ring_shift`, timed apart: `_collective_fit`)."""
     numel = max(world, nbytes // 4 // world * world)
     full = torch.ones(numel, device=device)
     part = torch.ones(numel // world, device=device)
@@ -691,6 +695,7 @@ def _collective_call(op: str, nbytes: int, device: torch.device, world: int) -> 
         "broadcast": lambda: dist.broadcast(full, src=0),
         "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full),
         "send_recv": partial(_ring_shift, full, torch.empty_like(full), world),
+        "exchange": partial(_ring_shift, full, torch.empty_like(full), world),
     }
     return calls[op]
 

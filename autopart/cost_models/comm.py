@@ -84,14 +84,19 @@ REDUCE_SCATTER = "reduce_scatter"
 ALL_TO_ALL = "all_to_all"
 BROADCAST = "broadcast"
 SEND_RECV = "send_recv"
+# A send/recv between ranks that were computing, as a ring attention's step passes the
+# keys and values on; a profile may measure it apart from a pipeline's send/recv, whose
+# receiver waits for its peer idle.
+EXCHANGE = "exchange"
 COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, SEND_RECV)
+POINT_TO_POINT = (SEND_RECV, EXCHANGE)
 
 
 def ring_steps(op: str, n: int) -> int:
     """Sequential steps of the ring algorithm for `op` over n ranks."""
     if n == 1:
         return 0
-    if op == SEND_RECV:
+    if op in POINT_TO_POINT:
         return 1
     return 2 * (n - 1) if op == ALL_REDUCE else n - 1
 
@@ -102,7 +107,7 @@ def ring_volume(op: str, n: int) -> float:
     1 for broadcast (pipelined) and send/recv."""
     if n == 1:
         return 0.0
-    if op in (BROADCAST, SEND_RECV):
+    if op in (BROADCAST, *POINT_TO_POINT):
         return 1.0
     fraction = (n - 1) / n
     return 2 * fraction if op == ALL_REDUCE else fraction
@@ -159,9 +164,19 @@ class CommModel:
         `peer − first` further on, all at once (a pipeline stage to the next): over
         NVLink if every pair shares a node, else over the senders' NICs, one each (the
         slowest pair sets the pace). A measured send/recv replaces the topology."""
+        return self._point_to_point(SEND_RECV, nbytes, first, peer, size)
+
+    def exchange_time(self, nbytes: float, first: int, peer: int, size: int = 1) -> float:
+        """`send_time` for ranks that were computing and pass `nbytes` on together, a
+        ring attention's step: the profile's measured exchange, which holds their
+        rendezvous (a CPU's, `autopart calibrate`), else `send_time`."""
+        return self._point_to_point(EXCHANGE, nbytes, first, peer, size)
+
+    def _point_to_point(self, op: str, nbytes: float, first: int, peer: int, size: int) -> float:
         if nbytes == 0 or first == peer:
             return 0.0
-        measured = self.mesh.device.collectives.get(SEND_RECV)
+        collectives = self.mesh.device.collectives
+        measured = collectives.get(op) or collectives.get(SEND_RECV)
         if measured:
             return Link(1.0 / measured["beta"], measured["alpha"]).time(1, 1.0, nbytes)
         n = self.mesh.per_node

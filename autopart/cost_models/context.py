@@ -113,8 +113,8 @@ def _ring_seconds(
     kv = _key_value_bytes(work) * bytes_scale(work, precision)
     itemsize = 4 * bytes_scale(work, precision)
     grads = kv * GRADIENT_ACCUMULATION_BYTES / itemsize
-    send = comm.send_time(kv, 0, tp, cp * tp)
-    back = comm.send_time(kv + grads, 0, tp, cp * tp)
+    send = comm.exchange_time(kv, 0, tp, cp * tp)
+    back = comm.exchange_time(kv + grads, 0, tp, cp * tp)
     cost = compute.time(work)
     hide = comm.overlaps_compute
     forward = (cp - 1) * max(0.0, send - (cost.forward / cp if hide else 0.0))

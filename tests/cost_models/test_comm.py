@@ -92,6 +92,21 @@ def test_measured_collectives_replace_the_topology():
     assert comm.algorithms("all_gather", nbytes, 4).keys() != {"measured"}
 
 
+def test_a_ring_step_is_priced_as_an_exchange_between_compute_where_measured():
+    """Ring attention passes keys and values between ranks that were computing: a
+    profile's exchange prices it; a pipeline's transfer keeps the send/recv, and a
+    profile without an exchange prices both with it."""
+    p2p = {"alpha": 1e-4, "beta": 1e-9}
+    exchange = {"alpha": 2e-3, "beta": 2e-9}
+    both = replace(PRESETS["cpu"], collectives={"send_recv": p2p, "exchange": exchange})
+    comm = CommModel(Mesh.cluster(both, nodes=1, per_node=2))
+    assert comm.exchange_time(1e6, 0, 1) == pytest.approx(2e-3 + 2e-3)
+    assert comm.send_time(1e6, 0, 1) == pytest.approx(1e-4 + 1e-3)
+    older = replace(PRESETS["cpu"], collectives={"send_recv": p2p})
+    comm = CommModel(Mesh.cluster(older, nodes=1, per_node=2))
+    assert comm.exchange_time(1e6, 0, 1) == comm.send_time(1e6, 0, 1)
+
+
 def test_gloo_collectives_do_not_hide_behind_compute():
     cpu = PRESETS["cpu"]
     assert not CommModel(Mesh(cpu, 1, 2, backend="gloo")).overlaps_compute
