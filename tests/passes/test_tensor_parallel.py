@@ -313,6 +313,7 @@ def _train_vocabulary_parallel(batch, pins):
     return train_case(tiny_llama(), batch, STEPS, inspect=lookups, plan=plan)
 
 
+@pytest.mark.slow  # the vocabulary-parallel loss at tp=2 is checked quick
 @pytest.mark.parametrize(
     "world, pins", [(2, {"tp": 2}), pytest.param(4, {"dp": 2, "tp": 2}, marks=pytest.mark.slow)]
 )

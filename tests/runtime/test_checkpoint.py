@@ -116,6 +116,7 @@ def _load_another_models_checkpoint(checkpoint_dir, batch) -> dict:
     return messages
 
 
+@pytest.mark.slow  # another world of 2 that saves and loads
 def test_a_checkpoint_of_another_model_is_refused_by_name_on_every_rank(tmp_path):
     messages = run_world(_load_another_models_checkpoint, 2, str(tmp_path), token_batch(8))
     assert messages[0] == messages[1]

@@ -108,6 +108,7 @@ def _check(cases: list, batches: list) -> list[int]:
     return made
 
 
+@pytest.mark.slow  # a world of 2; the host masters' refusals are checked quick
 def test_host_masters_train_like_one_device_over_fp32_masters():
     _check(QUICK, [token_batch(8)] * STEPS)
 

@@ -70,6 +70,7 @@ def _real_model_with_weights(batch):
     return losses
 
 
+@pytest.mark.slow  # another world of 2; a meta model loads its weights quick
 def test_weights_given_to_a_real_model_are_loaded():
     batch = token_batch(8)
     per_rank = run_world(_real_model_with_weights, 2, batch)
