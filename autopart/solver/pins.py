@@ -231,12 +231,13 @@ def _whole_batch(pins: Pins, mixing: list[str], mesh: Mesh, norms: list[str]) ->
         raise PlanError(
             f"{' and '.join(splitting)} would split the batch, but the model mixes the "
             f"examples of a batch: {'; '.join(mixing)}. Each part would compute something "
-            "else than one device does on the whole batch. Pin dp=1 and microbatches=1 "
-            "(tensor or pipeline parallelism), or keep the examples apart (for BatchNorm: "
-            "GroupNorm or LayerNorm, or BatchNorm in eval mode, its statistics frozen; for "
-            "BatchNorm, a load-balancing loss or routing over the batch's tokens (capacity, "
-            "expert choice), per_part_statistics=True takes it over each part's examples, "
-            "as DDP without SyncBatchNorm and Megatron-LM do, which changes the math)"
+            "else than one device does on the whole batch. Pin dp=1, ep=1 and "
+            "microbatches=1 (tensor or pipeline parallelism), or keep the examples apart "
+            "(for BatchNorm: GroupNorm or LayerNorm, or BatchNorm in eval mode, its "
+            "statistics frozen; for BatchNorm, a load-balancing loss or routing over the "
+            "batch's tokens (capacity, expert choice): per_part_statistics=True takes it "
+            "over each part's examples, as DDP without SyncBatchNorm and Megatron-LM do, "
+            "which changes the math)"
         )
     whole = {str(Axis.DP): 1, str(Axis.EP): 1}
     return replace(pins, degrees={**pins.degrees, **whole}, microbatches=1)
