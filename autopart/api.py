@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -58,21 +58,19 @@ def plan(
     Pins, each left to the solver when None: every mesh axis by name (`dp`, `tp`, `pp`),
     `zero`, `microbatches`, `schedule`, `virtual_stages`, `recompute` (module paths of
     blocks, "all", "none", or "attention" for every block's attention core alone),
-    `recompute_attention` (module paths); and `precision` ("fp32", "bf16-mixed",
-    "fp16-mixed", "bf16-params") and `sequence_parallel`."""
-    captured = captured_for_planning(
-        model,
-        example_inputs,
-        example_kwargs,
-        param_dtype=_param_dtype(None, pins),
-        repeated_once=True,
-    )
+    `recompute_attention` (module paths); `precision` ("fp32", "bf16-mixed",
+    "fp16-mixed", "bf16-params", or "bf16-auto": the solver's choice of bf16-mixed or
+    bf16-params), `sequence_parallel`, and `compile` (the plan priced as programs
+    compiled by inductor, as `parallelize(..., compile=True)` runs them)."""
+    captured_in = _captures(model, example_inputs, example_kwargs, repeated_once=True)
+    captured = captured_in(_param_dtype(None, pins))
     loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn else None
     products = _product_loss(loss_fn, captured)
     return make_plan(
         captured,
         mesh,
         Pins.of(sharded_logits=loss and loss.logits, batch_product_loss=products, **pins),
+        captured_in,
     )
 
 
@@ -90,7 +88,7 @@ def parallelize(
     max_grad_norm: float | None = None,
     batch: str = "global",
     skip_nonfinite: bool = False,
-    compile: bool = False,
+    compile: bool | None = None,
     **pins: Any,
 ) -> ParallelModule:
     """Capture, plan (unless `plan` is given), rewrite and return the per-rank module.
@@ -106,11 +104,14 @@ def parallelize(
     each rank passes to `train_step`, "global" (the global batch, the same on every
     rank) or "per_rank" (each data-parallel rank its own share, as under DDP); a step
     whose loss or gradient norm is not finite is skipped, and raises NonFiniteLoss
-    unless `skip_nonfinite`; `compile` runs each rank's programs compiled by inductor."""
-    training = TrainingOptions(max_grad_norm, batch, skip_nonfinite, compile)
-    captured = captured_for_planning(
-        model, example_inputs, example_kwargs, param_dtype=_param_dtype(plan, pins)
-    )
+    unless `skip_nonfinite`.
+
+    `compile` runs each rank's programs compiled by inductor, and the plan is chosen and
+    priced so (`Plan.compiled`); None: as the given plan says, else eagerly. A plan
+    given with the other mode runs as asked, its predictions marked as priced for the
+    mode it was made for (`plan.explain()` says so)."""
+    captured_in = _captures(model, example_inputs, example_kwargs)
+    captured = captured_in(_param_dtype(plan, pins))
     kind = optimizer_class(optimizer) if optimizer else None
     refusal = optimizer_refusal(kind)
     if refusal:
@@ -128,11 +129,19 @@ def parallelize(
                 optimizer_class=kind,
                 sharded_logits=logits,
                 batch_product_loss=products,
+                compile=bool(compile),
                 **pins,
             ),
+            captured_in,
         )
+        if captured is not (chosen := captured_in(_param_dtype(plan, {}))):
+            captured = chosen  # the capture of the mode the solver chose
+            loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn else None
     elif pins:
         raise TypeError(f"pass either a plan or pins, not both (got pins {sorted(pins)})")
+    if compile is not None and compile != plan.compiled:
+        plan = plan.with_changes(compiled=compile)
+    training = TrainingOptions(max_grad_norm, batch, skip_nonfinite, plan.compiled)
     plan.check_compatible(captured.fingerprint, mesh)
     refusal = (
         zero_refusal(plan.zero, kind)
@@ -348,6 +357,28 @@ def _program_capture(
             model, inputs, example_kwargs, autocast=autocast, param_dtype=param_dtype
         )
     return captured
+
+
+def _captures(
+    model: nn.Module, example_inputs: Any, example_kwargs: Any, *, repeated_once: bool = False
+) -> Callable[[torch.dtype | None], Captured]:
+    """`captured_for_planning` of `model` with its parameters in a dtype (None: as
+    built), each made once: a precision the solver chooses plans each mode on its own
+    capture, and the chosen one runs."""
+    made: dict[torch.dtype | None, Captured] = {}
+
+    def captured_in(dtype: torch.dtype | None) -> Captured:
+        if dtype not in made:
+            made[dtype] = captured_for_planning(
+                model,
+                example_inputs,
+                example_kwargs,
+                param_dtype=dtype,
+                repeated_once=repeated_once,
+            )
+        return made[dtype]
+
+    return captured_in
 
 
 def _param_dtype(plan: Plan | None, pins: Mapping[str, Any]) -> torch.dtype | None:

@@ -37,7 +37,7 @@ from autopart.capture import CaptureError
 from autopart.degrees import MeshError
 from autopart.placements import PlacementError
 from autopart.plan import PlanError
-from autopart.policy import PRECISIONS, SCHEDULES
+from autopart.policy import PRECISION_CHOICES, PRECISIONS, SCHEDULES
 from autopart.runtime.checkpoint import CheckpointError
 
 if TYPE_CHECKING:
@@ -142,7 +142,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model, inputs = built
     pins = {k: getattr(args, k) for k in _int_pins() if getattr(args, k) is not None}
     plan = autopart.plan(
-        model, mesh, inputs, precision=args.precision, schedule=args.schedule, **pins
+        model,
+        mesh,
+        inputs,
+        precision=args.precision,
+        schedule=args.schedule,
+        compile=args.compile,
+        **pins,
     )
     print(plan)
     if args.out:
@@ -234,8 +240,9 @@ def _parser() -> tuple[argparse.ArgumentParser, Mapping[str, argparse.ArgumentPa
     p.add_argument("--model", required=True, help="package.module:factory -> (model, inputs)")
     p.add_argument("--mesh", required=True, help=MESH_FORMS)
     p.add_argument("--meta", action="store_true", help="build the model on the meta device")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS + tuple(PRECISION_CHOICES))
     p.add_argument("--schedule", choices=SCHEDULES)
+    p.add_argument("--compile", action="store_true", help="price the programs compiled by inductor")
     for name in _int_pins():
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
     p.add_argument("--out", help="write the plan JSON here")

@@ -107,6 +107,7 @@ class Predicted:
     model_flops_per_device: float = 0.0  # achieved model FLOP/s per device
     stages: tuple[StageFigures, ...] = ()  # per pipeline rank
     resharding: tuple[Resharding, ...] = ()  # the tp collectives, costliest first
+    compiled: bool = False  # priced as programs compiled by inductor (else eager)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +173,12 @@ class Plan(AxisAttributes):
     # Under precision "bf16-params": what the data-parallel gradients are reduced in
     # (FSDP2's reduce_dtype): "fp32" (the 16-bit gradients widened first) or "bf16".
     reduce_dtype: str = "fp32"
+    # Why the solver chose this precision where the pin left it a choice of modes
+    # (`policy.PRECISION_CHOICES`): how the modes' plans compared ("" where pinned).
+    precision_reason: str = ""
+    # Each rank's programs compiled by inductor (`parallelize(..., compile=True)`): the
+    # predictions price them fused (`cost_models/fusion.py`); False: run eagerly.
+    compiled: bool = False
     # Opt-in compression of the data-parallel gradient all-reduce (it changes the math):
     # "bf16" or "powersgd:rank=R" (`runtime.grad_compression`); None: exact.
     grad_compression: str | None = None
@@ -359,7 +366,9 @@ class Plan(AxisAttributes):
 
 # Fields that say what was predicted of a plan, not how it runs: changing them leaves
 # its predictions as they are.
-PREDICTION_FIELDS = frozenset({"predicted", "alternatives", "offload_reason", "predictions_stale"})
+PREDICTION_FIELDS = frozenset(
+    {"predicted", "alternatives", "offload_reason", "precision_reason", "predictions_stale"}
+)
 
 
 def _edits(plan: Plan, changes: Mapping[str, Any]) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from autopart.degrees import Axis
+from autopart.mesh import PRESETS
 from autopart.placements import placement_to_str
 from autopart.policy import CHOICE_SLACK, PARAM_DTYPES, MasterWeights, cp_gradients_in_sync
 
@@ -72,7 +73,8 @@ def format_plan(plan: Plan) -> str:
         f"autopart plan v{plan.version} for model {plan.fingerprint} on {plan.mesh} "
         f"({plan.mesh.world_size} devices)",
         f"  {_axes_line(plan)}",
-        f"  precision={plan.precision}  global batch={plan.global_batch}  "
+        f"  precision={plan.precision}{' (the solver chose it)' if plan.precision_reason else ''}"
+        f"{'  compiled' if plan.compiled else ''}  global batch={plan.global_batch}  "
         f"per-rank batch={plan.global_batch // plan.dp}",
     ]
     if plan.recompute:
@@ -257,8 +259,9 @@ def _sixteen_bit_parameters(plan: Plan) -> str:
         1: after_step,
         2: after_step,
     }.get(plan.zero, "")
+    why = "As chosen (see above)" if plan.precision_reason else "As asked (precision='bf16-params')"
     return (
-        "As asked (precision='bf16-params'), the model itself computes in bf16, as FSDP2's "
+        f"{why}, the model itself computes in bf16, as FSDP2's "
         "param_dtype and Megatron-LM's --bf16 run it: its graph was captured over bf16 "
         f"parameters and inputs, and the fp32 master weights live with the optimizer "
         f"({held}), which refreshes the bf16 copies once after each step instead of "
@@ -356,8 +359,14 @@ def explain_plan(plan: Plan) -> str:
             "state tile by tile, each tile's updated parameters going back up while it "
             "steps the next."
         )
+    if plan.precision_reason:
+        lines.append(
+            f"Precision {plan.precision}, the solver's choice among the modes the precision "
+            f"pin allowed: {plan.precision_reason}."
+        )
     if plan.precision in PARAM_DTYPES:
         lines.append(_sixteen_bit_parameters(plan))
+    lines += _compiled_lines(plan)
     if plan.master_weights == MasterWeights.HOST:
         low = plan.precision.split("-")[0]
         lines.append(
@@ -406,6 +415,39 @@ def explain_plan(plan: Plan) -> str:
         if plan.predictions_stale:
             lines.append(STALE[0].upper() + STALE[1:] + ".")
     return "\n".join([*lines, *_choice_lines(plan)])
+
+
+def _compiled_lines(plan: Plan) -> list[str]:
+    """How the programs run (eager, or compiled by inductor) and how they were priced,
+    where either is compiled or the two differ (`cost_models/fusion.py`)."""
+    priced = plan.predicted.compiled if plan.predicted is not None else plan.compiled
+    lines = []
+    if plan.compiled:
+        lines.append(
+            "Each rank's programs run compiled by inductor (compile=True): each run of "
+            "elementwise operators and normalizations between two contractions is one fused "
+            "kernel that reads what flows into it and writes what leaves it once, and "
+            "backward keeps what those kernels read or write rather than every "
+            "intermediate; contractions, collectives and the optimizer step run as eager."
+        )
+    elif plan.mesh.device in PRESETS and PRESETS[plan.mesh.device].sm_count:
+        lines.append(
+            f"The programs run eager, priced on the {plan.mesh.device} data-sheet preset: "
+            "each operator is its own kernel, its launch hidden behind the kernels queued "
+            "before it. autopart's eager runtime also dispatches every operator from "
+            "Python, which the preset does not price: an eager step can take longer than "
+            "predicted (docs/benchmarks.md, one GPU). compile=True fuses the elementwise "
+            "operators and is priced so; a profile from `autopart calibrate` measures the "
+            "dispatch."
+        )
+    if priced != plan.compiled:
+        mode = {True: "compiled by inductor", False: "eager"}
+        lines.append(
+            f"The predictions price the programs {mode[priced]}, as the plan was made, but "
+            f"they run {mode[plan.compiled]}: plan again with compile={plan.compiled} to "
+            "price what runs."
+        )
+    return lines
 
 
 def _choice_lines(plan: Plan) -> list[str]:

@@ -49,6 +49,13 @@ class MasterWeights(StrEnum):
 PRECISIONS: tuple[str, ...] = tuple(p.value for p in Precision)
 # Spellings people reach for first, as pins: both mean autocast over fp32 weights.
 PRECISION_ALIASES = {"bf16": Precision.BF16_MIXED.value, "fp16": Precision.FP16_MIXED.value}
+# Precision pins that leave the choice among modes to the solver (`solver/pins.py`):
+# each mode is planned where the pins allow it, and the first in this order is kept
+# unless a later one's plan is faster by more than CHOICE_SLACK (autocast over fp32
+# weights changes the math less than 16-bit parameters do).
+PRECISION_CHOICES: dict[str, tuple[str, ...]] = {
+    "bf16-auto": (Precision.BF16_MIXED.value, Precision.BF16_PARAMS.value),
+}
 SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
 
 # The 16-bit dtype autocast computes in, per mixed precision (runtime/precision.py).

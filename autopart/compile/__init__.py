@@ -38,11 +38,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,6 +60,7 @@ from autopart.ops.groups import MeshGroups
 from autopart.passes import analyze, total_flops
 from autopart.plan import PlanError
 from autopart.policy import COLLECTIVE_TIMEOUT_S
+from autopart.runtime.compiled import inductor
 
 log = logging.getLogger("autopart.compile")
 
@@ -155,12 +155,7 @@ class AutopartBackend:
         `forward`, with `inductor=False`)."""
         if not self.inductor:
             return gm.forward
-        from torch._inductor.compile_fx import compile_fx
-
-        began = time.perf_counter()
-        compiled = cast(Callable[..., Any], compile_fx(gm, list(example_inputs)))
-        log.info("autopart: inductor compiled a graph in %.1f s", time.perf_counter() - began)
-        return compiled
+        return inductor(gm, example_inputs)  # logs each graph's compile time
 
     def _tensor_parallel(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any]

@@ -64,6 +64,8 @@ class Choices(AxisAttributes):
     # What the loss reads of a batch × batch product (`Plan.batch_product_loss`): "rows"
     # gathers only its columns' side over the replicas, "whole" (or None) both.
     batch_product_loss: str | None = None
+    # Each rank's programs compiled by inductor (`Plan.compiled`, `fusion.py`).
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         if self.pp > 1 and self.schedule is None:
@@ -93,6 +95,7 @@ class Choices(AxisAttributes):
             plan.per_part_statistics,
             plan.reduce_dtype,
             plan.batch_product_loss,
+            plan.compiled,
         )
 
     @property
@@ -182,6 +185,9 @@ class CostModels:
     memory: MemoryModel
 
     @classmethod
-    def of(cls, mesh: Mesh, precision: str) -> CostModels:
-        compute = ComputeModel(mesh.device, precision, half_dim=mesh.device.matmul_half_dim)
+    def of(cls, mesh: Mesh, precision: str, compiled: bool = False) -> CostModels:
+        """The models of a plan at `precision` on `mesh`, its programs run eagerly or,
+        where `compiled`, compiled by inductor (`fusion.py`)."""
+        device = mesh.device
+        compute = ComputeModel(device, precision, device.matmul_half_dim, compiled)
         return cls(compute, CommModel(mesh), MemoryModel(precision))

@@ -88,6 +88,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from autopart.cost_models.fusion import COMPILED_FLOOR, REGION_FLOORS, TENSOR_FLOORS
 from autopart.cost_models.gemm import GpuCores
 from autopart.cost_models.precision import bytes_scale, cast_bytes, is_mixed
 from autopart.cost_models.work import ATTENTION, NodeWork, node_work
@@ -130,15 +131,23 @@ class PhaseCost:
 
 
 class ComputeModel:
-    """Roofline times of operators on `device` at `precision`."""
+    """Roofline times of operators on `device` at `precision`, run eagerly or, where
+    `compiled`, in programs compiled by inductor (`fusion.py`)."""
 
     def __init__(
-        self, device: DeviceSpec, precision: str = "fp32", half_dim: float = DEFAULT_HALF_DIM
+        self,
+        device: DeviceSpec,
+        precision: str = "fp32",
+        half_dim: float = DEFAULT_HALF_DIM,
+        compiled: bool = False,
     ) -> None:
         is_mixed(precision)  # fails on an unknown precision
         self.device = device
         self.precision = precision
         self.half_dim = half_dim
+        self.compiled = compiled
+        # The floor of an operator's dispatch, or of a compiled kernel's or library call's.
+        self.launch = device.kernel_launch_s * (COMPILED_FLOOR if compiled else 1.0)
         self.contraction_peak = device.flops_for(COMPUTE_DTYPES[precision])
         self.vector_peak = device.flops_for("fp32")
         self.scale = device.compute_scale
@@ -203,14 +212,25 @@ class ComputeModel:
         math = self.contraction_math(work) if work.is_contraction else work.flops / self.vector_peak
         if functions:
             math += self.function_time(work)
+        if self.compiled and work.fusible:
+            return self._fused(work, math)
         return self._kernel(work, math, passes=1)
+
+    def _fused(self, work: NodeWork, math: float) -> float:
+        """An operator of a fused kernel in a compiled program: its arithmetic, or the
+        bytes it moves to and from memory (`NodeWork.fused_bytes`), and the kernel's
+        floor where it writes its result (ending the kernel)."""
+        memory = work.fused_bytes * bytes_scale(work, self.precision) / self.device.memory_bandwidth
+        return self._launched(max(math, memory), self.launch if work.fused_written_bytes else 0.0)
 
     def backward_time(self, work: NodeWork) -> float:
         """A contraction's backward: its two products (`contraction_math`), twice the
         forward's bytes, kernels and casts. Any other operator's: its forward again
-        (without the function's evaluations)."""
+        (without the function's evaluations, but for a fused operator of a compiled
+        program, which backward recomputes: `fusion.py`)."""
         if not work.is_contraction:
-            return self.forward_time(work, functions=False) * BACKWARD_OTHER
+            recomputed = self.compiled and work.fusible
+            return self.forward_time(work, functions=recomputed) * BACKWARD_OTHER
         if not work.dispatched:
             return 0.0
         return self._kernel(work, self.contraction_math(work, backward=True), BACKWARD_CONTRACTION)
@@ -218,7 +238,7 @@ class ComputeModel:
     def _kernel(self, work: NodeWork, math: float, passes: float) -> float:
         """max(math, memory) and its launch, plus autocast's cast of the operands, for
         `passes` times the forward's bytes and kernels."""
-        bandwidth, launch = self.device.memory_bandwidth, self.device.kernel_launch_s
+        bandwidth, launch = self.device.memory_bandwidth, self.launch
         memory = passes * work.bytes * bytes_scale(work, self.precision) / bandwidth
         cast = cast_bytes(work, self.precision)
         seconds = self._launched(max(math, memory), passes * launch)
@@ -233,6 +253,17 @@ class ComputeModel:
         is serial work on the same core as its arithmetic."""
         return max(seconds, launches) if self.cores is not None else seconds + launches
 
+    def region_time(self, regions: int = 1, tensors: float = 0.0) -> PhaseCost:
+        """What calling `regions` compiled regions that take `tensors` parameter tensors
+        costs beyond their kernels, forward and backward (`fusion.REGION_FLOORS`,
+        `fusion.TENSOR_FLOORS`); nothing eager, nor on a GPU preset, where the host's
+        work hides behind the kernels it queued, as their launches do (`_launched`)."""
+        if not self.compiled or not regions or self.cores is not None:
+            return PhaseCost()  # eager; or on a GPU, host work behind the queued kernels
+        floors = REGION_FLOORS * regions + TENSOR_FLOORS * tensors
+        seconds = floors * self.device.kernel_launch_s * self.scale
+        return PhaseCost(seconds, seconds)
+
     def function_time(self, work: NodeWork) -> float:
         """Evaluations of a transcendental over the device's measured rate for it
         (`DeviceSpec.function_rates`; none measured: the roofline alone)."""
@@ -244,7 +275,7 @@ class ComputeModel:
         evaluations once more where the gradient evaluates it) and recomputation."""
         forward = self.forward_time(work)
         backward = self.backward_time(work)
-        if work.evaluates_in_backward:
+        if work.evaluates_in_backward and not (self.compiled and work.fusible):
             backward += self.function_time(work)
         return PhaseCost(forward, backward, forward if recompute else 0.0) * self.scale
 

@@ -28,6 +28,10 @@ recomputed block's saved bytes are live once more:
 
     activations = in_flight · (kept + Σ recomputed block inputs) + max recomputed block
 
+The largest recomputed block's bytes are live in backward only after the loss's output
+gradients (below) are freed, so on the rank that computes the loss only the larger of
+the two counts (`predict._rank_cost`).
+
 Output gradients. Backward starts with every activation of the last microbatch still
 saved and the loss's gradient flowing into the model's output. A loss over the output
 (a softmax cross-entropy, for a language model over the vocabulary) holds two gradients

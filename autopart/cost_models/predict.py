@@ -70,8 +70,10 @@ from autopart.cost_models.context import (
     ring_floor,
 )
 from autopart.cost_models.experts import all_to_all_comm
+from autopart.cost_models.fusion import regions_per_call
 from autopart.cost_models.memory import (
     FP32_WEIGHTS,
+    OUTPUT_GRADIENTS,
     Activations,
     in_flight_microbatches,
     total,
@@ -132,7 +134,7 @@ def predict(
         graph if isinstance(graph, GraphSummary) else GraphSummary(graph, choices.tp_layout(graph))
     )
     mesh.check_covered(choices.degrees)
-    models = models or CostModels.of(mesh, choices.precision)
+    models = models or CostModels.of(mesh, choices.precision, choices.compiled)
     at = {**(dims or {}), BATCH: choices.microbatch_size}
     full = summary.evaluate(at)
     segments = rank_segments(summary, at, choices)
@@ -183,6 +185,7 @@ def predict(
         memory=peak,
         model_flops_per_device=model_flops / mesh.world_size / step_time,
         stages=tuple(r.figures for r in ranks),
+        compiled=choices.compiled,
     )
 
 
@@ -356,7 +359,9 @@ def _stage_work(
         + mixing_sync_comm(own, choices, models.comm),
         ep=ep,
         activations=_activations(own, choices),
-        unrecomputed=Activations(kept=sum(s.saved_bytes(choices.precision) for s in own)),
+        unrecomputed=Activations(
+            kept=sum(s.saved_bytes(choices.precision, choices.compiled) for s in own)
+        ),
         recomputed=len(recomputed),
         attention_recomputed=sum(choices.recomputes_attention(s) for s in own),
         recompute_comm=sum(
@@ -393,6 +398,8 @@ def _rank_cost(
     work = shared.get(alike) if shared is not None else None
     if work is None:
         compute = sum((times[i] for i in mine), PhaseCost())
+        tensors = sum(s.param_tensors for s in own)
+        compute += models.compute.region_time(_regions(own, choices), tensors)
         work = _stage_work(own, last, compute, choices, models, traffic)
         if shared is not None:
             shared[alike] = work
@@ -400,7 +407,11 @@ def _rank_cost(
     in_flight = in_flight_microbatches(
         choices.schedule, choices.microbatches, choices.pp, rank, choices.virtual_stages
     )
-    activations = work.activations.bytes(in_flight)
+    output = last.output_bytes * choices.cp if last else 0.0  # 1/tp if split; whole over cp
+    # The loss's output-sized gradients are freed once the head's backward has used them,
+    # before backward reaches a recomputed block: the two are never live together.
+    largest = work.activations.largest_recomputed
+    activations = work.activations.bytes(in_flight) - min(largest, OUTPUT_GRADIENTS * output)
     memory = models.memory.breakdown(
         work.params,
         choices.dp,
@@ -408,8 +419,7 @@ def _rank_cost(
         activations=activations,
         gathered_params=work.gathered,
         pipeline_bytes=work.boundary if choices.pp > 1 else 0.0,
-        # 1/tp of it if split; gathered whole over cp
-        output_bytes=last.output_bytes * choices.cp if last else 0.0,
+        output_bytes=output,
         offload=choices.offload,
         experts=work.experts,
         ep=choices.ep,
@@ -436,6 +446,20 @@ def _rank_cost(
         memory=memory,
         figures=figures,
     )
+
+
+def _regions(own: list[SegmentWork], choices: Choices) -> int:
+    """Compiled regions a pipeline rank runs per microbatch (`fusion.regions_per_call`):
+    one per chunk it holds, and two more per ZeRO-3 gather, which stays out of the
+    compiled graph."""
+    if not choices.compiled:
+        return 0
+    gathers = (
+        sum(len(_gathers(own, numel)) for numel, (size, _) in _zero3_groups(choices) if size > 1)
+        if choices.zero == 3 and choices.degrees.batch_split > 1
+        else 0
+    )
+    return regions_per_call(gathers) + choices.virtual_stages - 1
 
 
 def _cp_comm(
@@ -795,7 +819,7 @@ def _activations(own: list[SegmentWork], choices: Choices) -> Activations:
     p = choices.precision
     recomputed = [s for s in own if choices.recomputes(s)]
     selective = [s for s in own if choices.recomputes_attention(s)]
-    saved = {id(s): s.saved_bytes(p) for s in own}
+    saved = {id(s): s.saved_bytes(p, choices.compiled) for s in own}
     return Activations(
         kept=sum(saved[id(s)] for s in own if not choices.recomputes(s))
         - sum(s.core_frees_bytes(p) for s in selective),

@@ -249,7 +249,7 @@ def stage_problem(
         comm1 += segment_mixing_sync(seg, choices, models.comm, recomputed=True)
         comm0 += _cp_comm(seg, choices, models, recomputed=False)
         comm1 += _cp_comm(seg, choices, models, recomputed=True)
-        saved = seg.saved_bytes(choices.precision)
+        saved = seg.saved_bytes(choices.precision, choices.compiled)
         core = attention_recompute_cost(seg, models.compute).total if seg.is_block else 0.0
         frees = seg.core_frees_bytes(choices.precision) if seg.is_block else 0.0
         if fixed:

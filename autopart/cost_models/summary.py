@@ -128,8 +128,9 @@ class Totals:
 
     nodes: tuple[NodeWork, ...]
     flops: float
-    # Bytes saved for backward, and those recomputing the attention cores frees, in fp32
-    # and under mixed precision (indexed by `is_mixed`).
+    # Bytes saved for backward, in fp32 and under mixed precision, eager and compiled
+    # (indexed by 2 · `is_mixed` + compiled); those recomputing the attention cores
+    # frees, in fp32 and under mixed precision (indexed by `is_mixed`).
     saved: tuple[float, ...]
     core_frees: tuple[float, ...]
     attention_core: tuple[NodeWork, ...]
@@ -137,7 +138,14 @@ class Totals:
     @classmethod
     def of(cls, nodes: tuple[NodeWork, ...]) -> Totals:
         precisions = (Precision.FP32, Precision.BF16_MIXED)
-        saved = tuple(sum(w.saved_bytes * bytes_scale(w, p) for w in nodes) for p in precisions)
+        saved = tuple(
+            sum(
+                (w.fused_saved_bytes if compiled else w.saved_bytes) * bytes_scale(w, p)
+                for w in nodes
+            )
+            for p in precisions
+            for compiled in (False, True)
+        )
         frees = tuple(
             sum(w.core_frees_bytes * bytes_scale(w, p) for w in nodes) for p in precisions
         )
@@ -183,9 +191,10 @@ class SegmentWork:
         assert self.totals is not None  # set by __post_init__
         return self.totals
 
-    def saved_bytes(self, precision: str = "fp32") -> float:
-        """Bytes saved for backward per microbatch at `precision` (`precision.py`)."""
-        return self._totals().saved[is_mixed(precision)]
+    def saved_bytes(self, precision: str = "fp32", compiled: bool = False) -> float:
+        """Bytes saved for backward per microbatch at `precision` (`precision.py`), by
+        the eager program or the compiled one (`fusion.py`)."""
+        return self._totals().saved[2 * is_mixed(precision) + compiled]
 
     def core_frees_bytes(self, precision: str = "fp32") -> float:
         """Bytes per microbatch that recomputing its attention cores alone frees

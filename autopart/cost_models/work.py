@@ -20,6 +20,7 @@ import sympy
 import torch
 from torch import fx
 
+from autopart.cost_models.fusion import fused_work
 from autopart.ops.aten import ATTENTION_OPS, GROUPED_MM_OPS, MATMUL_OPS, op_name
 from autopart.ops.meta import (
     ATTENTION_CORE,
@@ -112,6 +113,15 @@ class NodeWork:
     # Attention that runs causal (`passes.causal_attention.runs_causal`): a fused
     # kernel skips the key blocks past each query block's diagonal.
     causal: bool = False
+    # In a compiled program (`fusion.py`): whether inductor fuses it with its neighbours
+    # (not a contraction or a fallback), and then the activation bytes it reads from and
+    # writes to memory (a view's none); it ends a kernel where it writes.
+    fusible: bool = False
+    fused_read_bytes: float = 0.0
+    fused_written_bytes: float = 0.0
+    # What it keeps for backward in a compiled program (`fusion.py`; a contraction's
+    # is its `saved_bytes`).
+    fused_saved_bytes: float = 0.0
 
     @property
     def bytes(self) -> float:
@@ -120,6 +130,12 @@ class NodeWork:
     @property
     def is_contraction(self) -> bool:
         return self.kind != OTHER
+
+    @property
+    def fused_bytes(self) -> float:
+        """Bytes it moves fused in a compiled program: its parameters, and the
+        activations it reads from and writes to memory (`fusion.fused_work`)."""
+        return self.fused_read_bytes + self.fused_written_bytes + self.param_bytes
 
     def sharded(self, tp: int) -> NodeWork:
         """This rank's share under `tp`-way tensor parallelism: a sharded operator does
@@ -140,7 +156,10 @@ class NodeWork:
             read_bytes=self.read_bytes / tp,
             written_bytes=self.written_bytes / tp,
             param_bytes=self.param_bytes / tp,
+            fused_read_bytes=self.fused_read_bytes / tp,
+            fused_written_bytes=self.fused_written_bytes / tp,
             saved_bytes=self.saved_bytes / (1 if self.tp_saves_replicated else tp),
+            fused_saved_bytes=self.fused_saved_bytes / (1 if self.tp_saves_replicated else tp),
             core_frees_bytes=self.core_frees_bytes / tp,
             shape=shape,
             evaluations=self.evaluations / tp,
@@ -159,7 +178,10 @@ class NodeWork:
             flops=self.flops * factor,
             read_bytes=self.read_bytes * factor,
             written_bytes=self.written_bytes * factor,
+            fused_read_bytes=self.fused_read_bytes * factor,
+            fused_written_bytes=self.fused_written_bytes * factor,
             saved_bytes=self.saved_bytes * factor,
+            fused_saved_bytes=self.fused_saved_bytes * factor,
             core_frees_bytes=self.core_frees_bytes * factor,
             shape=shape,
             evaluations=self.evaluations * factor,
@@ -199,13 +221,16 @@ def node_work(
     params = min(float(sum(param_bytes.get(fqn, 0) for fqn in PARAMS.get(node))), read)
     shape = _contraction_shape(node, name, kind, flops, dims)
     function, evaluations = _function_evaluations(node, name, kind, shape, dims)
+    fused = fused_work(gm).get(node)
+    fused_read = evaluate(fused.read, dims) if fused else 0.0
+    saved = evaluate(SAVED_BYTES.get(node), dims)
     return NodeWork(
         kind=kind,
         flops=flops,
         read_bytes=read - params,
         written_bytes=evaluate(traffic.written, dims),
         param_bytes=params,
-        saved_bytes=evaluate(SAVED_BYTES.get(node), dims),
+        saved_bytes=saved,
         in_attention_core=ATTENTION_CORE.has(node),
         core_frees_bytes=evaluate(CORE_FREES_BYTES.get(node, 0), dims),
         shape=shape,
@@ -216,6 +241,11 @@ def node_work(
         evaluates_in_backward=kind == ATTENTION or name in FUNCTION_IN_BACKWARD,
         low_precision=is_low_precision(SHAPE.get(node)),
         causal=kind == ATTENTION and runs_causal(gm, node),
+        fusible=fused is not None,
+        # its parameters are counted apart, as eager
+        fused_read_bytes=max(0.0, fused_read - params),
+        fused_written_bytes=evaluate(fused.written, dims) if fused else 0.0,
+        fused_saved_bytes=evaluate(fused.saved, dims) if fused else saved,
     )
 
 

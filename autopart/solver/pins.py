@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -34,9 +34,12 @@ from autopart.passes.context_parallel import sequence_length
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
 from autopart.policy import (
+    PARAM_DTYPES,
     PRECISION_ALIASES,
+    PRECISION_CHOICES,
     MasterWeights,
     Precision,
+    ReduceDtype,
     Schedule,
     check_choice,
     master_weights_refusal,
@@ -46,7 +49,7 @@ from autopart.policy import (
     zero_refusal,
 )
 from autopart.solver.pipeline import choose_pipeline
-from autopart.solver.search import Candidate, NoPlanFits, TpLayouts, search
+from autopart.solver.search import SLACK, Candidate, NoPlanFits, TpLayouts, search
 
 MAX_ALTERNATIVES = 4
 # A recomputation pin's words for "every block" and "none".
@@ -64,6 +67,8 @@ class Pins:
     recompute: tuple[str, ...] | bool | None = None
     # The same, for the blocks whose attention core alone is recomputed (selective).
     recompute_attention: tuple[str, ...] | bool | None = None
+    # A precision (`policy.Precision`), or a choice of them the solver makes
+    # (`policy.PRECISION_CHOICES`: "bf16-auto", bf16-mixed or bf16-params).
     precision: str = "fp32"
     sequence_parallel: bool | None = None  # None: the solver's choice where tp > 1
     sync_every: int | None = None  # local SGD: the user's choice only (it changes the math)
@@ -78,9 +83,13 @@ class Pins:
     # "host": fp32 master weights beside the offloaded state, 16-bit copies on the
     # device (it changes the math: the user's choice only). It implies offload.
     master_weights: str = "device"
-    # Under precision "bf16-params": the dtype the data-parallel gradients are reduced
-    # in, "fp32" or "bf16" (FSDP2's reduce_dtype; the user's choice only).
+    # Under precision "bf16-params" (or "bf16-auto", where the solver keeps it): the
+    # dtype the data-parallel gradients are reduced in, "fp32" or "bf16" (FSDP2's
+    # reduce_dtype; the user's choice only).
     reduce_dtype: str = "fp32"
+    # Each rank's programs compiled by inductor (`parallelize(..., compile=True)`): the
+    # plans are priced compiled (`cost_models/fusion.py`).
+    compile: bool = False
     # The optimizer the plan will run, where known: ZeRO is left out unless it is exact
     # for it (policy.zero_refusal).
     optimizer_class: type[torch.optim.Optimizer] | None = None
@@ -92,6 +101,19 @@ class Pins:
     # product): "rows" where the loss is known to be a mean over the product's rows
     # (`ops.batch_products.loss_by_rows`), else "whole" (the loss gets it all).
     batch_product_loss: str = WHOLE
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The precisions the pin allows: itself, or the modes a choice names
+        (`policy.PRECISION_CHOICES`)."""
+        return PRECISION_CHOICES.get(self.precision, (self.precision,))
+
+    def in_mode(self, precision: str) -> Pins:
+        """These pins with `precision` fixed (one of `modes`). Where the pin was a
+        choice, the reduce dtype is 16-bit parameters' own: fp32 for the other modes."""
+        if self.precision not in PRECISION_CHOICES or precision in PARAM_DTYPES:
+            return replace(self, precision=precision)
+        return replace(self, precision=precision, reduce_dtype=ReduceDtype.FP32.value)
 
     @classmethod
     def of(cls, **pins: Any) -> Pins:
@@ -120,33 +142,21 @@ class Pins:
         if precision is not None:
             pins["precision"] = PRECISION_ALIASES.get(precision, precision)
             problem = check_choice(Precision, pins["precision"], "precision")
-            if problem:
+            if problem and pins["precision"] not in PRECISION_CHOICES:
                 aliases = ", ".join(f"{a!r} for {p!r}" for a, p in PRECISION_ALIASES.items())
-                raise PlanError(f"{problem} (or {aliases})")
+                choices = ", ".join(map(repr, PRECISION_CHOICES))
+                raise PlanError(f"{problem} (or {aliases}; or {choices}, the solver's choice)")
+        problem = check_choice(ReduceDtype, pins.get("reduce_dtype", "fp32"), "reduce_dtype")
+        if problem:
+            raise PlanError(problem)
         host_masters = pins.get("master_weights") == MasterWeights.HOST
         if host_masters and pins.get("offload") is None:  # the host's copies: offloaded
             pins["offload"] = True
-        refusal = master_weights_refusal(
-            pins.get("master_weights", MasterWeights.DEVICE),
-            bool(pins.get("offload")),
-            pins.get("precision", Precision.FP32),
-        )
-        if refusal:
-            raise PlanError(refusal)
-        # What the pins alone refuse of 16-bit parameters (a free zero is chosen to fit).
-        pinned_zero = pins.get("zero")
-        refusal = param_dtype_refusal(
-            pins.get("precision", Precision.FP32),
-            pins.get("reduce_dtype", "fp32"),
-            (pins.get("dp") or 1) * (pins.get("ep") or 1),
-            pins.get("cp") or 1,
-            1 if pinned_zero is None else pinned_zero,
-            bool(pins.get("offload")),
-            pins.get("sync_every") is not None,
-            pins.get("grad_compression") is not None,
-        )
-        if refusal:
-            raise PlanError(refusal)
+        asked = cls(**{k: v for k, v in pins.items() if k not in axes})
+        on_axes = {k: v for k, v in pins.items() if k in axes and v is not None}
+        refusals = {m: _mode_refusal(asked, m, on_axes) for m in asked.modes}
+        if all(refusals.values()):  # one refusal, or why each mode the pin names is
+            raise PlanError(_refused_modes(asked.precision, refusals))
         sync_every, compression = pins.get("sync_every"), pins.get("grad_compression")
         if sync_every is not None or compression is not None:  # whole replicas: no ZeRO
             refusal = replica_opt_in_refusal(pins.get("zero") or 0, sync_every, compression)
@@ -168,9 +178,45 @@ class Pins:
         return self.degrees.get(str(axis))
 
 
-def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
+def _mode_refusal(pins: Pins, precision: str, degrees: Mapping[str, int]) -> str | None:
+    """Why the pins alone refuse to run in `precision` (its master weights, its
+    16-bit parameters), or None; a zero left free is chosen to fit."""
+    mode = pins.in_mode(precision)
+    refusal = master_weights_refusal(mode.master_weights, bool(mode.offload), precision)
+    return refusal or param_dtype_refusal(
+        precision,
+        mode.reduce_dtype,
+        (degrees.get("dp") or 1) * (degrees.get("ep") or 1),
+        degrees.get("cp") or 1,
+        1 if mode.zero is None else mode.zero,
+        bool(mode.offload),
+        mode.sync_every is not None,
+        mode.grad_compression is not None,
+    )
+
+
+def _refused_modes(precision: str, refusals: Mapping[str, str | None]) -> str:
+    """The refusal of a pinned precision, or of every mode a choice allows."""
+    if len(refusals) == 1:
+        return next(r for r in refusals.values() if r)
+    why = "; ".join(f"{mode}: {refusal}" for mode, refusal in refusals.items())
+    return f"precision={precision!r} leaves the solver no mode that runs here ({why})"
+
+
+# Makes the capture of a model whose parameters hold a dtype (None: as built).
+Recapture = Callable[[torch.dtype | None], Captured]
+
+
+def make_plan(
+    captured: Captured, mesh: Mesh, pins: Pins, captured_in: Recapture | None = None
+) -> Plan:
     """The plan for `captured` on `mesh`: the search's choice among what `pins` allow,
-    with its tensor-parallel layout, pipeline cuts, predictions and runners-up."""
+    with its tensor-parallel layout, pipeline cuts, predictions and runners-up. Where
+    the precision pin leaves a choice of modes (`policy.PRECISION_CHOICES`), each mode
+    is planned on the capture it runs (`captured_in` makes it: in bf16 for 16-bit
+    parameters; `captured` is the model as built) and `_choose_mode` keeps one."""
+    if len(pins.modes) > 1:
+        return _choose_mode(captured, mesh, pins, captured_in)
     batch = batch_size((captured.example_args, captured.example_kwargs))
     per_part = pins.per_part_statistics
     mixing = batch_mixing(captured.gm, statistics=not per_part, over_replicas=False)
@@ -206,12 +252,84 @@ def make_plan(captured: Captured, mesh: Mesh, pins: Pins) -> Plan:
             "smaller batch"
         )
     alternatives = _alternatives(c for c in found if c is not candidate)
-    models = CostModels.of(mesh, plan.precision)
+    models = CostModels.of(mesh, plan.precision, plan.compiled)
     collectives = resharding(summary, Choices.of(plan), models, dims)
     predicted = replace(predicted, resharding=collectives)
     return plan.with_changes(
         predicted=predicted, alternatives=alternatives, offload_reason=candidate.offload_reason
     )
+
+
+def _choose_mode(captured: Captured, mesh: Mesh, pins: Pins, captured_in: Recapture | None) -> Plan:
+    """The plan of the precision the solver keeps among those `pins` allow: each
+    mode's own plan, where the pins let it run and a plan fits; then the first mode
+    (autocast over fp32 weights, which changes the math least) unless a later mode's
+    plan is faster by more than CHOICE_SLACK (the search's rule, `search.py`). The plan
+    says why (`Plan.precision_reason`)."""
+    plans: dict[str, Plan] = {}
+    why_not: dict[str, str] = {}
+    for mode in pins.modes:
+        refusal = _mode_refusal(pins, mode, pins.degrees)
+        if refusal:
+            why_not[mode] = refusal
+            continue
+        dtype = PARAM_DTYPES.get(mode)
+        if dtype is not None and captured_in is None:
+            raise PlanError(
+                f"precision={pins.precision!r} plans {mode} on the model captured in "
+                f"{dtype}: plan it with autopart.plan or parallelize, which capture it"
+            )
+        graph = captured if dtype is None or captured_in is None else captured_in(dtype)
+        try:
+            plans[mode] = make_plan(graph, mesh, pins.in_mode(mode))
+        except PlanError as e:
+            why_not[mode] = str(e)
+    if not plans:
+        raise PlanError(_refused_modes(pins.precision, why_not))
+    fastest = min(plans.values(), key=_step_time)
+    chosen = next(p for p in plans.values() if _step_time(p) <= (1 + SLACK) * _step_time(fastest))
+    return chosen.with_changes(precision_reason=_mode_reason(pins, chosen, plans, why_not))
+
+
+def _step_time(plan: Plan) -> float:
+    assert plan.predicted is not None  # make_plan's plans are priced
+    return plan.predicted.step_time_s
+
+
+def _mode_reason(
+    pins: Pins, chosen: Plan, plans: Mapping[str, Plan], why_not: Mapping[str, str]
+) -> str:
+    """Why `chosen`'s precision, in words: each other mode's plan against it, or why
+    that mode has none."""
+
+    def figures(plan: Plan) -> str:
+        assert plan.predicted is not None
+        p = plan.predicted
+        return (
+            f"{p.step_time_s * 1e3:.2f} ms a step and {format_bytes(p.peak_memory_bytes)} "
+            f"per rank (zero={plan.zero}, {plan.degrees})"
+        )
+
+    parts = [f"the {chosen.precision} plan is predicted at {figures(chosen)}"]
+    first = pins.modes[0]
+    for mode in pins.modes:
+        if mode == chosen.precision:
+            continue
+        if mode in why_not:
+            parts.append(f"{mode} has no plan here: {why_not[mode]}")
+            continue
+        plan = plans[mode]
+        if mode == first:
+            parts.append(
+                f"the {mode} plan at {figures(plan)}, slower by more than {SLACK:.0%}, "
+                f"the margin within which {first} is kept (it changes the math least)"
+            )
+        else:
+            parts.append(
+                f"the {mode} plan at {figures(plan)}, not faster by more than "
+                f"{SLACK:.0%}, so {first} is kept (it changes the math least)"
+            )
+    return "; ".join(parts)
 
 
 def _whole_batch(pins: Pins, mixing: list[str], mesh: Mesh, norms: list[str]) -> Pins:
@@ -481,6 +599,7 @@ def _plan_of(
         offload=choices.offload,
         master_weights=pins.master_weights,
         reduce_dtype=pins.reduce_dtype,
+        compiled=pins.compile,
         recompute=choices.recompute,
         recompute_attention=choices.recompute_attention,
         placements=_placements(captured, layouts.placements(choices.tp), choices.zero),
@@ -507,7 +626,10 @@ def _what_fits(
 ) -> str:
     """With every axis unpinned, the plan that would fit, as advice."""
     open_pins = _whole_batch(
-        Pins(precision=pins.precision, sharded_logits=pins.sharded_logits), mixing, mesh, norms
+        Pins(precision=pins.precision, sharded_logits=pins.sharded_logits, compile=pins.compile),
+        mixing,
+        mesh,
+        norms,
     )
     if pins == open_pins:
         return ""

@@ -354,7 +354,7 @@ def _price(
     (the cuts but for `REBALANCE_GAIN`), so once a plan is slower than the fastest that
     fits by more than the slack, so are the rest, and they are left as they are."""
     start, memory = time.perf_counter(), mesh.device.memory_bytes
-    models = CostModels.of(mesh, choices[0].precision) if choices else None
+    models = CostModels.of(mesh, choices[0].precision, choices[0].compiled) if choices else None
     out: list[Candidate] = []
     floors: dict = {}
     held: dict = {}  # (summary, tp, ep) -> the parameters a rank holds
@@ -432,7 +432,7 @@ def _with_inner_cuts(
     """The chosen pipeline with the inner model's cuts (it was priced with cuts
     balanced by compute), where they fit."""
     c = chosen.choices
-    models = CostModels.of(mesh, c.precision)
+    models = CostModels.of(mesh, c.precision, c.compiled)
     summary = layouts.summary(c.tp, c.sequence_parallel)
     problem = stage_problem_of(summary, c, dims, models, mesh.device.memory_bytes, False)
     choices, predicted = _inner(problem, summary, mesh, c, chosen.predicted, dims, models)
@@ -642,6 +642,7 @@ def _choices(
                         sync_every=pins.sync_every,
                         per_part_statistics=pins.per_part_statistics,
                         reduce_dtype=pins.reduce_dtype,
+                        compiled=pins.compile,
                         batch_product_loss=pins.batch_product_loss,
                     )
 

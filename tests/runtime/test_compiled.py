@@ -5,6 +5,7 @@ runs with the slow tests."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -98,3 +99,24 @@ def test_compiled_sixteen_bit_parameters_track_the_uncompiled_plan():
     for name, want in eager["params"].items():
         update = (want - init[name].detach()).norm()
         assert float((compiled["params"][name] - want).norm() / update) <= 0.03, name
+
+
+@pytest.mark.slow  # inductor's C++ compile
+def test_each_graphs_compile_time_is_logged_once(caplog):
+    """A stage's forward is compiled on its first call and its backward when backward
+    first reaches it (AOTAutograd compiles it lazily): each logged once, with its time."""
+    from torch import fx, nn
+
+    from autopart.runtime.compiled import Compiled
+
+    stage = Compiled(fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU())))
+    x = torch.randn(2, 4)
+    with caplog.at_level(logging.INFO, logger="autopart.compile"):
+        for _ in range(2):
+            stage(x).sum().backward()
+    logged = [r.getMessage() for r in caplog.records if r.name == "autopart.compile"]
+    assert [m.split(" of a graph")[0] for m in logged] == [
+        "autopart: inductor compiled the forward",
+        "autopart: inductor compiled the backward",
+    ]
+    assert all(m.endswith(" s") for m in logged)
