@@ -2,16 +2,21 @@
 and peak memory for every plan type that runs, on the tiny GPT-2 and Llama.
 
     python benchmarks/cost_model_fidelity.py [--epochs 6] [--steps 4] [--batch 16] [--seq 64]
-                                              [--fresh-pages]
+                                              [--fresh-pages] [--plans NAME,...]
 
 One Gloo world of local CPU processes per world size (1, 2 and 4), every plan of that
 world built once in it (`autopart.plan` on a first calibration, then
-`autopart.parallelize`). The world then runs `--epochs` epochs, each of which
+`autopart.parallelize`). Besides the axes, ZeRO stages and schedules, the runtime's
+modes: 16-bit parameters (`precision="bf16-params"`, captured and priced in bf16),
+ZeRO-3 with every block recomputed, and compiled programs (`compile=True`, inductor's
+C++ backend; each plan compiles in its warm-up). `--plans` runs only the plans named
+(`single-compiled`, ...). The world then runs `--epochs` epochs, each of which
 
     calibrates    `autopart.calibrate` on every rank at once (1-thread matmuls whose
-                  operands span the tiny models' (128² to 512²), copy bandwidth, the
-                  operator floor, and each collective at this world size), so that the
-                  profile is what a rank gets while its peers share the same cores;
+                  operands span the tiny models' (128² to 512²), in bf16 too where a
+                  plan computes in it, copy bandwidth, the operator floor, and each
+                  collective at this world size), so that the profile is what a rank
+                  gets while its peers share the same cores;
     predicts      every plan on `Mesh.local(device=<that profile>)`: the plan's choices
                   priced by `cost_models.predict`, as `autopart.plan` prices them;
     measures      the median seconds of `pm.train_step`, each step after a barrier, half
@@ -65,10 +70,12 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopart  # noqa: E402
+from autopart import testing  # noqa: E402
+from autopart.api import captured_for_planning  # noqa: E402
 from autopart.calibrate import calibrate  # noqa: E402
-from autopart.capture import BATCH, Captured, capture  # noqa: E402
+from autopart.capture import BATCH, Captured  # noqa: E402
 from autopart.cost_models import Choices, predict  # noqa: E402
-from autopart.passes import analyze  # noqa: E402
+from autopart.policy import PARAM_DTYPES  # noqa: E402
 from autopart.testing import run_world  # noqa: E402
 from tests.models import LM_FACTORIES, lm_loss, make_optimizer, token_batch  # noqa: E402
 
@@ -77,7 +84,11 @@ from tests.models import LM_FACTORIES, lm_loss, make_optimizer, token_batch  # n
 MODELS = ("gpt2", "llama")
 # Plan types by world size: a name and the pins that make it.
 PLANS: dict[int, dict[str, dict[str, Any]]] = {
-    1: {"single": {"dp": 1}},
+    1: {
+        "single": {"dp": 1},
+        "single-compiled": {"dp": 1, "compile": True},
+        "single-bf16-params": {"dp": 1, "precision": "bf16-params"},
+    },
     2: {
         "dp2": {"dp": 2},
         "tp2": {"tp": 2},
@@ -86,6 +97,9 @@ PLANS: dict[int, dict[str, dict[str, Any]]] = {
         "dp2-zero1": {"dp": 2, "zero": 1},
         "dp2-zero2": {"dp": 2, "zero": 2},
         "dp2-zero3": {"dp": 2, "zero": 3},
+        "dp2-zero3-recompute": {"dp": 2, "zero": 3, "recompute": "all"},
+        "dp2-zero1-bf16-params": {"dp": 2, "zero": 1, "precision": "bf16-params"},
+        "dp2-compiled": {"dp": 2, "compile": True},
     },
     4: {
         "dp4": {"dp": 4},
@@ -94,6 +108,7 @@ PLANS: dict[int, dict[str, dict[str, Any]]] = {
         "dp4-zero1": {"dp": 4, "zero": 1},
         "dp4-zero2": {"dp": 4, "zero": 2},
         "dp4-zero3": {"dp": 4, "zero": 3},
+        "dp4-zero3-recompute": {"dp": 4, "zero": 3, "recompute": "all"},
     },
 }
 # Calibration sized to the tiny models: square matmuls whose operands (64 KB to 1 MB)
@@ -116,11 +131,16 @@ def _world(profile_dir: str, options: dict[str, int]) -> list[dict[str, Any]]:
     world, load = dist.get_world_size(), os.getloadavg()[0]
     ids, target = token_batch(options["batch"], options["seq"])
     profile_at = lambda epoch: Path(profile_dir, f"cpu-world{world}-{epoch}.json")  # noqa: E731
-    mesh = _calibrated_mesh(profile_at("plan"))
-    captured = {name: _captured(LM_FACTORIES[name](), ids) for name in MODELS}
+    plans = {k: v for k, v in PLANS[world].items() if _chosen(k, options["plans"])}
+    precisions = sorted({pins.get("precision", "fp32") for pins in plans.values()})
+    dtypes = ("fp32", "bf16") if any(p != "fp32" for p in precisions) else ("fp32",)
+    mesh = _calibrated_mesh(profile_at("plan"), dtypes)
+    captured = {
+        (name, p): _captured(LM_FACTORIES[name](), ids, p) for name in MODELS for p in precisions
+    }
     runs, records = {}, []
     for model_name in MODELS:
-        for plan_name, pins in PLANS[world].items():
+        for plan_name, pins in plans.items():
             record = {"model": model_name, "plan": plan_name, "world": world}
             records.append(record)
             try:
@@ -135,8 +155,11 @@ def _world(profile_dir: str, options: dict[str, int]) -> list[dict[str, Any]]:
     for epoch in range(options["epochs"]):
         half = options["steps"] // 2
         times = _step_times(steps, half)  # one half of the steps before calibrating ...
-        mesh = _calibrated_mesh(profile_at(epoch))
-        predicted = {key: _predicted(captured[key[0]], mesh, pm.plan) for key, pm in runs.items()}
+        mesh = _calibrated_mesh(profile_at(epoch), dtypes)
+        predicted = {
+            key: _predicted(captured[key[0], pm.plan.precision], mesh, pm.plan)
+            for key, pm in runs.items()
+        }
         after = _step_times(steps, options["steps"] - half)  # ... and one half after
         measured = {key: statistics.median(times[key] + after[key]) for key in steps}
         epochs.append((predicted, measured))
@@ -151,11 +174,18 @@ def _world(profile_dir: str, options: dict[str, int]) -> list[dict[str, Any]]:
     return records
 
 
-def _calibrated_mesh(path: Path) -> autopart.Mesh:
-    """This world, described by a profile every rank measures now (rank 0 writes it)."""
+def _chosen(plan_name: str, only: str | None) -> bool:
+    """Whether `--plans` (names, comma-separated; None: all) asks for this plan."""
+    return only is None or plan_name in only.split(",")
+
+
+def _calibrated_mesh(path: Path, dtypes: Sequence[str] = ("fp32",)) -> autopart.Mesh:
+    """This world, described by a profile every rank measures now (rank 0 writes it),
+    its matmuls in `dtypes`."""
     calibrate(
         path,
         sizes=MATMUL_SIZES,
+        dtypes=dtypes,
         messages=MESSAGES,
         copy_bytes=COPY_BYTES,
         name=path.stem.rsplit("-", 1)[0],
@@ -165,10 +195,10 @@ def _calibrated_mesh(path: Path) -> autopart.Mesh:
     return autopart.Mesh.local(device=path)
 
 
-def _captured(model: torch.nn.Module, ids: torch.Tensor) -> Captured:
-    captured = capture(model, (ids,))
-    analyze(captured.gm, captured.context())
-    return captured
+def _captured(model: torch.nn.Module, ids: torch.Tensor, precision: str) -> Captured:
+    """`model` captured and analyzed as a plan at `precision` prices it: in bf16 for
+    16-bit parameters."""
+    return captured_for_planning(model, (ids,), param_dtype=PARAM_DTYPES.get(precision))
 
 
 def _build(model_name: str, mesh: autopart.Mesh, ids: torch.Tensor, pins: dict[str, Any]):
@@ -319,6 +349,13 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--worlds", default="1,2,4")
     parser.add_argument("--profiles", help="where to keep the device profiles (a temp dir)")
+    parser.add_argument("--plans", help="only these plans, by name, comma-separated")
+    parser.add_argument(
+        "--world-timeout",
+        type=float,
+        default=4 * 3600,
+        help="seconds a world may run (compiling and bf16 steps on a busy host are slow)",
+    )
     parser.add_argument(
         "--fresh-pages",
         action="store_true",
@@ -333,12 +370,21 @@ def main() -> None:
         # price (PyTorch's CPU tuning guide recommends jemalloc or tcmalloc for this).
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
         os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
-    options = {"epochs": args.epochs, "steps": args.steps, "batch": args.batch, "seq": args.seq}
+    testing.WORLD_TIMEOUT_S = args.world_timeout
+    options = {
+        "epochs": args.epochs,
+        "steps": args.steps,
+        "batch": args.batch,
+        "seq": args.seq,
+        "plans": args.plans,
+    }
     lines, loads = [], {}
     if args.profiles:
         Path(args.profiles).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for world in (int(w) for w in args.worlds.split(",")):
+            if not any(_chosen(name, args.plans) for name in PLANS[world]):
+                continue
             per_rank = run_world(_world, world, args.profiles or tmp, options)
             for records in zip(*per_rank):
                 lines.append(_line(records))
