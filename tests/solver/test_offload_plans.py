@@ -17,7 +17,7 @@ from autopart.plan import PlanError
 from tests.harness import plan_lm
 from tests.models import llama2_7b_on_meta
 
-SEQUENCES, SHORT, LONG, LONGER = 8, 4096, 96 * 1024, 128 * 1024
+SEQUENCES, SHORT, LONG, LONGER = 8, 4096, 96 * 1024, 160 * 1024
 MESH = Mesh.cluster("a10-24g", nodes=1, per_node=8)
 
 
@@ -48,7 +48,7 @@ def test_a_7b_model_on_8_24gb_devices_offloads_only_where_nothing_else_fits():
 
 @pytest.mark.slow
 def test_fp32_master_weights_on_the_host_fit_what_offload_alone_cannot():
-    """At 128k tokens not even the offloaded plans fit; the refusal says that keeping the
+    """At 160k tokens not even the offloaded plans fit; the refusal says that keeping the
     master weights on the host would, and with it pinned the plan fits, its device
     weights and gradients half the bytes of the offloaded plan's at 96k."""
     memory = MESH.device.memory_bytes
