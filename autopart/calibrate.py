@@ -9,15 +9,25 @@
                   multiplication of two scalars, 3 µs; a graph operator, which may run
                   several (a linear layer: a transpose and a matmul, in backward two
                   matmuls and a sum), about 9 µs on a 2-core x86 host.
-    matmul        n×n @ n×n for each size and dtype (128 to 2048 on a CPU, 256 to 8192 on
-                  a GPU), median time t(n). The compute
-                  model's curve, efficiency n/(n + n½) of a peak P plus a call's
-                  overhead c (a 1×1 matmul), says t(n) − c = 2n³/P + 2n²·n½/P: linear in
-                  1/P and n½/P, fitted by least squares on relative error over the sizes
-                  that take at least 4 calls. A fit that extrapolates P beyond 1.25× the
-                  best rate of those sizes (the curve has not saturated, or is noisy)
-                  keeps P at that rate and fits n½ alone. P becomes `peak_flops[dtype]`
-                  and `matmul_efficiency` is 1.0 (a measured peak is achievable).
+    matmul        a linear layer's three products (`cost_models.compute.LINEAR_PRODUCTS`:
+                  forward x @ Wᵀ, input gradient g @ W, weight gradient gᵀ @ x) of n×n
+                  operands, each in its own operand layout, for each size and dtype
+                  (fp32 and bf16 by default; 128 to 2048 on a CPU, 16-bit ones to 1024
+                  there, 256 to 8192 on a GPU), median time t(n). The compute model's
+                  curve, efficiency n/(n + n½) of a peak P plus a call's overhead c (a
+                  1×1 product in the same layout), says t(n) − c = 2n³/P + 2n²·n½/P:
+                  linear in 1/P and n½/P, fitted by least squares on relative error over
+                  the sizes that take at least 4 calls. A fit that extrapolates P beyond
+                  1.25× the best rate of those sizes (the curve has not saturated, or is
+                  noisy) keeps P at that rate and fits n½ alone. Each product's (P, n½)
+                  goes to `matmul_products[dtype]`; the input gradient's, both operands
+                  as stored, is also `peak_flops[dtype]` and `matmul_half_dim` (the
+                  first dtype's), which price other contractions. `matmul_efficiency` is
+                  1.0 (a measured peak is achievable).
+    attention     on a CPU, fused attention (`scaled_dot_product_attention`) of a few
+                  shapes per dtype, causal and full, forward and backward: t less the
+                  operator floor = FLOPs · f + rows · r (rows: batch × heads × queries),
+                  fitted by least squares on relative error: `attention_rates[dtype]`.
     memory        a large copy: 2 × its bytes (read and written) over the median time.
     functions     on a CPU, each transcendental the compute model prices by its
                   evaluations (`cost_models.work.FUNCTIONS`: exp, tanh, gelu, ...) on
@@ -105,13 +115,19 @@ import torch.distributed as dist
 
 from autopart.capture import BATCH, capture
 from autopart.cost_models.comm import ring_steps, ring_volume
-from autopart.cost_models.compute import ComputeModel, backward_factor
+from autopart.cost_models.compute import LINEAR_PRODUCTS, ComputeModel, backward_factor
 from autopart.cost_models.work import FUNCTIONS, node_work
-from autopart.mesh import DTYPE_NAMES, PRESETS, DeviceSpec, Mesh, gpu_preset
+from autopart.mesh import PRESETS, DeviceSpec, Mesh, gpu_preset
 from autopart.ops.flat_buckets import REDUCE_DEPTH
 from autopart.passes import analyze
 
 DEFAULT_SIZES = (128, 256, 512, 1024, 2048)
+# On a CPU without 16-bit instructions a 16-bit product runs at a few GFLOP/s: sizes up
+# to this dim keep a calibration within minutes there.
+CPU_HALF_MAX_DIM = 1024
+# Fused attention's shapes (batch, heads, queries = keys, head dim): at the same rows,
+# FLOPs 4× apart, then other rows and head dims, small enough for a CPU's bf16 backward.
+ATTENTION_SHAPES = ((8, 4, 64, 32), (2, 4, 256, 32), (4, 4, 128, 16), (2, 2, 128, 64))
 # A GPU's matmuls saturate only at thousands (an H100's bf16 rate at 2048 is about half
 # its rate at 8192): sizes that stop short would cap the fitted peak (MAX_EXTRAPOLATION).
 GPU_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -142,7 +158,9 @@ MAX_ROUND_FACTOR = 2
 # about the device.
 #   matmul peak   a CPU core's BLAS runs well above 1 GFLOP/s (one AVX2 FMA unit at
 #                 1 GHz: 16 fp32 FLOP a cycle), a whole CPU below 20 TFLOP/s; a GPU
-#                 above 100 GFLOP/s and, dense, below 5 PFLOP/s (a B200's fp16 is 2.25)
+#                 above 100 GFLOP/s and, dense, below 5 PFLOP/s (a B200's fp16 is 2.25);
+#                 a CPU without 16-bit instructions converts every 16-bit element, and
+#                 in some operand layouts runs its 16-bit products below 1 GFLOP/s
 #   memory copy   a DDR channel streams several GB/s; HBM3e about 8 TB/s
 #   functions     torch evaluates exp, tanh, gelu, ... vectorized (Sleef): a core
 #                 reaches about 1 G/s or more, and libm's scalar calls 50 M/s; above
@@ -154,6 +172,7 @@ MAX_ROUND_FACTOR = 2
 #                 the model or the measurement is wrong
 PLAUSIBLE: dict[str, tuple[float, float]] = {
     "matmul cpu": (1e9, 2e13),
+    "matmul cpu 16-bit": (1e8, 2e13),
     "matmul cuda": (1e11, 5e15),
     "memory bandwidth": (1e9, 1.5e13),
     "function": (2e8, 2e10),  # per thread: the upper bound times torch's threads
@@ -227,24 +246,38 @@ def calibrate(
         if torch.cuda.is_available()
         else (torch.device("cpu"))
     )
-    dtypes = tuple(dtypes or (("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32",)))
+    dtypes = tuple(
+        dtypes or (("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32", "bf16"))
+    )
     sizes = sizes or (GPU_SIZES if device.type == "cuda" else DEFAULT_SIZES)
     ops = ops if world > 1 else ()
     # On a CPU, where collectives cannot hide behind compute, ZeRO-3's are measured as
     # it runs them too.
     stream = device.type == "cpu" and {"all_gather", "reduce_scatter"} <= set(ops)
-    steps = len(dtypes) * len(sizes) + 5 + (len(ops) + stream) * len(messages)
+    attention = device.type == "cpu"
+    steps = len(dtypes) * (len(sizes) * len(LINEAR_PRODUCTS) + attention)
+    steps += 5 + (len(ops) + stream) * len(messages)
     progress = Progress(steps, rank == 0)
 
     launch = _operator_floor(device, repeats)
     progress.step("operator floor")
-    peaks, half_dims = {}, {}
+    products: dict[str, dict[str, dict[str, float]]] = {}
     for dtype in dtypes:
-        measured = _matmul_times(sizes, DTYPES[dtype], device, repeats)
-        call = measured.pop(1)
-        peaks[dtype], half_dims[dtype] = fit_matmul_curve(measured, call)
-        for n in sizes:
-            progress.step(f"matmul {dtype} {n}")
+        products[dtype] = {}
+        for product in LINEAR_PRODUCTS:
+            measured = _product_times(
+                _sizes_for(sizes, dtype, device), dtype, product, device, repeats
+            )
+            call = measured.pop(1)
+            peak, half = fit_matmul_curve(measured, call)
+            products[dtype][product] = {"peak": peak, "half_dim": half}
+            for n in sizes:
+                progress.step(f"matmul {dtype} {product} {n}")
+    plain = {dtype: fits["grad_input"] for dtype, fits in products.items()}  # both as stored
+    attention_rates = {}
+    for dtype in dtypes if attention else ():
+        attention_rates[dtype] = _attention_fits(dtype, launch, device, repeats)
+        progress.step(f"attention {dtype}")
     bandwidth = _copy_bandwidth(copy_bytes, device, repeats)
     progress.step("memory bandwidth")
     rates = _function_rates(device, repeats) if device.type == "cpu" else {}
@@ -260,10 +293,13 @@ def calibrate(
     for nbytes in messages if stream else ():
         progress.step(f"ZeRO-3 bucket {nbytes // 1024} KiB")
 
+    peaks = {dtype: fit["peak"] for dtype, fit in plain.items()}
     spec = _profile(device, world, name, peaks, bandwidth, launch, collectives)
     spec = replace(
         spec,
-        matmul_half_dim=half_dims[dtypes[0]],
+        matmul_half_dim=plain[dtypes[0]]["half_dim"],
+        matmul_products=products,
+        attention_rates=attention_rates,
         function_rates=rates,
         optimizer_tensor_s=optimizer,
         zero3_bucket=zero3_bucket,
@@ -283,7 +319,7 @@ def calibrate(
     )
     if rank == 0:
         Path(output_path).write_text(json.dumps(spec.to_json(), indent=2) + "\n")
-        _report(spec, half_dims, output_path)
+        _report(spec, output_path)
     return spec
 
 
@@ -429,8 +465,16 @@ def implausible(spec: DeviceSpec, device_type: str, threads: int) -> list[str]:
                 f"{high:.3g} {unit}; the host may be busy, or the measurement wrong"
             )
 
+    def matmul(dtype: str) -> str:
+        wide = device_type != "cpu" or dtype in ("fp32", "fp64")
+        return f"matmul {device_type}" + ("" if wide else " 16-bit")
+
     for dtype, peak in spec.peak_flops.items():
-        check(f"matmul {dtype} peak", peak, f"matmul {device_type}", "FLOP/s")
+        check(f"matmul {dtype} peak", peak, matmul(dtype), "FLOP/s")
+    for dtype, fits in spec.matmul_products.items():
+        for product, fit in fits.items():
+            if product != "grad_input":  # its peak is peak_flops[dtype], checked above
+                check(f"matmul {dtype} {product}", fit["peak"], matmul(dtype), "FLOP/s")
     check("memory bandwidth", spec.memory_bandwidth, "memory bandwidth", "bytes/s")
     for fn, rate in spec.function_rates.items():
         check(f"function {fn}", rate, "function", "evaluations/s", max(threads, 1))
@@ -484,18 +528,92 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _matmul_times(
-    sizes: Sequence[int], dtype: torch.dtype, device: torch.device, repeats: int
+def _sizes_for(sizes: Sequence[int], dtype: str, device: torch.device) -> tuple[int, ...]:
+    """The sizes timed for `dtype`: on a CPU, 16-bit ones up to `CPU_HALF_MAX_DIM` (the
+    smallest size where none is that small)."""
+    if device.type == "cuda" or dtype == "fp32":
+        return tuple(sizes)
+    return tuple(n for n in sizes if n <= CPU_HALF_MAX_DIM) or (min(sizes),)
+
+
+def _product_times(
+    sizes: Sequence[int], dtype: str, product: str, device: torch.device, repeats: int
 ) -> dict[int, float]:
-    """n×n @ n×n for each size, and 1×1 @ 1×1 under the key 1: a call's own cost."""
-    calls = {n: _matmul_call(n, dtype, device) for n in (1, *sizes)}
-    return _median_times(calls, device, repeats, f"matmul {DTYPE_NAMES[dtype]}")
+    """A linear layer's `product` of n×n operands for each size, and of 1×1 ones under
+    the key 1: a call's own cost."""
+    calls = {n: _product_call(n, DTYPES[dtype], product, device) for n in (1, *sizes)}
+    return _median_times(calls, device, repeats, f"matmul {dtype} {product}")
 
 
-def _matmul_call(n: int, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    return lambda: a @ b
+def _product_call(
+    n: int, dtype: torch.dtype, product: str, device: torch.device
+) -> Callable[[], object]:
+    """One of a linear layer's products (y = x @ Wᵀ, W stored out × in) in its operands'
+    layout: forward x @ Wᵀ, grad_input g @ W, grad_weight gᵀ @ x."""
+    x, w, g = (torch.randn(n, n, device=device).to(dtype) for _ in range(3))
+    calls: dict[str, Callable[[], object]] = {
+        "forward": lambda: x @ w.t(),
+        "grad_input": lambda: g @ w,
+        "grad_weight": lambda: g.t() @ x,
+    }
+    return calls[product]
+
+
+def _attention_fits(
+    dtype: str, launch: float, device: torch.device, repeats: int
+) -> dict[str, dict[str, dict[str, float]]]:
+    """{"full" | "causal": {"forward" | "backward": {"flop_s", "row_s"}}}: fused
+    attention in `dtype` over `ATTENTION_SHAPES`, each direction's time less its
+    operator floors (one forward, two backward, as the compute model counts them) fitted
+    as FLOPs · flop_s + rows · row_s, the FLOPs counted full (4 · rows · keys · head
+    dim, 2× backward), causal or not, as the compute model counts them."""
+    calls: dict[tuple[str, str, int], Callable[[], object]] = {}
+    for causal in (False, True):
+        for i, shape in enumerate(ATTENTION_SHAPES):
+            mask = "causal" if causal else "full"
+            forward, both = _attention_calls(shape, DTYPES[dtype], causal, device)
+            calls[(mask, "forward", i)], calls[(mask, "both", i)] = forward, both
+    times = _median_times(calls, device, repeats, f"attention {dtype}")
+    fits: dict[str, dict[str, dict[str, float]]] = {}
+    for mask in ("full", "causal"):
+        rows: dict[str, list[tuple[float, float, float]]] = {"forward": [], "backward": []}
+        for i, (batch, heads, length, head) in enumerate(ATTENTION_SHAPES):
+            queries = batch * heads * length
+            flops = 4.0 * queries * length * head
+            ahead = times[(mask, "forward", i)]
+            back = times[(mask, "both", i)] - ahead
+            rows["forward"].append((flops, queries, max(ahead - launch, 1e-9)))
+            rows["backward"].append((2 * flops, queries, max(back - 2 * launch, 1e-9)))
+        fits[mask] = {direction: _rows_and_flops(r) for direction, r in rows.items()}
+    return fits
+
+
+def _attention_calls(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, causal: bool, device: torch.device
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """Fused attention of `shape` (batch, heads, length, head dim): its forward, and its
+    forward and backward."""
+    q, k, v = (torch.randn(shape, device=device).to(dtype).requires_grad_() for _ in range(3))
+    grad = torch.randn(shape, device=device).to(dtype)
+    attend = partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, is_causal=causal)
+    return attend, lambda: attend().backward(grad)
+
+
+def _rows_and_flops(rows: Sequence[tuple[float, float, float]]) -> dict[str, float]:
+    """{"flop_s", "row_s"}: t = FLOPs · flop_s + rows · row_s fitted on relative error
+    over (FLOPs, rows, t); where one term comes out negative, the other alone."""
+    per_flop, per_row = _relative_fit(rows)
+    if per_flop < 0:
+        per_flop, per_row = 0.0, _one_term([(x2, y) for _, x2, y in rows])
+    elif per_row < 0:
+        per_flop, per_row = _one_term([(x1, y) for x1, _, y in rows]), 0.0
+    return {"flop_s": per_flop, "row_s": per_row}
+
+
+def _one_term(rows: Sequence[tuple[float, float]]) -> float:
+    """a minimizing Σ ((a·x − y) / y)² over rows (x, y)."""
+    ratios = [x / y for x, y in rows]
+    return sum(ratios) / sum(r * r for r in ratios)
 
 
 def _copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
@@ -960,12 +1078,16 @@ def _memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _report(spec: DeviceSpec, half_dims: dict[str, float], path: str | os.PathLike) -> None:
+def _report(spec: DeviceSpec, path: str | os.PathLike) -> None:
     assert spec.optimizer_tensor_s is not None, "calibrate measures it"
     rates = ", ".join(f"{fn} {rate / 1e9:.2f}" for fn, rate in spec.function_rates.items())
-    peaks = ", ".join(
-        f"{k} {v / 1e9:.1f} GFLOP/s (half at n≈{half_dims[k]:.0f})"
-        for k, v in spec.peak_flops.items()
+    peaks = "; ".join(
+        f"{dtype} "
+        + ", ".join(
+            f"{product} {fit['peak'] / 1e9:.1f} GFLOP/s (half at n≈{fit['half_dim']:.0f})"
+            for product, fit in fits.items()
+        )
+        for dtype, fits in spec.matmul_products.items()
     )
     sys.stderr.write(
         f"{spec.name}: {peaks}; memory {spec.memory_bandwidth / 1e9:.1f} GB/s; "

@@ -68,6 +68,15 @@ class DeviceSpec:
     # (gathered in forward and in backward, reduce-scattered) add to a step, {"alpha": s
     # per ring step, "beta": s per byte of the bucket sent}; empty where not measured.
     zero3_bucket: dict[str, float] = field(default_factory=dict)
+    # Measured by `autopart calibrate`: each of a linear layer's three products per
+    # dtype, {dtype: {"forward" | "grad_input" | "grad_weight": {"peak": FLOP/s,
+    # "half_dim": n½}}}, whose operand layouts a CPU may run at very different rates
+    # (`cost_models.compute`); empty: every product on the `peak_flops` curve.
+    matmul_products: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    # Measured on a CPU by `autopart calibrate`: fused attention per dtype, {dtype:
+    # {"full" | "causal": {"forward" | "backward": {"flop_s": s per FLOP, "row_s": s per
+    # query row of a head}}}}; empty: attention on the `peak_flops` curve.
+    attention_rates: dict[str, dict[str, dict[str, dict[str, float]]]] = field(default_factory=dict)
     # Measured evaluations/s of transcendental functions ("exp", "tanh", ...) from
     # `autopart calibrate`; absent, they are priced by memory traffic alone.
     function_rates: dict[str, float] = field(default_factory=dict)

@@ -32,6 +32,23 @@ dim at which a matmul reaches half of that. Small and skinny matmuls fill few ti
 waves of the device and run far below peak; the bytes term of the roofline covers the
 ones that become memory-bound. For attention d is the head dim.
 
+Layouts. A calibrated profile carries a curve (peak, d½) for each of a linear layer's
+three products per dtype (`DeviceSpec.matmul_products`, `LINEAR_PRODUCTS`): its forward
+x @ Wᵀ reads the weight transposed, its input gradient g @ W reads both operands as
+stored, its weight gradient gᵀ @ x reads the first transposed. A library may run them
+at very different rates: where a CPU lacks 16-bit instructions, ATen's bf16 product
+with both operands as stored runs several times slower than with one transposed. Each
+matrix product is priced as the products it runs (`LAYOUT_PRODUCTS`, by the layout of
+its forward, `NodeWork.layout`), forward and backward on their own curves. Other
+contractions, and profiles without these curves, take `peak_flops` and d½ as above.
+
+Attention on a CPU. A calibrated CPU profile carries fused attention's measured cost per
+dtype, causal and full, forward and backward (`DeviceSpec.attention_rates`): seconds per
+query row of each head plus seconds per FLOP, fitted over a few shapes. ATen's CPU
+kernel computes in blocks of query rows, and in bf16 its backward costs far more per
+row than in fp32; the measured cost includes its exponentials (`function_time` then
+adds none).
+
 The curve was fitted on an H100 SXM 80GB (PyTorch 2.11, CUDA 13, bf16): with
 matmul_efficiency 0.75 and d½ = 64 the roofline predicts the 18 measured matmul shapes
 that run for 100 µs or more (m, n, k from 16 to 16384) within −12% / +7%, where any d½
@@ -99,6 +116,20 @@ DEFAULT_HALF_DIM = 64.0
 BACKWARD_CONTRACTION = 2.0  # backward / forward for matmuls, attention, convolutions
 BACKWARD_OTHER = 1.0  # backward / forward for everything else
 ADAM_OPERATORS_PER_TENSOR = 10  # torch.optim.adam._single_tensor_adam, AdamW included
+# A linear layer's three products (y = x @ Wᵀ), each timed by `autopart calibrate` in
+# its own operand layout (`DeviceSpec.matmul_products`): forward x @ Wᵀ (the second
+# operand transposed), grad_input g @ W (both as stored), grad_weight gᵀ @ x (the first
+# transposed).
+LINEAR_PRODUCTS = ("forward", "grad_input", "grad_weight")
+# A matrix product's forward, its first operand's gradient and its second's, as the
+# linear's products whose layouts they run in, by the forward's layout
+# (`NodeWork.layout`): C = A @ Bᵀ runs as a linear does; C = A @ B runs its forward as a
+# linear's grad_input, A's gradient G @ Bᵀ as its forward, B's gradient Aᵀ @ G as its
+# grad_weight.
+LAYOUT_PRODUCTS: dict[str, tuple[str, str, str]] = {
+    "nt": ("forward", "grad_input", "grad_weight"),
+    "nn": ("grad_input", "forward", "grad_weight"),
+}
 COMPUTE_DTYPES: dict[str, str] = {
     Precision.FP32: "fp32",
     Precision.BF16_MIXED: "bf16",
@@ -149,6 +180,9 @@ class ComputeModel:
         # The floor of an operator's dispatch, or of a compiled kernel's or library call's.
         self.launch = device.kernel_launch_s * (COMPILED_FLOOR if compiled else 1.0)
         self.contraction_peak = device.flops_for(COMPUTE_DTYPES[precision])
+        # The calibrated curves of the compute dtype's products and attention, if any.
+        self.products = device.matmul_products.get(COMPUTE_DTYPES[precision], {})
+        self.attention = device.attention_rates.get(COMPUTE_DTYPES[precision], {})
         self.vector_peak = device.flops_for("fp32")
         self.scale = device.compute_scale
         # A GPU preset prices contractions by shape (gemm.py); the search asks for the
@@ -184,12 +218,50 @@ class ComputeModel:
         """Seconds of a contraction's arithmetic: its forward, or its backward's (2× the
         FLOPs: for a matmul the products (m, k, n) and (k, n, m))."""
         if self.cores is None or work.shape is None:
+            measured = self._measured_math(work, backward)
+            if measured is not None:
+                return measured
             eff = self.efficiency(*work.shape) if work.shape else self.device.matmul_efficiency
             return work.flops / (self.contraction_peak * eff) * (2 if backward else 1)
         key = (work.kind, work.shape, work.flops, work.causal, backward)
         if key not in self._math:
             self._math[key] = self._shaped_math(work, backward)
         return self._math[key]
+
+    def _measured_math(self, work: NodeWork, backward: bool) -> float | None:
+        """Seconds of a contraction's arithmetic from the profile's measurements of its
+        kind, where it has them: a matrix product's products on their layouts' curves
+        (`LAYOUT_PRODUCTS`), fused attention by its rows and FLOPs (module docstring)."""
+        if work.shape is None:
+            return None
+        if work.kind == ATTENTION:
+            fit = self._attention_fit(work, backward)
+            if fit is None:
+                return None
+            _, keys, head = work.shape
+            rows = work.flops / (4 * keys * head)  # batch × heads × queries
+            return rows * fit["row_s"] + work.flops * (2 if backward else 1) * fit["flop_s"]
+        products = LAYOUT_PRODUCTS.get(work.layout or "")
+        if products is None or not all(p in self.products for p in products):
+            return None
+        forward, grad_first, grad_second = products
+        runs = (grad_first, grad_second) if backward else (forward,)
+        d = min(work.shape)
+        seconds = 0.0
+        for product in runs:
+            fit = self.products[product]
+            efficiency = self.device.matmul_efficiency * d / (d + fit["half_dim"])
+            seconds += work.flops / (fit["peak"] * efficiency)
+        return seconds
+
+    def _measures_whole(self, work: NodeWork) -> bool:
+        """Whether the profile's measurement prices this attention whole."""
+        return self.cores is None and work.shape is not None and bool(self._attention_fit(work))
+
+    def _attention_fit(self, work: NodeWork, backward: bool = False) -> Mapping[str, float] | None:
+        """The profile's measured attention of this kind and direction, if any."""
+        by_mask = self.attention.get("causal" if work.causal else "full", {})
+        return by_mask.get("backward" if backward else "forward")
 
     def _shaped_math(self, work: NodeWork, backward: bool) -> float:
         assert self.cores is not None and work.shape is not None
@@ -266,7 +338,10 @@ class ComputeModel:
 
     def function_time(self, work: NodeWork) -> float:
         """Evaluations of a transcendental over the device's measured rate for it
-        (`DeviceSpec.function_rates`; none measured: the roofline alone)."""
+        (`DeviceSpec.function_rates`; none measured: the roofline alone); none for an
+        attention whose measured time includes them (`_measured_math`)."""
+        if work.kind == ATTENTION and self._measures_whole(work):
+            return 0.0
         rate = self.device.function_rates.get(work.function) if work.function else None
         return work.evaluations / rate if rate else 0.0
 

@@ -96,6 +96,10 @@ class NodeWork:
     in_attention_core: bool = False  # what selective recomputation recomputes
     core_frees_bytes: float = 0.0  # on a core's first operator: what recomputing it frees
     shape: tuple[float, float, float] | None = None  # (m, n, k) of a contraction
+    # A matrix product's operand layout (`matmul_layout`): "nt" where it reads its second
+    # operand transposed (a linear layer, x @ W^T), "nn" where both are as stored; None
+    # for other contractions.
+    layout: str | None = None
     tp_sharded: bool = False  # split over the tensor-parallel axis (Megatron layout)
     # Split, but what it saves for backward is a replicated operand (the input of a
     # column-parallel product), whole on every tp rank.
@@ -234,6 +238,7 @@ def node_work(
         in_attention_core=ATTENTION_CORE.has(node),
         core_frees_bytes=evaluate(CORE_FREES_BYTES.get(node, 0), dims),
         shape=shape,
+        layout=matmul_layout(node, name),
         tp_sharded=tp_sharded,
         dispatched=node.op in _CALLS and name not in HOST_ONLY,
         function=function,
@@ -252,6 +257,47 @@ def node_work(
 def is_low_precision(info: object) -> bool:
     """Whether a value's captured dtype is a 16-bit float (what autocast computes in)."""
     return isinstance(info, TensorInfo) and info.dtype in LOW_PRECISION_DTYPES
+
+
+# Matrix products whose second operand is (batch, ) k × n; addmm and baddbmm take it
+# third, after the term they add.
+_PRODUCTS = {"mm": 1, "bmm": 1, "matmul": 1, "addmm": 2, "baddbmm": 2}
+_TRANSPOSES = frozenset({"t", "transpose", "permute"})
+
+
+def matmul_layout(node: fx.Node, name: str) -> str | None:
+    """ "nt" for a product that reads its second operand transposed: a linear layer (its
+    weight is stored out × in), or a product whose second operand is a transpose of its
+    last two dims (`t`, as torch.export writes a linear; a key's transpose in eager
+    attention); "nn" for any other matrix product; None for convolutions, grouped
+    products, einsum and attention, priced by one curve."""
+    if name == "linear":
+        return "nt"
+    position = _PRODUCTS.get(name)
+    if position is None:
+        return None
+    operands = [*node.args, *node.kwargs.values()]
+    second = operands[position] if len(operands) > position else None
+    return "nt" if isinstance(second, fx.Node) and _swaps_last_two(second) else "nn"
+
+
+def _swaps_last_two(node: fx.Node) -> bool:
+    """Whether `node` is a view of its input with the last two dims swapped."""
+    name = op_name(node)
+    if name == "t":
+        return True
+    out = SHAPE.get(node)
+    if name not in _TRANSPOSES or not isinstance(out, TensorInfo) or len(out.shape) < 2:
+        return False
+    rank = len(out.shape)
+    args = node.args[1:]
+    dims = list(args[0]) if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+    wrapped = [d % rank for d in dims if isinstance(d, int)]
+    if len(wrapped) != len(dims):
+        return False
+    if name == "transpose":
+        return sorted(wrapped) == [rank - 2, rank - 1]
+    return wrapped == [*range(rank - 2), rank - 1, rank - 2]
 
 
 def op_kind(name: str) -> str:

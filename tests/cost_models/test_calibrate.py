@@ -200,14 +200,15 @@ def test_the_profile_records_the_hosts_load_and_the_warnings(tmp_path, monkeypat
     monkeypatch.setattr(cal.os, "getloadavg", lambda: next(loads))
     monkeypatch.setattr(cal, "_operator_floor", lambda device, repeats: 1137e-6)
 
-    def matmuls(sizes, dtype, device, repeats):
+    def matmuls(sizes, dtype, product, device, repeats):
         return {1: 1e-6, **{n: 1e-6 + 2 * n**3 / 1e10 for n in sizes}}
 
     def functions(device, repeats):
         cal._warn("function gelu 16384: not stable after 10 samples, spread 80%")
         return {"gelu": 1e9}
 
-    monkeypatch.setattr(cal, "_matmul_times", matmuls)
+    monkeypatch.setattr(cal, "_product_times", matmuls)
+    monkeypatch.setattr(cal, "_attention_fits", lambda dtype, launch, device, repeats: {})
     monkeypatch.setattr(cal, "_copy_bandwidth", lambda nbytes, device, repeats: 1e10)
     monkeypatch.setattr(cal, "_function_rates", functions)
     monkeypatch.setattr(cal, "_optimizer_per_tensor", lambda device, bw, repeats: 3e-5)
