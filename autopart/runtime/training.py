@@ -1,6 +1,10 @@
-"""The training loop's options: how a step clips, which batch each rank passes, and
-what a step with a non-finite loss does. None of them changes the plan: a plan made
-with them and without them is the same plan.
+"""The training loop's options: how a step clips, which batch each rank passes, what a
+step with a non-finite loss does, and whether the programs run compiled. The first
+three never change the plan: a plan made with them and without them is the same plan.
+`compile` is the plan's own: `parallelize(..., compile=True)` pins it
+(`Pins.compile`), the plan records it (`Plan.compiled`) and the cost models price the
+compiled programs (`Choices.compiled`, `cost_models/fusion.py`); this option carries
+`Plan.compiled` to the runtime.
 
     max_grad_norm   clip the gradients to this global norm (over the whole model,
                     every shard and stage counted once), as torch.nn.utils.clip_grad_norm_
@@ -11,7 +15,8 @@ with them and without them is the same plan.
     skip_nonfinite  a step whose loss or gradient norm is inf or NaN is skipped either
                     way (parameters and optimizer state untouched); by default every rank
                     then raises NonFiniteLoss, with this set it counts the step and goes on
-    compile         run each rank's programs compiled by inductor (runtime/compiled.py)
+    compile         run each rank's programs compiled by inductor (runtime/compiled.py),
+                    as `Plan.compiled` says
 """
 
 from __future__ import annotations
