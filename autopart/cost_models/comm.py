@@ -54,7 +54,10 @@ behind compute. Gloo runs collectives on CPU threads of the same processes: with
 rank per core, as autopart's CPU worlds run, every core is computing, and a collective
 in flight takes cycles from compute (its copies, reductions and loopback TCP) and waits
 on peers that are themselves computing. `CommModel.overlaps_compute` is therefore False
-on a running Gloo mesh, and the plan's communication is priced as serial with compute.
+on a running Gloo mesh and on a CPU planned for (`is_cpu`: the `cpu` preset, a profile
+calibrated on a CPU), and the plan's communication is priced as serial with compute:
+data parallelism's gradient buckets, reduced while backward goes on, add their whole
+time to the step, not only the last bucket's.
 (Measured on a 2-core host, world 2: ZeRO-3's 12 per-bucket collectives of tiny GPT-2
 added about 10 ms to the step, not the 2 ms that would show if they hid behind forward
 and backward.) Nor do ZeRO-3's collectives, prefetched and reduced while compute goes
@@ -76,7 +79,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autopart.mesh import Mesh
+from autopart.mesh import PRESETS, DeviceSpec, Mesh
 
 ALL_REDUCE = "all_reduce"
 ALL_GATHER = "all_gather"
@@ -90,6 +93,14 @@ SEND_RECV = "send_recv"
 EXCHANGE = "exchange"
 COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, SEND_RECV)
 POINT_TO_POINT = (SEND_RECV, EXCHANGE)
+
+
+def is_cpu(device: DeviceSpec) -> bool:
+    """Whether `device` is a CPU: the `cpu` preset, or a profile `autopart calibrate`
+    measured on a CPU, which keeps its name (`cpu-calibrated`) and alone measures
+    ZeRO-3's buckets (`DeviceSpec.zero3_bucket`)."""
+    base = PRESETS["cpu"].name
+    return device.name in (base, f"{base}-calibrated") or bool(device.zero3_bucket)
 
 
 def ring_steps(op: str, n: int) -> int:
@@ -149,8 +160,12 @@ class CommModel:
 
     @property
     def overlaps_compute(self) -> bool:
-        """Whether asynchronous collectives can hide behind compute (not on Gloo)."""
-        return self.mesh.backend != "gloo"
+        """Whether asynchronous collectives can hide behind compute: not on a running
+        Gloo mesh, nor, planned for, on a CPU, whose collectives Gloo would run on the
+        cores that compute."""
+        if self.mesh.backend is not None:
+            return self.mesh.backend != "gloo"
+        return not is_cpu(self.mesh.device)
 
     def placement(self, size: int, stride: int = 1) -> AxisPlacement:
         per_node = self.mesh.per_node

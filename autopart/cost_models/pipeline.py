@@ -1,18 +1,34 @@
 """Step time of a pipeline, and how much gradient synchronization backward hides.
 
 Pipeline (Huang et al., GPipe, 2019; Narayanan et al., Megatron-LM, 2021). With p
-stages, m microbatches and t the slowest rank's time for one microbatch (forward,
-backward, recomputation and its own transfers), GPipe and 1F1B take
+ranks, m microbatches and t_r rank r's time for one microbatch (forward, backward,
+recomputation and its own transfers), the slowest rank s works m · t_s; the bubble is
+the rest of the step. For balanced ranks GPipe and 1F1B take (m + p − 1) · t, a bubble
+fraction (idle / work) of (p − 1)/m (`bubble_fraction`); interleaving v model chunks
+per rank cuts the bubble to (p − 1)/v · t, a fraction (p − 1)/(v · m), at the price of
+more point-to-point transfers.
 
-    step = (m + p − 1) · t
+Unbalanced ranks do not idle for p − 1 of the slowest rank's microbatches. GPipe and
+1F1B are priced as the runtime runs them (`schedule_span`): each rank's forwards and
+backwards in the order of torch.distributed.pipelining's schedule, each starting when
+the rank is free and its input has come (the previous rank's forward of that
+microbatch, the next rank's backward; the last rank's backward follows its own
+forward). A 1F1B rank runs p − r warm-up forwards, which fill its wait for the first
+backward to come back. Past the first microbatches the span grows by the same amount
+for each more (the slowest rank's t_s under 1F1B, the slowest forward plus the slowest
+backward under GPipe) once every rank is past its warm-up and a slow rank has spent
+the slack the others left it: 2p + 2 microbatches are simulated, the rest
+extrapolated at no less than that pace (within a few percent of simulating all).
+Interleaved 1F1B keeps the balanced form over the other ranks' chunks:
+Σ_{r ≠ s} t_r / v.
 
-of which m · t is work and (p − 1) · t the bubble: a bubble fraction (idle / work) of
-(p − 1)/m. Interleaving v model chunks per rank cuts the bubble to (p − 1)/v · t, a
-fraction (p − 1)/(v · m), at the price of v times more point-to-point transfers.
-
-Point-to-point transfers. Each microbatch crosses each stage boundary twice (its
-activation forward, its gradient backward); a rank pays one send of each per chunk it
-holds, on its critical path.
+Point-to-point transfers (`predict.p2p_comm`). Each chunk sends its activation to the
+next chunk, but the last, and its gradient to the one before, but the first. The
+runtime's schedules (torch.distributed.pipelining) issue a rank's send in one batch
+with the receive it waits for from the same neighbour (1F1B's forward send with the
+next backward's receive), so a rank's critical path carries each of its sends, and a
+receive is its peer's send: the end ranks of a 1F1B pipeline send once per microbatch,
+the others twice.
 
 Gradient synchronization overlaps backward: buckets are reduced while backward goes on
 (`runtime.grad_sync`). Every bucket but the last can hide behind backward; the last launches when
@@ -27,6 +43,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopart.policy import Schedule, check_choice
+
+# A microbatch's share of a rank's time in forward, where the caller does not split it:
+# backward computes two products for each of forward's.
+FORWARD_SHARE = 1 / 3
 
 
 def bubble_fraction(
@@ -62,18 +82,99 @@ def pipeline_step(
     microbatches: int,
     schedule: str | None = None,
     virtual_stages: int = 1,
+    forward_share: Sequence[float] | None = None,
 ) -> StepTime:
     """The step of a pipeline whose rank r spends `compute[r]` computing and `comm[r]`
-    communicating (tensor-parallel collectives, stage transfers) per microbatch. The
-    slowest rank sets the pace: m·t of work and bubble_fraction·m·t of idle time."""
-    slowest = max(range(len(compute)), key=lambda r: compute[r] + comm[r])
+    communicating (tensor-parallel collectives, stage transfers) per microbatch,
+    `forward_share[r]` of it in forward (a third where not given: backward computes
+    twice forward's products). The slowest rank sets the pace, m·t of work; the
+    bubble is the rest of the schedule's span (module docstring)."""
+    times = [c + t for c, t in zip(compute, comm)]
+    slowest = max(range(len(times)), key=times.__getitem__)
     work, talk = compute[slowest], comm[slowest]
-    fraction = bubble_fraction(schedule, len(compute), microbatches, virtual_stages)
+    bubble = 0.0
+    if schedule is not None and bubble_fraction(schedule, len(times), microbatches):
+        if schedule == Schedule.INTERLEAVED_1F1B:
+            bubble = (sum(times) - times[slowest]) / virtual_stages
+        else:
+            shares = forward_share or [FORWARD_SHARE] * len(times)
+            forward = [t * f for t, f in zip(times, shares)]
+            backward = [t - f for t, f in zip(times, forward)]
+            span = schedule_span(forward, backward, microbatches, schedule)
+            bubble = max(0.0, span - microbatches * times[slowest])
     return StepTime(
         compute=microbatches * work,
         exposed_comm=microbatches * talk,
-        bubble=fraction * microbatches * (work + talk),
+        bubble=bubble,
     )
+
+
+def schedule_span(
+    forward: Sequence[float], backward: Sequence[float], microbatches: int, schedule: str
+) -> float:
+    """Seconds from the first forward to the last backward of `microbatches` under
+    GPipe or 1F1B, rank r taking `forward[r]` and `backward[r]` for each (module
+    docstring): simulated up to 2p + 2 microbatches, extrapolated beyond."""
+    simulated = min(microbatches, 2 * len(forward) + 2)
+    span = _simulated_span(forward, backward, simulated, schedule)
+    if simulated == microbatches:
+        return span
+    pace = (
+        max(forward) + max(backward)
+        if schedule == Schedule.GPIPE
+        else max(f + b for f, b in zip(forward, backward))
+    )
+    step = span - _simulated_span(forward, backward, simulated - 1, schedule)
+    return span + (microbatches - simulated) * max(step, pace)
+
+
+def _simulated_span(
+    forward: Sequence[float], backward: Sequence[float], microbatches: int, schedule: str
+) -> float:
+    """The span of the schedule's order on every rank, each operation starting once its
+    rank is free and its input has come."""
+    p, m = len(forward), microbatches
+    orders = [_order(schedule, r, p, m) for r in range(p)]
+    nothing = -1.0
+    ends = {True: [[nothing] * m for _ in range(p)], False: [[nothing] * m for _ in range(p)]}
+    clock, position = [0.0] * p, [0] * p
+    waiting = list(range(p))  # ranks that may move on: at first all, then a neighbour's
+    while waiting:
+        r = waiting.pop()
+        order, at = orders[r], position[r]
+        while at < len(order):
+            is_forward, k = order[at]
+            if is_forward:
+                ready = ends[True][r - 1][k] if r > 0 else 0.0
+            else:
+                ready = ends[False][r + 1][k] if r < p - 1 else ends[True][r][k]
+            if ready == nothing:
+                break
+            clock[r] = max(clock[r], ready) + (forward[r] if is_forward else backward[r])
+            ends[is_forward][r][k] = clock[r]
+            at += 1
+        if at > position[r]:
+            position[r] = at
+            waiting += [q for q in (r - 1, r + 1) if 0 <= q < p]
+    assert all(at == len(order) for at, order in zip(position, orders)), "a schedule deadlocked"
+    return max(clock)
+
+
+def _order(schedule: str, rank: int, stages: int, microbatches: int) -> list[tuple[bool, int]]:
+    """(is forward, microbatch) in the order rank `rank` runs them: GPipe every forward,
+    then every backward; 1F1B `stages − rank` warm-up forwards, then one backward and
+    one forward in turn, then the remaining backwards (torch.distributed.pipelining's
+    ScheduleGPipe and Schedule1F1B)."""
+    m = microbatches
+    if schedule == Schedule.GPIPE:
+        return [(True, k) for k in range(m)] + [(False, k) for k in range(m)]
+    warmup = min(m, stages - rank)
+    order = [(True, k) for k in range(warmup)]
+    for k in range(m):
+        order.append((False, k))
+        if warmup + k < m:
+            order.append((True, warmup + k))
+    return order
 
 
 def exposed_sync(sync: float, overlappable: float, last_bucket: float) -> float:

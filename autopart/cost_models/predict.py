@@ -91,11 +91,7 @@ from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork
 from autopart.degrees import Axis
 from autopart.mesh import Mesh
 from autopart.plan import Predicted, StageFigures
-from autopart.policy import (
-    ZERO3_BUCKET_BYTES,
-    ZERO3_REGATHER_AFTER,
-    Schedule,
-)
+from autopart.policy import ZERO3_BUCKET_BYTES, ZERO3_REGATHER_AFTER
 
 # The step's sums (runtime/step_sums.py): the loss, the squared gradient norm and the
 # inputs' checksums, a few float64 values.
@@ -168,6 +164,7 @@ def predict(
         choices.microbatches,
         choices.schedule,
         choices.virtual_stages,
+        [r.compute.forward / r.compute.total if r.compute.total else 0.0 for r in ranks],
     )
     optimizer = max(r.optimizer for r in ranks)
     sync = max(r.sync for r in ranks) + models.comm.time(ALL_REDUCE, LOSS_BYTES, mesh.world_size)
@@ -514,22 +511,25 @@ def tp_comm(seg: SegmentWork, choices: Choices, comm: CommModel, recomputed: boo
 
 
 def p2p_comm(boundary: float, choices: Choices, comm: CommModel, rank: int = 0) -> float:
-    """Per microbatch on pipeline rank `rank`, for each of its chunks: an activation sent
-    to the next rank and a gradient to the previous one, each on its own link (NVLink
-    between stages in one node, the sender's NIC between nodes: `CommModel.send_time`).
-    Interleaved chunks wrap around, from the last rank to the first; without them the
-    end ranks have one neighbour, whose link serves both directions."""
+    """Per microbatch on pipeline rank `rank`: what it sends, each chunk it holds its
+    activation to the next chunk (but the last chunk) and its gradient to the one before
+    (but the first), on the link to that chunk's rank (NVLink inside a node, the
+    sender's NIC between nodes: `CommModel.send_time`). Interleaved chunks wrap around,
+    from the last rank to the first. What a rank receives is its peer's send, issued in
+    one batch with a send of its own (`pipeline` module docstring)."""
     pp = choices.pp
     if pp == 1:
         return 0.0
-    wraps = choices.schedule == Schedule.INTERLEAVED_1F1B and choices.virtual_stages > 1
-    after = rank + 1 if rank + 1 < pp else (0 if wraps else rank - 1)
-    before = rank - 1 if rank > 0 else (pp - 1 if wraps else rank + 1)
-    stride = choices.degrees.stride(Axis.PP)
-    sends = (
-        comm.send_time(boundary, rank * stride, peer * stride, stride) for peer in (after, before)
+    chunks, stride = choices.chunks, choices.degrees.stride(Axis.PP)
+    peers = [
+        peer
+        for chunk in range(rank, chunks, pp)
+        for peer, sends in ((chunk + 1, chunk + 1 < chunks), (chunk - 1, chunk > 0))
+        if sends
+    ]
+    return sum(
+        comm.send_time(boundary, rank * stride, peer % pp * stride, stride) for peer in peers
     )
-    return choices.virtual_stages * sum(sends)
 
 
 def _zero3_comm(

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from autopart.cost_models.comm import NOT_RUN, CommModel, ring_steps, ring_volume
+from autopart.cost_models.comm import NOT_RUN, CommModel, is_cpu, ring_steps, ring_volume
 from autopart.mesh import PRESETS, DeviceSpec, Mesh
 
 H100 = PRESETS["h100-80g"]
@@ -112,6 +112,20 @@ def test_gloo_collectives_do_not_hide_behind_compute():
     assert not CommModel(Mesh(cpu, 1, 2, backend="gloo")).overlaps_compute
     assert CommModel(Mesh(cpu, 1, 2, backend="nccl")).overlaps_compute
     assert CommModel(Mesh.cluster("h100-80g", 1, 8)).overlaps_compute
+
+
+def test_collectives_planned_for_a_cpu_do_not_hide_behind_compute():
+    # Gloo's threads would take the cores that compute: the cpu preset, and a profile
+    # calibrated on a CPU (named after it, or holding ZeRO-3 buckets only a CPU's has).
+    cpu = PRESETS["cpu"]
+    calibrated = replace(cpu, name="cpu-calibrated")
+    renamed = replace(cpu, name="my-host", zero3_bucket={"alpha": 1e-3, "beta": 1e-9})
+    for device in (cpu, calibrated, renamed):
+        assert is_cpu(device)
+        assert not CommModel(Mesh.cluster(device, 1, 2)).overlaps_compute
+    for name in ("a100-80g", "h100-80g", "h200", "a10-24g"):
+        assert not is_cpu(PRESETS[name])
+        assert CommModel(Mesh.cluster(name, 1, 8)).overlaps_compute
 
 
 def test_rings_across_nodes_use_every_nic_of_their_members():

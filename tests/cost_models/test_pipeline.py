@@ -12,6 +12,7 @@ from autopart.cost_models.pipeline import (
     bucket_sizes,
     exposed_sync,
     pipeline_step,
+    schedule_span,
 )
 from autopart.cost_models.predict import p2p_comm
 from autopart.degrees import Degrees
@@ -38,14 +39,46 @@ def test_no_pipeline_has_no_bubble():
     assert bubble_fraction("1f1b", 1, 8) == 0.0
 
 
-def test_step_is_m_plus_p_minus_one_slowest_stages():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_balanced_step_is_m_plus_p_minus_one_stages(schedule):
     p, m = 4, 8
-    step = pipeline_step([1.0, 1.5, 1.0, 1.2], [0.0, 0.5, 0.0, 0.1], m, "1f1b")
-    slowest = 1.5 + 0.5
-    assert step.total == pytest.approx((m + p - 1) * slowest)
+    step = pipeline_step([1.5] * p, [0.5] * p, m, schedule)
+    assert step.total == pytest.approx((m + p - 1) * 2.0)
     assert step.compute == pytest.approx(m * 1.5)
     assert step.exposed_comm == pytest.approx(m * 0.5)
-    assert step.bubble == pytest.approx((p - 1) * slowest)
+    assert step.bubble == pytest.approx((p - 1) * 2.0)
+
+
+def test_1f1b_warm_up_forwards_fill_the_wait_of_a_slow_first_stage():
+    # Stage 0 takes 1 + 2 a microbatch, stage 1 0.5 + 1. Stage 0 runs F0 F1 B0 F2 B1
+    # F3 B2 B3, stage 1 F0 B0 F1 B1 ...: B0 comes back at 2.5 while stage 0's second
+    # forward ends at 2, and later backwards come back before stage 0 is free, so the
+    # step is 4 × 3 + 0.5, not (4 + 1) × 3.
+    step = pipeline_step([3.0, 1.5], [0.0, 0.0], 4, "1f1b", forward_share=[1 / 3, 1 / 3])
+    assert step.total == pytest.approx(12.5)
+    assert step.bubble == pytest.approx(0.5)
+    assert schedule_span([1.0, 0.5], [2.0, 1.0], 4, "1f1b") == pytest.approx(12.5)
+
+
+def test_gpipe_runs_every_forward_then_every_backward_at_the_slowest_of_each():
+    # Forwards pace at stage 0's 2, backwards at stage 1's 3: 1 + 4 × 2 ... a span of
+    # (0.5 + 4 × 2) forwards through stage 1, then 4 × 3 backwards and stage 0's last.
+    span = schedule_span([2.0, 0.5], [1.0, 3.0], 4, "gpipe")
+    assert span == pytest.approx(2.0 * 4 + 0.5 + 3.0 * 4 + 1.0)
+    step = pipeline_step([3.0, 3.5], [0.0, 0.0], 4, "gpipe", forward_share=[2 / 3, 0.5 / 3.5])
+    assert step.total == pytest.approx(span)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_span_past_the_simulated_microbatches_grows_by_one_pace_each(schedule):
+    forward, backward = [1.0, 0.4, 0.7], [2.1, 0.9, 1.6]
+    spans = [schedule_span(forward, backward, m, schedule) for m in (8, 9, 64)]
+    pace = spans[1] - spans[0]
+    assert spans[2] == pytest.approx(spans[0] + 56 * pace)
+    if schedule == "1f1b":
+        assert pace == pytest.approx(3.1)  # the slowest rank's microbatch
+    else:
+        assert pace == pytest.approx(1.0 + 2.1)  # the slowest forward and backward
 
 
 def test_interleaved_step_shrinks_the_bubble():
@@ -82,10 +115,11 @@ def test_stage_transfers_cross_nodes_on_the_nic_and_stay_on_nvlink_inside_one():
     comm = CommModel(Mesh.cluster("a100-80g", nodes=2, per_node=8))
     nvlink, nic = comm.intra.time(1, 1, 64 * MB), comm.inter.time(1, 1, 64 * MB)
     assert nic > 5 * nvlink
-    # Stage 0 talks only to stage 1, in its node; stage 1 also to stage 2, in the next.
-    assert _transfers(0, "1f1b") == pytest.approx(2 * nvlink)
+    # Stage 0 sends activations to stage 1, in its node; stage 1 also gradients to
+    # stage 0 and activations to stage 2, in the next; stage 3 only gradients.
+    assert _transfers(0, "1f1b") == pytest.approx(nvlink)
     assert _transfers(1, "1f1b") == pytest.approx(nvlink + nic)
-    assert _transfers(3, "1f1b") == pytest.approx(2 * nvlink)
+    assert _transfers(3, "1f1b") == pytest.approx(nvlink)
     # Each of the 4 ranks of a stage sends on its own NIC: the time of one send.
     assert comm.send_time(64 * MB, 4, 8, size=4) == pytest.approx(nic)
 
@@ -93,12 +127,22 @@ def test_stage_transfers_cross_nodes_on_the_nic_and_stay_on_nvlink_inside_one():
 def test_interleaved_chunks_each_send_and_wrap_from_the_last_rank_to_the_first():
     comm = CommModel(Mesh.cluster("a100-80g", nodes=2, per_node=8))
     nvlink, nic = comm.intra.time(1, 1, 64 * MB), comm.inter.time(1, 1, 64 * MB)
-    # Rank 0 receives chunk 2's input from rank 3, in the other node.
-    assert _transfers(0, "interleaved-1f1b", 2) == pytest.approx(2 * (nvlink + nic))
-    assert _transfers(3, "interleaved-1f1b", 3) == pytest.approx(3 * (nvlink + nic))
+    # Rank 0 holds chunks 0 and 4 of 8: chunk 0 sends its activation to rank 1, chunk 4
+    # its activation to rank 1 and its gradient to rank 3, in the other node.
+    assert _transfers(0, "interleaved-1f1b", 2) == pytest.approx(2 * nvlink + nic)
+    # Rank 3 holds chunks 3, 7 and 11 of 12: all but the last send on to rank 0.
+    assert _transfers(3, "interleaved-1f1b", 3) == pytest.approx(3 * nvlink + 2 * nic)
 
 
-def test_interleaved_step_pays_v_times_the_transfers_for_a_v_times_smaller_bubble():
+def test_end_ranks_of_a_1f1b_pipeline_send_once_a_microbatch():
+    # Two CPU ranks: each sends one tensor a microbatch, its receive batched with it.
+    mesh = Mesh.cluster("cpu", nodes=1, per_node=2)
+    choices = Choices(global_batch=8, degrees=Degrees(pp=2), microbatches=4, schedule="1f1b")
+    send = CommModel(mesh).send_time(MB, 0, 1)
+    assert [p2p_comm(MB, choices, CommModel(mesh), r) for r in (0, 1)] == [pytest.approx(send)] * 2
+
+
+def test_interleaved_step_pays_more_transfers_for_a_v_times_smaller_bubble():
     p, m, v, t, send = 8, 16, 4, 1.0, 0.02
     plain = pipeline_step([t] * p, [2 * send] * p, m, "1f1b")
     interleaved = pipeline_step([t] * p, [2 * v * send] * p, m, "interleaved-1f1b", v)

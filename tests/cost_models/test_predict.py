@@ -3,17 +3,23 @@ stage cuts, recomputation, and graphs captured with a static batch."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from torch import nn
 
 from autopart.capture import capture
 from autopart.cost_models.choices import Choices
+from autopart.cost_models.comm import ALL_REDUCE, CommModel
+from autopart.cost_models.pipeline import bucket_sizes
 from autopart.cost_models.predict import predict
 from autopart.cost_models.summary import GraphSummary
 from autopart.degrees import Degrees
-from autopart.mesh import Mesh
+from autopart.mesh import PRESETS, Mesh
 from autopart.passes import analyze
 from autopart.plan import MeshSpec, Plan
+from autopart.policy import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES
 from tests.models import tiny_gpt2, token_batch
 
 GB = 1e9
@@ -105,7 +111,9 @@ def test_pipelines_on_a_thousand_devices(llama3_8b_graph):
     for p in (one, gpipe, interleaved):
         _parts_add_up(p)
         assert 0.05 < p.model_flops_per_device / BF16_PEAK < 0.8
-    assert one.step_time_s == pytest.approx(gpipe.step_time_s)
+    # GPipe's forwards pace at the slowest forward, its backwards at the slowest
+    # backward, which unbalanced stages (the head's) leave slower than 1F1B's pace.
+    assert one.step_time_s <= gpipe.step_time_s < 1.05 * one.step_time_s
     assert one.memory["activations"] < gpipe.memory["activations"]
     assert interleaved.bubble_s < one.bubble_s
 
@@ -168,3 +176,23 @@ def test_plain_cpu_mesh_gives_finite_numbers():
     p = predict(captured.gm, Mesh.cluster("cpu", 1, 1), Choices(global_batch=4))
     _parts_add_up(p)
     assert p.step_time_s > 0 and p.exposed_comm_s == 0.0
+
+
+def test_a_cpu_pays_its_whole_gradient_all_reduce_a_gpu_hides_it_behind_backward():
+    # 4 MB of gradients, in buckets of 1 MB (the first) and 3 MB. Gloo reduces them on
+    # the cores that compute: on a CPU both add their time to the step; on the same
+    # figures taken for a GPU's, the first hides behind backward and the last shows.
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+    captured = capture(model, (torch.zeros(64, 512, device="meta"),))
+    analyze(captured.gm, captured.context())
+    grad_bytes = 4 * sum(p.numel() for p in captured.gm.parameters())
+    buckets = bucket_sizes(grad_bytes, GRAD_BUCKET_BYTES, FIRST_GRAD_BUCKET_BYTES)
+    assert len(buckets) == 2
+    choices = Choices(global_batch=64, degrees=Degrees(dp=2))
+    cpu = PRESETS["cpu"]
+    on_cpu = predict(captured.gm, Mesh.cluster(cpu, 1, 2), choices)
+    as_gpu = predict(captured.gm, Mesh.cluster(replace(cpu, name="gpu-like"), 1, 2), choices)
+    assert on_cpu.compute_s == pytest.approx(as_gpu.compute_s)
+    first = CommModel(Mesh.cluster(cpu, 1, 2)).time(ALL_REDUCE, buckets[0], 2)
+    assert on_cpu.exposed_comm_s - as_gpu.exposed_comm_s == pytest.approx(first)
