@@ -366,7 +366,8 @@ def _stage_work(
             for s in recomputed
         ),
         sync=_dp_sync(own, compute, choices, models, traffic),
-        optimizer=_optimizer_time(own, compute, choices, models),
+        optimizer=_optimizer_time(own, compute, choices, models)
+        + _gradient_traffic(own, choices, models),
     )
 
 
@@ -614,9 +615,11 @@ def _dp_sync(
     models: CostModels,
     traffic: float,
 ) -> float:
-    """Once per step: ZeRO-0/1/2 gradient reduction (`traffic` of its bytes, where it
+    """Once per step: ZeRO-0/1 gradient reduction (`traffic` of its bytes, where it
     is compressed), hidden behind the last microbatch's backward but for its last
-    bucket; ZeRO-1/2's parameter all-gather after the step. Under context parallelism
+    bucket; ZeRO-2 reduces every microbatch's gradients (`runtime/zero_replicas.py`),
+    m reductions hidden behind m backwards but for the last bucket; ZeRO-1/2's
+    parameter all-gather after the step. Under context parallelism
     with plain data parallelism the reduction spans dp × cp (it sums cp's parts); under
     expert parallelism the replicated weights' spans dp × ep, and the experts' dp."""
     size, stride = _sync_group(choices)
@@ -629,11 +632,13 @@ def _dp_sync(
     params = sum(s.param_numel(choices.tp, ep) for s in own) - experts
     param_bytes, grad_bytes = choices.state_bytes[0], choices.reduced_grad_bytes
     op = ALL_REDUCE if choices.zero == 0 else REDUCE_SCATTER
-    hiding = _hiding(compute.backward + compute.recompute, models)
+    rounds = choices.microbatches if choices.zero == 2 else 1
+    hiding = _hiding((compute.backward + compute.recompute) * rounds, models)
     exposed = 0.0
     for group, numel in (((size, stride), params), (_expert_group(choices), experts)):
         if group[0] > 1 and numel:
             sync, last = _bucketed(op, numel * grad_bytes * traffic, *group, models)
+            sync *= rounds
             exposed += exposed_sync(sync, hiding, last)
             hiding = max(0.0, hiding - sync)
     if choices.zero == 0:
@@ -643,6 +648,33 @@ def _dp_sync(
         if group[0] > 1 and numel:
             exposed += models.comm.time(ALL_GATHER, numel * param_bytes, *group)
     return exposed
+
+
+def _gradient_traffic(own: list[SegmentWork], choices: Choices, models: CostModels) -> float:
+    """Once per step, what the rank's gradients cost in memory traffic outside the
+    graph's operators, in passes over their bytes G. Under data parallelism (ZeRO-0 and
+    1: `runtime/grad_sync.py`, `zero_replicas.py`) they accumulate into flat buckets,
+    zeroed before the step (G), every microbatch's added in (3G: two reads, a write),
+    then divided in place before their reduction (2G); ZeRO-2 takes each backward's
+    fresh gradients, flattened and divided (4G a microbatch); ZeRO-1 and 2 copy the
+    gathered parameters back after the step (2 passes over their bytes). Without a
+    reduction, the first microbatch's gradients are the step's and every later one
+    is added in. ZeRO-3's buckets are priced with its collectives."""
+    split = choices.degrees.batch_split > 1
+    if split and choices.zero == 3:
+        return 0.0
+    params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
+    param_bytes, grad_bytes = choices.state_bytes[:2]
+    m = choices.microbatches
+    if not split or choices.sync_every is not None:
+        passes = 3 * (m - 1)
+    elif choices.zero == 2:
+        passes = 4 * m
+    else:
+        passes = 1 + 3 * m + 2
+    copied_back = 2 * param_bytes if split and choices.zero in (1, 2) else 0
+    traffic = params * (passes * grad_bytes + copied_back)
+    return traffic / models.compute.device.memory_bandwidth
 
 
 def _local_sgd_sync(

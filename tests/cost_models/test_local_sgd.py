@@ -22,4 +22,5 @@ def test_averaging_every_h_steps_costs_one_parameter_all_reduce_per_h_steps():
     assert saved_from_2 > 0
     assert saved_by_4 == pytest.approx(3 * saved_from_2)
     assert exposed[4].exposed_comm_s < exposed[None].exposed_comm_s
-    assert exposed[4].compute_s == exposed[None].compute_s
+    # Its gradients are the backward's own: no flat buckets to zero, add into, divide.
+    assert exposed[4].compute_s == exposed[2].compute_s < exposed[None].compute_s

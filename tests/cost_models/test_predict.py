@@ -11,7 +11,7 @@ from torch import nn
 
 from autopart.capture import capture
 from autopart.cost_models.choices import Choices
-from autopart.cost_models.comm import ALL_REDUCE, CommModel
+from autopart.cost_models.comm import ALL_REDUCE, REDUCE_SCATTER, CommModel
 from autopart.cost_models.pipeline import bucket_sizes
 from autopart.cost_models.predict import predict
 from autopart.cost_models.summary import GraphSummary
@@ -182,17 +182,52 @@ def test_a_cpu_pays_its_whole_gradient_all_reduce_a_gpu_hides_it_behind_backward
     # 4 MB of gradients, in buckets of 1 MB (the first) and 3 MB. Gloo reduces them on
     # the cores that compute: on a CPU both add their time to the step; on the same
     # figures taken for a GPU's, the first hides behind backward and the last shows.
-    with torch.device("meta"):
-        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
-    captured = capture(model, (torch.zeros(64, 512, device="meta"),))
-    analyze(captured.gm, captured.context())
-    grad_bytes = 4 * sum(p.numel() for p in captured.gm.parameters())
+    gm, grad_bytes = _four_linears()
     buckets = bucket_sizes(grad_bytes, GRAD_BUCKET_BYTES, FIRST_GRAD_BUCKET_BYTES)
     assert len(buckets) == 2
     choices = Choices(global_batch=64, degrees=Degrees(dp=2))
     cpu = PRESETS["cpu"]
-    on_cpu = predict(captured.gm, Mesh.cluster(cpu, 1, 2), choices)
-    as_gpu = predict(captured.gm, Mesh.cluster(replace(cpu, name="gpu-like"), 1, 2), choices)
+    on_cpu = predict(gm, Mesh.cluster(cpu, 1, 2), choices)
+    as_gpu = predict(gm, Mesh.cluster(replace(cpu, name="gpu-like"), 1, 2), choices)
     assert on_cpu.compute_s == pytest.approx(as_gpu.compute_s)
     first = CommModel(Mesh.cluster(cpu, 1, 2)).time(ALL_REDUCE, buckets[0], 2)
     assert on_cpu.exposed_comm_s - as_gpu.exposed_comm_s == pytest.approx(first)
+
+
+def _four_linears():
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+    captured = capture(model, (torch.zeros(64, 512, device="meta"),))
+    analyze(captured.gm, captured.context())
+    return captured.gm, 4 * sum(p.numel() for p in captured.gm.parameters())
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_zero_1_and_2_pass_over_the_gradients_as_their_buckets_do(microbatches):
+    # ZeRO-1 zeroes its flat buckets (1 pass over the gradients G), adds every
+    # microbatch's in (3G each) and divides them (2G); ZeRO-2 flattens and divides each
+    # microbatch's (4G each). Their optimizers step the same shards.
+    gm, grad_bytes = _four_linears()
+    cpu = Mesh.cluster("cpu", 1, 2)
+
+    def plan(zero):
+        choices = Choices(global_batch=64, degrees=Degrees(dp=2), zero=zero)
+        return predict(gm, cpu, replace(choices, microbatches=microbatches))
+
+    passes = (1 + 3 * microbatches + 2) - 4 * microbatches
+    pass_s = grad_bytes / PRESETS["cpu"].memory_bandwidth
+    assert plan(1).compute_s - plan(2).compute_s == pytest.approx(passes * pass_s)
+
+
+def test_zero_2_reduce_scatters_every_microbatch():
+    # On a CPU nothing hides: a second microbatch is a second reduce-scatter of every
+    # bucket under ZeRO-2, none more under ZeRO-1.
+    gm, grad_bytes = _four_linears()
+    cpu = Mesh.cluster("cpu", 1, 2)
+    comm = CommModel(cpu)
+    buckets = bucket_sizes(grad_bytes, GRAD_BUCKET_BYTES, FIRST_GRAD_BUCKET_BYTES)
+    scatter = sum(comm.time(REDUCE_SCATTER, b, 2) for b in buckets)
+    choices = Choices(global_batch=64, degrees=Degrees(dp=2), microbatches=2)
+    one = predict(gm, cpu, replace(choices, zero=1))
+    two = predict(gm, cpu, replace(choices, zero=2))
+    assert two.exposed_comm_s - one.exposed_comm_s == pytest.approx(scatter)
