@@ -45,9 +45,10 @@ backward (3× forward FLOPs) without recomputation, as in MFU (Chowdhery et al.,
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from torch import fx
 
@@ -99,6 +100,7 @@ STEP_SUMS_BYTES = 64.0
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
 TP_ALL_REDUCES_BACKWARD = 2
 LOSS_BYTES = 4  # the fp32 scalar loss all-reduced at the end of every step
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,7 +455,7 @@ def _regions(own: list[SegmentWork], choices: Choices) -> int:
     if not choices.compiled:
         return 0
     gathers = (
-        sum(len(_gathers(own, numel)) for numel, (size, _) in _zero3_groups(choices) if size > 1)
+        sum(len(_gathers(own, kind)) for kind in _zero3_groups(choices) if kind.group[0] > 1)
         if choices.zero == 3 and choices.degrees.batch_split > 1
         else 0
     )
@@ -550,9 +552,10 @@ def _zero3_comm(
     comm = models.comm
     buckets = [  # (parameters, ranks, stride) of each gather, in forward order
         (b, size, stride)
-        for numel, (size, stride) in _zero3_groups(choices)
-        if size > 1
-        for b in _gathers(own, numel)
+        for kind in _zero3_groups(choices)
+        if kind.group[0] > 1
+        for b in _gathers(own, kind)
+        for size, stride in [kind.group]
     ]
     if comm.measures_zero3_buckets:
         mean_bytes = (param_bytes + grad_bytes) / 2
@@ -580,26 +583,40 @@ def _zero3_comm(
     return forward + backward + max(0.0, overlapped - hiding)
 
 
-def _zero3_groups(
-    choices: Choices,
-) -> list[tuple[Callable[[SegmentWork], float], tuple[int, int]]]:
-    """ZeRO-3's kinds of bucket: (a segment's parameters of that kind on this rank, the
-    (ranks, stride) they are sharded over). Under expert parallelism the experts' over
-    their dp replicas (`_expert_group`), the other weights' over dp × ep."""
+@dataclass(frozen=True, slots=True)
+class _Zero3Kind:
+    """A kind of ZeRO-3 bucket: which parameters (`part`: "all", the "shared" weights or
+    the "experts") one rank of `tp` × `ep` holds, and the (ranks, stride) they are
+    sharded over."""
+
+    part: str
+    tp: int
+    ep: int
+    group: tuple[int, int]
+
+    def numel(self, seg: SegmentWork) -> float:
+        if self.part == "experts":
+            return seg.expert_numel(self.ep, self.tp)
+        held = seg.param_numel(self.tp, self.ep)
+        return held - seg.expert_numel(self.ep, self.tp) if self.part == "shared" else held
+
+
+def _zero3_groups(choices: Choices) -> list[_Zero3Kind]:
+    """ZeRO-3's kinds of bucket. Under expert parallelism the experts' over their dp
+    replicas (`_expert_group`), the other weights' over dp × ep."""
     tp, ep = choices.tp, choices.ep
     if ep == 1:
-        return [(lambda s: s.param_numel(tp), (choices.dp, choices.degrees.stride(Axis.DP)))]
-    batch = (choices.dp * ep, choices.degrees.stride(Axis.EP))
+        return [_Zero3Kind("all", tp, ep, (choices.dp, choices.degrees.stride(Axis.DP)))]
     return [
-        (lambda s: s.param_numel(tp, ep) - s.expert_numel(ep, tp), batch),
-        (lambda s: s.expert_numel(ep, tp), _expert_group(choices)),
+        _Zero3Kind("shared", tp, ep, (choices.dp * ep, choices.degrees.stride(Axis.EP))),
+        _Zero3Kind("experts", tp, ep, _expert_group(choices)),
     ]
 
 
 def zero3_gathered(seg: SegmentWork, choices: Choices) -> float:
     """The parameters of `seg` ZeRO-3 gathers whole (an expert with one replica is held
     whole, not gathered)."""
-    return sum(numel(seg) for numel, (size, _) in _zero3_groups(choices) if size > 1)
+    return sum(kind.numel(seg) for kind in _zero3_groups(choices) if kind.group[0] > 1)
 
 
 def _hiding(compute: float, models: CostModels) -> float:
@@ -796,14 +813,18 @@ def _parameter_buckets(own: list[SegmentWork], choices: Choices) -> list[float]:
     """ZeRO-3's buckets (`passes/zero.py`), as parameter counts: one per block holding
     parameters and one per run of other segments holding them, each split at the
     pass's cap on fp32 bytes (under ep, the experts' apart from the other weights')."""
-    return [b for numel, _ in _zero3_groups(choices) for b in _bucketing(own, numel)[0]]
+    return [b for kind in _zero3_groups(choices) for b in _bucketing(own, kind)[0]]
 
 
-def _bucketing(
+def _bucketing(own: list[SegmentWork], kind: _Zero3Kind) -> tuple[list[float], list[list[int]]]:
+    """The buckets of the parameters of `kind`, and for each segment the buckets
+    holding those it owns."""
+    return _remembered("buckets", own, kind, lambda: _buckets_of(own, kind.numel))
+
+
+def _buckets_of(
     own: list[SegmentWork], numel: Callable[[SegmentWork], float]
 ) -> tuple[list[float], list[list[int]]]:
-    """The buckets of the parameters `numel` counts, and for each segment the buckets
-    holding those it owns."""
     cap = ZERO3_BUCKET_BYTES / FP32_WEIGHTS[0]
     buckets: list[float] = []
     of_segment: list[list[int]] = []
@@ -826,11 +847,15 @@ def _bucketing(
     return buckets, of_segment
 
 
-def _gathers(own: list[SegmentWork], numel: Callable[[SegmentWork], float]) -> list[float]:
+def _gathers(own: list[SegmentWork], kind: _Zero3Kind) -> list[float]:
     """ZeRO-3's all-gathers in forward order, as parameter counts, as `passes/zero.py`
     issues them: each bucket where it is first read, and again where it is read after
     ZERO3_REGATHER_AFTER other gathers (a tied head reading the embedding's bucket)."""
-    buckets, of_segment = _bucketing(own, numel)
+    return _remembered("gathers", own, kind, lambda: _gathers_of(own, kind))
+
+
+def _gathers_of(own: list[SegmentWork], kind: _Zero3Kind) -> list[float]:
+    buckets, of_segment = _bucketing(own, kind)
     owner = {p: of_segment[i] for i, seg in enumerate(own) for p in seg.segment.owned}
     last: dict[int, int] = {}
     out: list[float] = []
@@ -841,6 +866,24 @@ def _gathers(own: list[SegmentWork], numel: Callable[[SegmentWork], float]) -> l
                 out.append(buckets[b])
                 last[b] = len(out)
     return out
+
+
+# A rank's ZeRO-3 buckets and gathers depend on its segments and the bucket kind alone,
+# and the search prices thousands of plans holding alike segments: each is worked out
+# once. An entry keeps its segments, so that their ids are not reused while it lives.
+_ZERO3_MEMO: OrderedDict[tuple, tuple[tuple, Any]] = OrderedDict()
+ZERO3_MEMO_ENTRIES = 4096
+
+
+def _remembered(what: str, own: list[SegmentWork], kind: _Zero3Kind, make: Callable[[], T]) -> T:
+    key = (what, kind.part, kind.tp, kind.ep, *map(id, (s.segment for s in own)))
+    hit = _ZERO3_MEMO.get(key)
+    if hit is None:
+        hit = (tuple(s.segment for s in own), make())
+        _ZERO3_MEMO[key] = hit
+        if len(_ZERO3_MEMO) > ZERO3_MEMO_ENTRIES:
+            _ZERO3_MEMO.popitem(last=False)
+    return hit[1]
 
 
 def _activations(own: list[SegmentWork], choices: Choices) -> Activations:
