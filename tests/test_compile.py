@@ -161,6 +161,7 @@ def _assert_like_eager(got: dict, want: dict, pins: dict) -> None:
 QUICK = [({"zero": 3}, "sgd"), ({"tp": 2}, "sgd")]
 
 
+@pytest.mark.slow  # two more compiled worlds; the quick suite compiles dp
 def test_zero_and_tensor_parallel_plans_train_like_eager():
     per_rank = run_world(_several, 2, QUICK)
     reference = _train_eager("sgd")

@@ -139,7 +139,15 @@ def page_state():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[_name(p) for p in PAGES])
+# Pages whose snippets train on worlds of their own: run with the slow sweeps.
+SLOW_PAGES = {"data-parallel.md", "plans.md", "compile.md"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_PAGES else p for p in PAGES],
+    ids=[_name(p) for p in PAGES],
+)
 def test_the_snippets_run(page, tmp_path, monkeypatch, page_state):
     monkeypatch.chdir(tmp_path)  # what snippets write lands here
     planning = _keeping_captures(autopart.api.captured_for_planning)

@@ -6,12 +6,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from autopart.testing import run_world
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import finetune  # noqa: E402  (examples/ is not a package)
 
 
+@pytest.mark.slow  # a whole example run; the README's main job runs in test_docs
 def test_the_finetune_loop_agrees_with_one_device():
     """Per-rank DataLoader shares, AdamW with a warm-up cosine schedule, clipping at
     1.0, gradient accumulation, eval-mode validation and a checkpoint resumed under

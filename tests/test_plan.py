@@ -235,6 +235,7 @@ def test_explain_says_which_sums_change_order():
     assert "Every sum runs in the order it runs on one device" in alone.explain()
 
 
+@pytest.mark.slow  # test_report's quick test explains an ep plan
 def test_an_expert_parallel_plan_shows_the_experts_split_over_ep(tmp_path):
     """ep's column: the stacked expert weights on dim 0, the other weights whole on every
     ep rank but for ZeRO-3's shards, which span dp × ep; kept through the plan file."""

@@ -48,9 +48,8 @@ def _remove_the_first_linear_all_reduce() -> None:
     _Rewriter.reduce_after = reduce_after_broken
 
 
-@pytest.mark.parametrize(
-    "pins", [{"tp": 2}, pytest.param({"dp": 2, "zero": 2}, marks=pytest.mark.slow)], ids=str
-)
+@pytest.mark.slow  # the quick suite verifies tp=2 with a collective removed
+@pytest.mark.parametrize("pins", [{"tp": 2}, {"dp": 2, "zero": 2}], ids=str)
 def test_plans_that_keep_the_math_are_reported_as_matching(pins):
     report = run_world(_verify, 2, pins, token_batch(8))[0]
     assert report.ok, report

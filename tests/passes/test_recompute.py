@@ -98,9 +98,8 @@ def _train_selective(batch, cases):
     }
 
 
-@pytest.mark.parametrize(
-    "cases", [SELECTIVE_CASES, pytest.param(MORE_SELECTIVE_CASES, marks=pytest.mark.slow)]
-)
+@pytest.mark.slow  # whole blocks recomputed are the quick suite's case
+@pytest.mark.parametrize("cases", [SELECTIVE_CASES, MORE_SELECTIVE_CASES])
 def test_recomputed_attention_cores_free_the_scores_and_train_the_same(cases):
     """Selective recomputation (the attention core alone) on models whose attention is
     written out: each layer's softmax probabilities are no longer saved, and training

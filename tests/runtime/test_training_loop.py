@@ -319,6 +319,7 @@ def _ignored_per_rank(batch) -> dict:
     return result
 
 
+@pytest.mark.slow  # test_ignored_tokens.py's quick case counts them
 def test_per_rank_batches_weigh_ignored_tokens_as_one_device():
     ids, target = token_batch(batch=8)
     target = target.clone()

@@ -52,6 +52,7 @@ def _without_weights(batch):
         return str(e)
 
 
+@pytest.mark.slow  # another world of 2; a meta model loads its weights quick
 def test_meta_model_without_weights_is_a_clear_error():
     message = run_world(_without_weights, 2, token_batch(8))[0]
     assert "meta device" in message and "weights=" in message
