@@ -13,10 +13,12 @@ C++ backend; each plan compiles in its warm-up). `--plans` runs only the plans n
 (`single-compiled`, ...). The world then runs `--epochs` epochs, each of which
 
     calibrates    `autopart.calibrate` on every rank at once (1-thread matmuls whose
-                  operands span the tiny models' (128² to 512²), in bf16 too where a
-                  plan computes in it, copy bandwidth, the operator floor, and each
-                  collective at this world size), so that the profile is what a rank
-                  gets while its peers share the same cores;
+                  operands span the tiny models' (128² to 512²), each of a linear
+                  layer's three products in its own operand layout, in bf16 too where a
+                  plan computes in it, fused attention in the same dtypes, copy
+                  bandwidth, the operator floor, and each collective at this world
+                  size), so that the profile is what a rank gets while its peers share
+                  the same cores;
     predicts      every plan on `Mesh.local(device=<that profile>)`: the plan's choices
                   priced by `cost_models.predict`, as `autopart.plan` prices them;
     measures      the median seconds of `pm.train_step`, each step after a barrier, half
