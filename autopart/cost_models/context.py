@@ -18,6 +18,15 @@ Communication, per microbatch, over the cp axis (stride tp):
     gradients travelling cp times beside them (in fp32). Each pass is issued before
     the rank computes its pairs for that step, so on NCCL it hides behind them while
     they last; on Gloo nothing hides;
+  the ring's own operators: each pair of a query chunk and a key chunk runs as a dozen
+    and more unfused operators (`ops/context_parallel.py`: the scores' product, the
+    log-sum-exp, the probabilities, their product with the values and the merge into
+    the running output; in backward the scores again and the three gradients' products
+    accumulated), each paying its dispatch and passing over the pair's fp32 score
+    block, where one device's fused kernel keeps the scores in its tiles. A rank
+    computes 2cp + 1 pairs of an attention under causality (its two mirrored chunks'
+    keys up to their own), 4cp without. Priced beside the attention's arithmetic,
+    which stays that of the fused kernel on 1/cp of the work; exposed;
   the conversions to and from what runs whole: the sequence all-gathered before it
     in forward; where it meets the sequence's shards again each rank keeps its chunks
     (a slice), and the gradient is all-gathered in backward; a sum over the sequence
@@ -41,6 +50,13 @@ from autopart.cost_models.summary import SegmentWork
 from autopart.cost_models.work import ATTENTION, NodeWork
 
 GRADIENT_ACCUMULATION_BYTES = 4  # ring attention's key and value gradients travel in fp32
+# Per pair of chunks in `ops/context_parallel.py` `_RingAttention`, (forward, backward):
+# its operators, and its passes over the pair's fp32 score block (each operator that
+# writes the block, or reads it: product, scale, log-sum-exp, exp, product with the
+# values; in backward the probabilities again, their gradient and its two products).
+RING_PAIR_OPERATORS = (16, 18)
+RING_PAIR_SCORE_PASSES = (9, 18)
+SCORE_BYTES = 4
 
 
 def ring_comm(
@@ -119,7 +135,31 @@ def _ring_seconds(
     hide = comm.overlaps_compute
     forward = (cp - 1) * max(0.0, send - (cost.forward / cp if hide else 0.0))
     backward = cp * max(0.0, back - (cost.backward / cp if hide else 0.0))
-    return forward * (1 + again) + backward
+    pairs_forward, pairs_backward = ring_pairs_time(work, cp, compute)
+    return (forward + pairs_forward) * (1 + again) + backward + pairs_backward
+
+
+def ring_pairs_time(work: NodeWork, cp: int, compute: ComputeModel) -> tuple[float, float]:
+    """(forward, backward) seconds per microbatch that one attention's ring adds to
+    its fused arithmetic on a rank (module docstring): every pair's operators' dispatch
+    and passes over its score block. `work` is the attention on 1/cp of the batch over
+    the whole sequence, rows × keys scores: the same count as the rank's L/cp queries
+    over every key, of which each of its pairs of chunks holds 1/(4cp)."""
+    _, keys, head = work.shape or (1.0, 1.0, 1.0)
+    rows = work.written_bytes / SCORE_BYTES / max(head, 1.0)  # batch × heads × queries
+    pairs = 2 * cp + 1 if work.causal else 4 * cp
+    scores = rows * keys * pairs / (4 * cp)
+    bandwidth = compute.device.memory_bandwidth
+
+    def seconds(operators: int, passes: int) -> float:
+        dispatch = pairs * operators * compute.launch
+        return (dispatch + passes * SCORE_BYTES * scores / bandwidth) * compute.scale
+
+    (forward_ops, backward_ops), (forward_passes, backward_passes) = (
+        RING_PAIR_OPERATORS,
+        RING_PAIR_SCORE_PASSES,
+    )
+    return seconds(forward_ops, forward_passes), seconds(backward_ops, backward_passes)
 
 
 def conversion_comm(

@@ -4,7 +4,9 @@ sharded over the vocabulary, as `benchmarks/plan_speed.py` plans it).
 
 One sequence per step leaves data parallelism nothing to split and a pipeline nothing
 to fill: without cp no plan fits, with cp=8 × tp=8 one does. At 8 sequences per step
-data parallelism could take them, and the cost model prefers cp anyway."""
+data parallelism takes them: the ring runs each pair of 8k-token chunks as unfused
+operators over its 8k × 8k scores of every head, which one device's fused attention
+keeps in its tiles."""
 
 from __future__ import annotations
 
@@ -38,11 +40,11 @@ def test_one_long_sequence_is_split_over_context_parallel_ranks():
 
 
 @pytest.mark.slow
-def test_context_parallelism_is_chosen_where_the_model_predicts_it_faster():
+def test_context_parallelism_is_left_where_the_model_predicts_it_slower():
     plan = _plan(8)
-    without = _plan(8, cp=1)
-    assert plan.cp > 1
-    assert plan.predicted.step_time_s < without.predicted.step_time_s
+    ring = _plan(8, cp=8)
+    assert plan.cp == 1
+    assert plan.predicted.step_time_s < ring.predicted.step_time_s
 
 
 @pytest.mark.slow
