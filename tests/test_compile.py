@@ -21,6 +21,7 @@ def _model():
     return MLP()
 
 
+@pytest.mark.slow  # the quick suite compiles through the backend on a world of 2, below
 def test_backend_is_registered_and_matches_eager():
     torch._dynamo.reset()
     model, reference = _model(), _model()

@@ -71,7 +71,7 @@ def _structure(gm: fx.GraphModule) -> list[tuple]:
     "build, device",
     [
         (tiny_llama, "meta"),
-        (tiny_gpt2, "cpu"),
+        pytest.param(tiny_gpt2, "cpu", marks=pytest.mark.slow),
         pytest.param(tiny_llama, "cpu", marks=pytest.mark.slow),
         pytest.param(tiny_gpt2, "meta", marks=pytest.mark.slow),
     ],

@@ -60,6 +60,7 @@ def test_plans_that_keep_the_math_are_reported_as_matching(pins):
     assert max(report.gradients.values()) <= TENSOR_RTOL
 
 
+@pytest.mark.slow  # a world of 2 per plan verified
 def test_a_plan_with_a_collective_removed_is_caught_at_the_first_operator_it_breaks():
     report = run_world(_verify, 2, {"tp": 2}, token_batch(8), True)[0]
     assert not report.ok

@@ -121,7 +121,8 @@ def _assert_close(got: dict, want: dict, rtol: float = 1e-6) -> None:
 @pytest.mark.parametrize(
     "pins",
     [
-        {"dp": 2, "zero": 3},
+        # The quick suite counts what ZeRO-3 gathers against FSDP2's.
+        pytest.param({"dp": 2, "zero": 3}, marks=pytest.mark.slow),
         pytest.param({"dp": 2, "zero": 2}, marks=pytest.mark.slow),
         pytest.param({"dp": 2, "zero": 1}, marks=pytest.mark.slow),
     ],

@@ -254,7 +254,7 @@ def _check(per_rank: list[dict], case: tuple, tp: int) -> None:
 @pytest.mark.parametrize(
     "cases, case",
     [
-        *(("quick", c) for c in TP2["quick"]),
+        *(pytest.param("quick", c, marks=pytest.mark.slow) for c in TP2["quick"]),
         *(pytest.param("more", c, marks=pytest.mark.slow) for c in TP2["more"]),
     ],
     ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}" if isinstance(c, tuple) else c,

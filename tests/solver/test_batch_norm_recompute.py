@@ -52,6 +52,7 @@ def test_the_solver_recomputes_no_block_that_updates_running_statistics(norm, re
     assert sum(u.kind is not None for u in problem.units) == recomputable
 
 
+@pytest.mark.slow  # the solver's own choice, above, is the quick case
 def test_a_pin_that_recomputes_a_batch_norm_block_is_refused():
     images = torch.randn(4, 8, 8, 8)
     for recompute in ("all", "layers.1", "layers"):

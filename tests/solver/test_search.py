@@ -145,6 +145,7 @@ def test_attention_cores_alone_are_recomputed_where_that_suffices():
     assert "the attention core alone" in plan.explain()
 
 
+@pytest.mark.slow  # test_stages.py's quick cases plan pipelines
 def test_a_deep_pipeline_gets_many_small_microbatches():
     """Microbatch sizes of 1, 2, 4 ... samples, not only pp, 2pp and 4pp microbatches:
     a pipeline that fits only with microbatches of one or two samples gets them."""
