@@ -352,18 +352,25 @@ def _price(
     Then the plans that do not fit, fastest first, go to the inner model (`_inner`),
     which cuts the pipeline and recomputes blocks to fit memory. Both only add time
     (the cuts but for `REBALANCE_GAIN`), so once a plan is slower than the fastest that
-    fits by more than the slack, so are the rest, and they are left as they are."""
+    fits by more than the slack, so are the rest, and they are left as they are.
+
+    A plan whose parameters, gradients and optimizer state alone exceed the device's
+    memory (`_states_overflow`) fits whatever the inner model does: it is priced only
+    where no other plan fits, for the refusal to say how close the smallest came
+    (and not at all under context parallelism, which has the plans without it)."""
     start, memory = time.perf_counter(), mesh.device.memory_bytes
     models = CostModels.of(mesh, choices[0].precision, choices[0].compiled) if choices else None
     out: list[Candidate] = []
     floors: dict = {}
     held: dict = {}  # (summary, tp, ep) -> the parameters a rank holds
+    hopeless: list[Choices] = []
     progress = Progress("solver: pricing plans", len(choices))
     for done, c in enumerate(sorted(choices, key=lambda c: not _usual_microbatches(c))):
         progress.update(done)
         assert models is not None
         summary = layouts.summary(c.tp, c.sequence_parallel)
-        if c.cp > 1 and _states_overflow(summary, c, dims, models, memory, held):
+        if _states_overflow(summary, c, dims, models, memory, held):
+            hopeless += [c] if c.cp == 1 else []
             continue
         if best < math.inf and any(
             step_time_lower_bound(summary, c, dims, models, floors, cp_layout) > (1 + SLACK) * best
@@ -396,6 +403,11 @@ def _price(
         out[i] = Candidate(*_inner(problem, summary, mesh, c, predicted, dims, models))
         if out[i].predicted.peak_memory_bytes <= memory:
             best = min(best, out[i].predicted.step_time_s)
+    if hopeless and all(cand.predicted.peak_memory_bytes > memory for cand in out):
+        out += [
+            Candidate(c, predict(layouts.summary(c.tp, c.sequence_parallel), mesh, c, dims, models))
+            for c in hopeless
+        ]
     log.info(
         "solver: priced %d of %d plans, %d with the inner model, in %.3fs",
         len(out),
@@ -415,14 +427,20 @@ def _states_overflow(
     cache: dict,
 ) -> bool:
     """Whether a rank's parameters, gradients and optimizer state alone exceed the
-    device's memory: what neither recomputation nor stage cuts reduce. Context
-    parallelism keeps every parameter whole on its ranks, so its plans are priced only
-    where this fits (the others stay, to say what would fit). `cache`: the parameters
-    a rank of each tp × ep holds, kept across plans."""
+    device's memory on the rank holding the mean share of the pipeline: what neither
+    recomputation nor stage cuts reduce. `cache`: the parameters a rank of each
+    tp × ep holds, kept across plans."""
     key = (id(summary), c.tp, c.ep)
     if key not in cache:
         cache[key] = sum(s.param_numel(c.tp, c.ep) for s in summary.evaluate({**dims, BATCH: 1}))
-    states = models.memory.breakdown(cache[key] / c.pp, c.dp, c.zero, offload=c.offload)
+    states = models.memory.breakdown(
+        cache[key] / c.pp,
+        c.dp,
+        c.zero,
+        offload=c.offload,
+        ep=c.ep,  # every weight sharded as the non-experts are: a floor
+        master_weights=c.master_weights,
+    )
     return sum(states.values()) > memory
 
 
