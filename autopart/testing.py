@@ -8,13 +8,14 @@ destroys its process group. A failing rank's traceback is raised in the parent; 
 still running `GRACE_S` after one failed are killed and named.
 
 Ranks are forked from a server process (multiprocessing's "forkserver") that imported
-torch, autopart and the module of the first world's `fn` once, and nothing else ran
-there: a rank starts in milliseconds instead of the seconds an interpreter takes to
-import them (5.6 s for torch, autopart and Hugging Face `transformers` on a 2-core
-host, per rank and per world). `preload` names more modules to import there, before
-the first world. A rank gets the caller's environment variables, working directory and
-`sys.path` as they are at each call; what a process reads only as it starts (glibc's
-`MALLOC_*` settings) it has as the server had them at the first world.
+torch, autopart, what torch.export imports on its first capture and the module of the
+first world's `fn` once, and nothing else ran there: a rank starts in milliseconds
+instead of the seconds an interpreter takes to import them (5.6 s for torch, autopart
+and Hugging Face `transformers` on a 2-core host, per rank and per world). `preload`
+names more modules to import there, before the first world. A rank gets the caller's
+environment variables, working directory and `sys.path` as they are at each call;
+what a process reads only as it starts (glibc's `MALLOC_*` settings) it has as the
+server had them at the first world.
 """
 
 from __future__ import annotations
@@ -39,8 +40,34 @@ WORLD_TIMEOUT_S = 600
 GRACE_S = 10
 
 
+# What torch.export imports on its first capture in a process: imported in the server, a
+# rank that captures its model starts from them. A module missing from another torch
+# version is skipped (the forkserver ignores a preload module it cannot import).
+FIRST_CAPTURE_IMPORTS = [
+    "torch.export._trace",
+    "torch.export._unlift",
+    "torch.export.pt2_archive",
+    "torch._export.non_strict_utils",
+    "torch._export.passes.add_runtime_assertions_for_constraints_pass",
+    "torch._export.passes.collect_tracepoints_pass",
+    "torch._export.passes.replace_autocast_with_hop_pass",
+    "torch._export.passes.replace_set_grad_with_hop_pass",
+    "torch._export.serde.serialize",
+    "torch._export.db.logging",
+    "torch._functorch.aot_autograd",
+    "torch._functorch.partitioners",
+    "torch._functorch._activation_checkpointing.graph_info_provider",
+    "torch._inductor.codecache",
+    "torch._inductor.sizevars",
+    "torch._inductor.fx_passes.dedupe_symint_uses",
+    "torch._subclasses.schema_check_mode",
+    "torch.fx.experimental.validator",
+    "sympy.combinatorics",
+    "sympy.sets.setexpr",
+    "sympy.tensor.tensor",
+]
 # What the forkserver imports before it forks the first rank (`preload` adds more).
-PRELOAD = ["torch", "torch.distributed", "autopart"]
+PRELOAD = ["torch", "torch.distributed", "autopart", *FIRST_CAPTURE_IMPORTS]
 
 
 def preload(*modules: str) -> None:

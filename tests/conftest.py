@@ -1,6 +1,15 @@
 """The test suite's worlds fork their ranks from one process that has imported the test
-models (Hugging Face `transformers`) and harness once (`autopart.testing.preload`)."""
+models (Hugging Face `transformers` and the modeling code of the models the worlds
+build) and harness once (`autopart.testing.preload`): a rank that imported a model's
+modeling code itself would pay for it, and for what `transformers` loads with the
+first model, in every world."""
 
 from autopart.testing import preload
 
-preload("tests.models", "tests.harness")
+preload(
+    "tests.models",
+    "tests.harness",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.mixtral.modeling_mixtral",
+)
