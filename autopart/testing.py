@@ -139,6 +139,10 @@ def _rank_main(fn, rank, world_size, store, tmp, args, environment) -> None:
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
+    # Gloo's init returns on a rank once its own side of every pair is connected: a rank
+    # whose `fn` needs no collective could finish and close its sockets while a peer is
+    # still connecting to it, failing the peer's init ("Connection closed by peer").
+    dist.barrier()
     try:
         result = fn(*args)
         torch.save(result, Path(tmp, f"rank{rank}.pt"))
