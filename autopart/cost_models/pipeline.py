@@ -39,6 +39,7 @@ backward ends and always shows:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -132,7 +133,15 @@ def _simulated_span(
     forward: Sequence[float], backward: Sequence[float], microbatches: int, schedule: str
 ) -> float:
     """The span of the schedule's order on every rank, each operation starting once its
-    rank is free and its input has come."""
+    rank is free and its input has come. The search prices many plans whose ranks
+    take alike times (they differ in what the step does once): each is simulated once."""
+    return _span_of(tuple(forward), tuple(backward), microbatches, schedule)
+
+
+@functools.lru_cache(maxsize=4096)
+def _span_of(
+    forward: tuple[float, ...], backward: tuple[float, ...], microbatches: int, schedule: str
+) -> float:
     p, m = len(forward), microbatches
     orders = [_order(schedule, r, p, m) for r in range(p)]
     nothing = -1.0
