@@ -256,7 +256,14 @@ def step_time_lower_bound(
             cache[key] = kept
     work, boundary = kept
     pp = choices.pp
-    work += sum(p2p_comm(boundary, choices, models.comm, r) for r in range(pp))
+    # Every rank's transfers, alike for every plan of these pipeline degrees.
+    sends = ("sends", boundary, pp, choices.chunks, choices.degrees.stride(Axis.PP))
+    transfers = cache.get(sends) if cache is not None else None
+    if transfers is None:
+        transfers = sum(p2p_comm(boundary, choices, models.comm, r) for r in range(pp))
+        if cache is not None:
+            cache[sends] = transfers
+    work += transfers
     bubble = bubble_fraction(choices.schedule, pp, choices.microbatches, choices.virtual_stages)
     return work * choices.microbatches / pp * (1 + bubble)
 
