@@ -376,7 +376,7 @@ def _stage_work(
         ),
         sync=_dp_sync(own, compute, choices, models, traffic),
         optimizer=_optimizer_time(own, compute, choices, models)
-        + _gradient_traffic(own, choices, models),
+        + _gradient_traffic(params, choices, models),
     )
 
 
@@ -674,10 +674,11 @@ def _dp_sync(
     return exposed
 
 
-def _gradient_traffic(own: list[SegmentWork], choices: Choices, models: CostModels) -> float:
-    """Once per step, what the rank's gradients cost in memory traffic outside the
-    graph's operators, in passes over their bytes G. Under data parallelism (ZeRO-0 and
-    1: `runtime/grad_sync.py`, `zero_replicas.py`) they accumulate into flat buckets,
+def _gradient_traffic(params: float, choices: Choices, models: CostModels) -> float:
+    """Once per step, what the gradients of the rank's `params` parameters cost in
+    memory traffic outside the graph's operators, in passes over their bytes G. Under
+    data parallelism (ZeRO-0 and 1: `runtime/grad_sync.py`, `zero_replicas.py`) they
+    accumulate into flat buckets,
     zeroed before the step (G), every microbatch's added in (3G: two reads, a write),
     then divided in place before their reduction (2G); ZeRO-2 takes each backward's
     fresh gradients, flattened and divided (4G a microbatch); ZeRO-1 and 2 copy the
@@ -687,7 +688,6 @@ def _gradient_traffic(own: list[SegmentWork], choices: Choices, models: CostMode
     split = choices.degrees.batch_split > 1
     if split and choices.zero == 3:
         return 0.0
-    params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
     param_bytes, grad_bytes = choices.state_bytes[:2]
     m = choices.microbatches
     if not split or choices.sync_every is not None:

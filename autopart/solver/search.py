@@ -370,7 +370,8 @@ def _price(
         assert models is not None
         summary = layouts.summary(c.tp, c.sequence_parallel)
         if _states_overflow(summary, c, dims, models, memory, held):
-            hopeless += [c] if c.cp == 1 else []
+            if c.cp == 1:
+                hopeless.append(c)
             continue
         if best < math.inf and any(
             step_time_lower_bound(summary, c, dims, models, floors, cp_layout) > (1 + SLACK) * best
