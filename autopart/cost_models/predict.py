@@ -678,13 +678,13 @@ def _gradient_traffic(params: float, choices: Choices, models: CostModels) -> fl
     """Once per step, what the gradients of the rank's `params` parameters cost in
     memory traffic outside the graph's operators, in passes over their bytes G. Under
     data parallelism (ZeRO-0 and 1: `runtime/grad_sync.py`, `zero_replicas.py`) they
-    accumulate into flat buckets,
-    zeroed before the step (G), every microbatch's added in (3G: two reads, a write),
-    then divided in place before their reduction (2G); ZeRO-2 takes each backward's
-    fresh gradients, flattened and divided (4G a microbatch); ZeRO-1 and 2 copy the
-    gathered parameters back after the step (2 passes over their bytes). Without a
-    reduction, the first microbatch's gradients are the step's and every later one
-    is added in. ZeRO-3's buckets are priced with its collectives."""
+    accumulate into flat buckets, zeroed before the step (G), every microbatch's added
+    in (3G: two reads, a write), then divided in place before their reduction (2G);
+    ZeRO-2 takes each backward's fresh gradients, flattened and divided (4G a
+    microbatch); ZeRO-1 and 2 copy the gathered parameters back after the step (2 passes
+    over their bytes). Without a reduction, the first microbatch's gradients are the
+    step's and every later one is added in. ZeRO-3's buckets are priced with its
+    collectives."""
     split = choices.degrees.batch_split > 1
     if split and choices.zero == 3:
         return 0.0
