@@ -142,31 +142,52 @@ def _simulated_span(
 def _span_of(
     forward: tuple[float, ...], backward: tuple[float, ...], microbatches: int, schedule: str
 ) -> float:
-    p, m = len(forward), microbatches
+    takes = forward + backward
+    steps = _dependencies(schedule, len(forward), microbatches)
+    end = [0.0] * (len(steps) + 1)  # the last entry: what nothing waits for
+    for op, previous, awaited, duration in steps:
+        a, b = end[previous], end[awaited]
+        end[op] = (a if a > b else b) + takes[duration]
+    return max(end)
+
+
+@functools.lru_cache(maxsize=256)
+def _dependencies(schedule: str, p: int, m: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The operations of the schedule's order on every rank, each once its inputs are:
+    (the operation, the one before it on its rank, the one whose output it waits for,
+    which time it takes: rank r's forward r, its backward p + r). Operation `at` of rank
+    r is r · 2m + at; p · 2m stands for nothing to wait for. The search prices many
+    pipelines of the same p and m: the order is worked out once for them all."""
     orders = [_order(schedule, r, p, m) for r in range(p)]
-    nothing = -1.0
-    ends = {True: [[nothing] * m for _ in range(p)], False: [[nothing] * m for _ in range(p)]}
-    clock, position = [0.0] * p, [0] * p
+    position = [{op: at for at, op in enumerate(order)} for order in orders]
+    n, nothing = 2 * m, 2 * m * p
+    steps: list[tuple[int, int, int, int]] = []
+    placed = [0] * p
     waiting = list(range(p))  # ranks that may move on: at first all, then a neighbour's
     while waiting:
         r = waiting.pop()
-        order, at = orders[r], position[r]
-        while at < len(order):
-            is_forward, k = order[at]
+        start = placed[r]
+        while placed[r] < n:
+            is_forward, k = orders[r][placed[r]]
             if is_forward:
-                ready = ends[True][r - 1][k] if r > 0 else 0.0
+                source = (r - 1, (True, k)) if r > 0 else None
             else:
-                ready = ends[False][r + 1][k] if r < p - 1 else ends[True][r][k]
-            if ready == nothing:
-                break
-            clock[r] = max(clock[r], ready) + (forward[r] if is_forward else backward[r])
-            ends[is_forward][r][k] = clock[r]
-            at += 1
-        if at > position[r]:
-            position[r] = at
+                source = (r + 1, (False, k)) if r < p - 1 else (r, (True, k))
+            if source is None:
+                awaited = nothing
+            else:
+                at = position[source[0]][source[1]]
+                if at >= placed[source[0]]:
+                    break  # its input is not placed yet
+                awaited = source[0] * n + at
+            op = r * n + placed[r]
+            previous = op - 1 if placed[r] else nothing
+            steps.append((op, previous, awaited, r if is_forward else p + r))
+            placed[r] += 1
+        if placed[r] > start:
             waiting += [q for q in (r - 1, r + 1) if 0 <= q < p]
-    assert all(at == len(order) for at, order in zip(position, orders)), "a schedule deadlocked"
-    return max(clock)
+    assert all(at == n for at in placed), "a schedule deadlocked"
+    return tuple(steps)
 
 
 def _order(schedule: str, rank: int, stages: int, microbatches: int) -> list[tuple[bool, int]]:
