@@ -46,6 +46,7 @@ averages the parts' losses, which is that mean.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import sympy
@@ -86,8 +87,15 @@ def mixing_over_replicas(gm: fx.GraphModule, statistics: bool = True) -> list[st
     """The mixing a rewrite makes exact over replicas, as `batch_mixing` words it: exact
     under a split over replicas, not over microbatches (a replica's first microbatch
     would be computed before its last is seen)."""
-    exact = exact_over_replicas(gm, statistics)
-    return _worded({n: w for n, w in _found(gm, statistics).items() if n in exact}, set())
+    return mixing_kinds(gm, statistics)[1]
+
+
+def mixing_kinds(gm: fx.GraphModule, statistics: bool = True) -> tuple[list[str], list[str]]:
+    """`batch_mixing(gm, statistics, over_replicas=False)` and `mixing_over_replicas(gm,
+    statistics)`, from one pass of the analyses over the graph."""
+    found = _found(gm, statistics)
+    exact = set(exact_over_replicas(gm, statistics))
+    return _worded(found, exact), _worded({n: w for n, w in found.items() if n in exact}, set())
 
 
 def exact_over_replicas(gm: fx.GraphModule, statistics: bool = True) -> list[fx.Node]:
@@ -431,6 +439,7 @@ def _argument(node: fx.Node, name: str, default: object) -> object:
     return default if default_value is None else default_value
 
 
+@functools.lru_cache(maxsize=4096)  # the analyses ask of the same few sizes all along
 def batched(size: sympy.Expr | int) -> bool:
     """Whether a size carries the batch (the batch, or a product with it)."""
     symbols = getattr(size, "free_symbols", ())

@@ -25,9 +25,8 @@ from autopart.mesh import Mesh
 from autopart.ops.batch_products import WHOLE
 from autopart.ops.meta import BLOCK
 from autopart.passes.batch_mixing import (
-    batch_mixing,
     gathered_products,
-    mixing_over_replicas,
+    mixing_kinds,
     updates_running_statistics,
 )
 from autopart.passes.context_parallel import sequence_length
@@ -219,8 +218,7 @@ def make_plan(
         return _choose_mode(captured, mesh, pins, captured_in)
     batch = batch_size((captured.example_args, captured.example_kwargs))
     per_part = pins.per_part_statistics
-    mixing = batch_mixing(captured.gm, statistics=not per_part, over_replicas=False)
-    norms = mixing_over_replicas(captured.gm, statistics=not per_part)
+    mixing, norms = mixing_kinds(captured.gm, statistics=not per_part)
     pins = _whole_batch(pins, mixing, mesh, norms)
     _check_pins(pins, mesh, batch)
     refusal = recompute_refusal(captured.gm, pins.recompute, pins.recompute_attention)
