@@ -462,7 +462,7 @@ def _regions(own: list[SegmentWork], choices: Choices) -> int:
     if not choices.compiled:
         return 0
     gathers = (
-        sum(len(_gathers(own, kind)) for kind in _zero3_groups(choices) if kind.group[0] > 1)
+        sum(_gather_tally(own, kind).number for kind in _zero3_groups(choices) if kind.group[0] > 1)
         if choices.zero == 3 and choices.degrees.batch_split > 1
         else 0
     )
@@ -557,17 +557,25 @@ def _zero3_comm(
         return 0.0
     param_bytes, grad_bytes = choices.state_bytes[0], choices.reduced_grad_bytes
     comm = models.comm
-    buckets = [  # (parameters, ranks, stride) of each gather, in forward order
-        (b, size, stride)
+    # A 1T model's rank issues thousands of gathers, nearly all of one bucket size:
+    # counted, and priced once per size.
+    tallies = [
+        (tally, kind.group)
         for kind in _zero3_groups(choices)
         if kind.group[0] > 1
-        for b in _gathers(own, kind)
-        for size, stride in [kind.group]
+        for tally in [_gather_tally(own, kind)]
+        if tally.number
     ]
+    alike: Counter[tuple[float, int, int]] = Counter()  # (parameters, ranks, stride)
+    for tally, (size, stride) in tallies:
+        for b, n in tally.counts.items():
+            alike[b, size, stride] += n
     if comm.measures_zero3_buckets:
         mean_bytes = (param_bytes + grad_bytes) / 2
-        return sum(comm.zero3_bucket_time(b * mean_bytes, size) for b, size, _ in buckets)
-    if not buckets:
+        return sum(
+            n * comm.zero3_bucket_time(b * mean_bytes, size) for (b, size, _), n in alike.items()
+        )
+    if not tallies:
         return 0.0
 
     def gather(b: float, size: int, stride: int) -> float:
@@ -576,12 +584,10 @@ def _zero3_comm(
     def scatter(b: float, size: int, stride: int) -> float:
         return comm.time(REDUCE_SCATTER, b * grad_bytes, size, stride)
 
-    # A 1T model's rank issues thousands of gathers, nearly all of one bucket size:
-    # priced once per size.
-    alike = Counter(buckets)
     gathers = sum(n * gather(*b) for b, n in alike.items())
     scatters = sum(n * scatter(*b) for b, n in alike.items())
-    first, last = buckets[0], buckets[-1]
+    first = (tallies[0][0].first, *tallies[0][1])
+    last = (tallies[-1][0].last, *tallies[-1][1])
     forward = gather(*first) + max(0.0, gathers - gather(*first) - _hiding(compute.forward, models))
     # Backward runs the buckets in reverse.
     overlapped = gathers - gather(*last) + scatters - scatter(*first)
@@ -858,10 +864,6 @@ def _gathers(own: list[SegmentWork], kind: _Zero3Kind) -> list[float]:
     """ZeRO-3's all-gathers in forward order, as parameter counts, as `passes/zero.py`
     issues them: each bucket where it is first read, and again where it is read after
     ZERO3_REGATHER_AFTER other gathers (a tied head reading the embedding's bucket)."""
-    return _remembered("gathers", own, kind, lambda: _gathers_of(own, kind))
-
-
-def _gathers_of(own: list[SegmentWork], kind: _Zero3Kind) -> list[float]:
     buckets, of_segment = _bucketing(own, kind)
     owner = {p: of_segment[i] for i, seg in enumerate(own) for p in seg.segment.owned}
     last: dict[int, int] = {}
@@ -873,6 +875,29 @@ def _gathers_of(own: list[SegmentWork], kind: _Zero3Kind) -> list[float]:
                 out.append(buckets[b])
                 last[b] = len(out)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _GatherTally:
+    """A rank's ZeRO-3 gathers of one kind (`_gathers`): how many of each size
+    (parameters), in the order each size first comes, and the first and the last."""
+
+    counts: Counter[float]
+    first: float
+    last: float
+
+    @property
+    def number(self) -> int:
+        return self.counts.total()
+
+
+def _gather_tally(own: list[SegmentWork], kind: _Zero3Kind) -> _GatherTally:
+    def tally() -> _GatherTally:
+        gathers = _gathers(own, kind)
+        first, last = (gathers[0], gathers[-1]) if gathers else (0.0, 0.0)
+        return _GatherTally(Counter(gathers), first, last)
+
+    return _remembered("tally", own, kind, tally)
 
 
 # A rank's ZeRO-3 buckets and gathers depend on its segments and the bucket kind alone,
