@@ -129,6 +129,11 @@ def _wait(procs: list) -> str:
 
 
 def _rank_main(fn, rank, world_size, store, tmp, args, environment) -> None:
+    # The rank starts with the server's heap: every object of torch, autopart and the
+    # preloaded models. A collection of the oldest generation would walk them all (and,
+    # writing each one's header, copy every page of them from the server), as would the
+    # one at the end. They live as long as the rank, so they are left out of collection.
+    gc.freeze()
     os.environ.clear()
     os.environ.update(environment)
     os.environ.update(
