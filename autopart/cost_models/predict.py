@@ -866,14 +866,25 @@ def _gathers(own: list[SegmentWork], kind: _Zero3Kind) -> list[float]:
     ZERO3_REGATHER_AFTER other gathers (a tied head reading the embedding's bucket)."""
     buckets, of_segment = _bucketing(own, kind)
     owner = {p: of_segment[i] for i, seg in enumerate(own) for p in seg.segment.owned}
-    last: dict[int, int] = {}
+    last: dict[int, int] = {}  # bucket -> its last gather's place in `out`, from 1
     out: list[float] = []
     for i, seg in enumerate(own):
+        mine = of_segment[i]  # contiguous: the open bucket, then those the segment began
         borrowed = [b for p in seg.segment.borrowed for b in owner.get(p, [])]
-        for b in dict.fromkeys(of_segment[i] + borrowed):
+        if borrowed or len(mine) < 2 or not last.keys().isdisjoint(mine[1:]):
+            order = dict.fromkeys(mine + borrowed)
+        else:
+            # Nothing gathered the buckets the segment began: each is gathered once, in
+            # order (a 1T model's rank has thousands), after the open one.
+            order = dict.fromkeys(mine[:1])
+        for b in order:
             if b not in last or len(out) - last[b] >= ZERO3_REGATHER_AFTER:
                 out.append(buckets[b])
                 last[b] = len(out)
+        if len(order) < len(mine):
+            start = len(out)
+            out += buckets[mine[1] : mine[-1] + 1]
+            last.update(zip(mine[1:], range(start + 1, len(out) + 1), strict=True))
     return out
 
 
