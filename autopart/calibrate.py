@@ -87,8 +87,10 @@ load does not bend the fitted curve.
 
 A measurement sampled so is repeated until its last samples agree
 (`sample_until_stable`), or warned of as unstable with their spread; a figure outside
-its plausible range (`PLAUSIBLE`) is warned of too. The warnings, and the host's load
-averages before and after the run, are recorded in the profile's `calibration`.
+its plausible range (`PLAUSIBLE`) is warned of too. The profile's `calibration` records
+the device type and world size it was measured on (the cost models read the device
+from it, not from the profile's name), the warnings, and the host's load averages
+before and after the run.
 
 Run it in one process (world 1: no collectives) or under `torchrun` (Gloo on CPUs,
 NCCL on GPUs; every rank runs it side by side and the profile holds the ranks' mean;
@@ -311,6 +313,8 @@ def calibrate(
     spec = replace(
         spec,
         calibration={
+            "device_type": device.type,
+            "world_size": world,
             "load_before": load_before,
             "load_after": _load(),
             "cpus": os.cpu_count(),

@@ -97,8 +97,12 @@ POINT_TO_POINT = (SEND_RECV, EXCHANGE)
 
 def is_cpu(device: DeviceSpec) -> bool:
     """Whether `device` is a CPU: the `cpu` preset, or a profile `autopart calibrate`
-    measured on a CPU, which keeps its name (`cpu-calibrated`) and alone measures
-    ZeRO-3's buckets (`DeviceSpec.zero3_bucket`)."""
+    measured on one, as it records (`calibration["device_type"]`), whatever its name.
+    A profile from before that record is told by its default name (`cpu-calibrated`)
+    or by the ZeRO-3 buckets only a CPU's measures."""
+    measured_on = device.calibration.get("device_type")
+    if measured_on is not None:
+        return measured_on == "cpu"
     base = PRESETS["cpu"].name
     return device.name in (base, f"{base}-calibrated") or bool(device.zero3_bucket)
 

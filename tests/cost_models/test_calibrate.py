@@ -217,6 +217,7 @@ def test_the_profile_records_the_hosts_load_and_the_warnings(tmp_path, monkeypat
     cal.calibrate(path, sizes=(64, 128), dtypes=("fp32",))
     spec = device_spec(path)
     record = spec.calibration
+    assert (record["device_type"], record["world_size"]) == ("cpu", 1)
     assert record["load_before"] == [3.5, 2.0, 1.0]
     assert record["load_after"] == [4.25, 2.5, 1.0]
     warnings = record["warnings"]

@@ -128,6 +128,16 @@ def test_collectives_planned_for_a_cpu_do_not_hide_behind_compute():
         assert CommModel(Mesh.cluster(name, 1, 8)).overlaps_compute
 
 
+def test_a_profile_is_a_cpu_as_its_calibration_recorded_whatever_its_name():
+    cpu = PRESETS["cpu"]
+    one_process = replace(cpu, name="my-host", calibration={"device_type": "cpu"})
+    assert is_cpu(one_process)  # no ZeRO-3 buckets measured at world 1
+    assert not CommModel(Mesh.cluster(one_process, 1, 2)).overlaps_compute
+    gpu = replace(cpu, name="cpu-calibrated", calibration={"device_type": "cuda"})
+    assert not is_cpu(gpu)
+    assert CommModel(Mesh.cluster(gpu, 1, 8)).overlaps_compute
+
+
 def test_rings_across_nodes_use_every_nic_of_their_members():
     # 4 nodes of 8 A100s, one 200 Gb/s NIC per GPU (25 GB/s): a group of all 32 ranks
     # has 8 members in each node and rings over all 8 NICs (200 GB/s, NVLink's 300 GB/s
