@@ -96,6 +96,23 @@ def captured_on_meta(build: Callable[[], nn.Module], batch: int, seq: int) -> tu
     return timed(lambda: captured_for_planning(model, (ids,), repeated_once=True))
 
 
+def bare_export_s(build: Callable[[], nn.Module], batch: int, seq: int) -> float:
+    """Seconds torch.export takes to capture the model `build` makes on the meta device,
+    at `batch` sequences of `seq` tokens, with nothing of autopart's around it: what
+    planning is measured against."""
+    with torch.device("meta"):
+        model = build()
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return timed(lambda: torch.export.export(model, (ids,), strict=False))[1]
+
+
+def warm_up_export() -> None:
+    """torch.export's first call in a process pays for what it sets up once (imports,
+    dispatch caches): paid here, on a tiny model, so that neither the first plan's
+    capture nor the first bare export carries it."""
+    bare_export_s(gpt(64, 1, 4, vocab=128), 2, 16)
+
+
 # Llama-3-8B's shape, for `llama(**LLAMA3_8B, positions=...)`.
 LLAMA3_8B = dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256)
 

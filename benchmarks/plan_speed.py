@@ -20,8 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import torch
-from harness import LLAMA3_8B, captured_on_meta, gpt, llama, lm_loss_pins, print_json_line, timed
+from harness import (
+    LLAMA3_8B,
+    bare_export_s,
+    captured_on_meta,
+    gpt,
+    llama,
+    lm_loss_pins,
+    print_json_line,
+    timed,
+    warm_up_export,
+)
 from torch import nn
 
 import autopart
@@ -65,22 +74,6 @@ TARGET_RATIO = 1.0  # plan seconds over bare-export seconds
 T = TypeVar("T")
 
 
-def bare_export_s(case: Case) -> float:
-    """Seconds torch.export takes to capture the case's model on the meta device, with
-    nothing of autopart's around it."""
-    with torch.device("meta"):
-        model = case.build()
-    ids = torch.zeros(case.batch, case.seq, dtype=torch.long, device="meta")
-    return timed(lambda: torch.export.export(model, (ids,), strict=False))[1]
-
-
-def warm_up() -> None:
-    """torch.export's first call in a process pays for what it sets up once (imports,
-    dispatch caches): paid here, on a tiny model, so that neither the plan's capture
-    nor the bare export of the first case carries it."""
-    bare_export_s(Case(gpt(64, 1, 4, vocab=128), 2, 16, "a100-80g", 1, 0.0))
-
-
 def with_cpu(fn: Callable[[], T]) -> tuple[T, float]:
     """`fn()`'s result and the CPU seconds this process spent on it: on a shared host a
     phase that waits for a core loses wall time that the CPU time does not count."""
@@ -96,7 +89,7 @@ def run(name: str, case: Case) -> None:
     mesh = autopart.Mesh.cluster(case.device, nodes=case.nodes, per_node=8)
     pins = Pins.of(precision="bf16-mixed", **lm_loss_pins(c))
     (plan, solve_s), solve_cpu = with_cpu(lambda: timed(lambda: make_plan(c, mesh, pins)))
-    export_s, export_cpu = with_cpu(lambda: bare_export_s(case))
+    export_s, export_cpu = with_cpu(lambda: bare_export_s(case.build, case.batch, case.seq))
     print_json_line(
         {
             "benchmark": "plan_speed",
@@ -125,7 +118,7 @@ def run(name: str, case: Case) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES))
-    warm_up()
+    warm_up_export()
     for name in parser.parse_args().cases.split(","):
         run(name, CASES[name])
 
