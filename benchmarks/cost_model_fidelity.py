@@ -8,9 +8,12 @@ One Gloo world of local CPU processes per world size (1, 2 and 4), every plan of
 world built once in it (`autopart.plan` on a first calibration, then
 `autopart.parallelize`). Besides the axes, ZeRO stages and schedules, the runtime's
 modes: 16-bit parameters (`precision="bf16-params"`, captured and priced in bf16),
-ZeRO-3 with every block recomputed, and compiled programs (`compile=True`, inductor's
-C++ backend; each plan compiles in its warm-up). `--plans` runs only the plans named
-(`single-compiled`, ...). The world then runs `--epochs` epochs, each of which
+ZeRO-3 with every block recomputed (and, to tell the recomputation's price from
+ZeRO-3's, data parallelism with every block recomputed), and compiled programs
+(`compile=True`, inductor's C++ backend; each plan compiles in its warm-up). `--plans`
+runs only the plans named (`single-compiled`, ...). The plans warm up (a few steps
+each, then an untimed epoch of steps); the world then runs `--epochs` epochs, each of
+which
 
     calibrates    `autopart.calibrate` on every rank at once (1-thread matmuls whose
                   operands span the tiny models' (128² to 512²), each of a linear
@@ -55,6 +58,7 @@ listed as skipped.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -99,6 +103,7 @@ PLANS: dict[int, dict[str, dict[str, Any]]] = {
         "dp2-zero1": {"dp": 2, "zero": 1},
         "dp2-zero2": {"dp": 2, "zero": 2},
         "dp2-zero3": {"dp": 2, "zero": 3},
+        "dp2-recompute": {"dp": 2, "recompute": "all"},
         "dp2-zero3-recompute": {"dp": 2, "zero": 3, "recompute": "all"},
         "dp2-zero1-bf16-params": {"dp": 2, "zero": 1, "precision": "bf16-params"},
         "dp2-compiled": {"dp": 2, "compile": True},
@@ -120,6 +125,9 @@ MATMUL_SIZES = (128, 256, 512)
 MESSAGES = (1024, 16 * 1024, 256 * 1024, 4 * 1024**2)
 COPY_BYTES = 64 * 1024**2
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")  # what these plans run
+# Each plan's first steps, then one untimed epoch of them all: a world's first steps
+# after building every plan run several times their length, plan after plan, and an
+# epoch that timed them would weigh as much in the median as any other.
 WARMUP_STEPS = 3
 TARGETS = {"step_time": 0.25, "peak_memory": 0.15, "rank_correlation": 0.8}
 
@@ -153,6 +161,7 @@ def _world(profile_dir: str, options: dict[str, int]) -> list[dict[str, Any]]:
     for step in steps.values():
         for _ in range(WARMUP_STEPS):
             step()
+    _step_times(steps, options["steps"])  # a warm-up epoch, untimed (WARMUP_STEPS)
     epochs = []
     for epoch in range(options["epochs"]):
         half = options["steps"] // 2
@@ -233,12 +242,24 @@ def _step_times(steps: dict[Any, Callable[[], object]], count: int) -> dict[Any,
     """Seconds of `count` steps of each of `steps`, one plan after another; every step
     starts after a barrier, so it times the whole world's step. Each plan first runs one
     untimed step: the plans before it (and the calibration) have evicted its parameters
-    and activations from the caches, which a training loop repeating one plan keeps."""
+    and activations from the caches, which a training loop repeating one plan keeps.
+    Before them, the objects left so far are collected and frozen (`_settle`)."""
+    _settle()
     times: dict[Any, list[float]] = {}
     for key, step in steps.items():
         step()
         times[key] = [world_step_seconds(step) for _ in range(count)]
     return times
+
+
+def _settle() -> None:
+    """Collect the garbage the process has left and set what survives apart from
+    Python's collector. Planning and building every plan, and each calibration, leave
+    hundreds of thousands of objects behind; untouched, the collector's first full pass
+    over them falls in a timed step, many times its length. A training loop pays that
+    once, long before its steady state, which is what the cost models price."""
+    gc.collect()
+    gc.freeze()
 
 
 # -- memory --------------------------------------------------------------------------
@@ -314,6 +335,8 @@ def _line(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "measured_step_s": round(statistics.median(m for _, m in epochs), 5),
         "step_ratio": round(statistics.median(m / p["step_time_s"] for p, m in epochs), 3),
         "step_ratio_by_epoch": [round(m / p["step_time_s"], 3) for p, m in epochs],
+        "predicted_by_epoch_s": [round(p["step_time_s"], 5) for p, _ in epochs],
+        "measured_by_epoch_s": [round(m, 5) for _, m in epochs],
         "predicted_peak_bytes": predicted_peak,
         "measured_peak_bytes": measured_peak,
         "memory_ratio": round(measured_peak / predicted_peak, 3),
