@@ -14,7 +14,7 @@ from autopart.degrees import Degrees
 from autopart.mesh import Mesh
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError, Predicted, StageFigures
 from autopart.plan_format import alternative_label, reordering_difference
-from tests.models import tiny_gpt2, tiny_llama, tiny_mixtral, token_batch
+from tests.models import MLP, tiny_mixtral, token_batch
 
 
 def _plan(**changes) -> Plan:
@@ -174,14 +174,15 @@ def test_print_shows_offload_master_weights_compression_and_local_sgd():
 
 
 def test_plan_for_another_model_or_mesh_is_refused(tmp_path):
-    ids = token_batch(4)[0]
+    # Small MLPs: the checks read the model's fingerprint alone, not what it holds.
+    x = torch.randn(4, 32)
     mesh = Mesh.cluster("cpu", nodes=1, per_node=2)
-    plan = autopart.plan(tiny_gpt2(), mesh, (ids,))
+    plan = autopart.plan(MLP(depth=3), mesh, (x,))
     path = tmp_path / "plan.json"
     plan.save(path)
     loaded = Plan.load(path)
     with pytest.raises(PlanError, match="made for another model"):
-        autopart.parallelize(tiny_llama(), mesh, (ids,), plan=loaded)
+        autopart.parallelize(MLP(depth=2), mesh, (x,), plan=loaded)
     with pytest.raises(PlanError, match="made for the mesh 1×2 cpu"):
         loaded.check_compatible(loaded.fingerprint, Mesh.cluster("cpu", nodes=1, per_node=4))
 
@@ -199,14 +200,14 @@ def test_bad_plan_files_and_pins_say_what_is_wrong(tmp_path):
     data = _plan().to_json() | {"dp": "4"}
     with pytest.raises(PlanError, match="degree of dp must be a positive integer, not '4'"):
         Plan.from_json(data)
-    ids = token_batch(4)[0]
+    x = torch.randn(4, 32)  # a small MLP: the pins and the optimizer are what is wrong
     mesh = Mesh.cluster("cpu", nodes=1, per_node=2)
     with pytest.raises(PlanError, match="degree of tp must be a positive integer, not 0"):
-        autopart.plan(tiny_gpt2(), mesh, (ids,), tp=0)
+        autopart.plan(MLP(), mesh, (x,), tp=0)
     with pytest.raises(PlanError, match="pinned tp=3 = 3 devices do not divide the 2"):
-        autopart.plan(tiny_gpt2(), mesh, (ids,), tp=3)
+        autopart.plan(MLP(), mesh, (x,), tp=3)
     with pytest.raises(TypeError, match="LBFGS.step needs a closure"):
-        autopart.parallelize(tiny_gpt2(), mesh, (ids,), optimizer=torch.optim.LBFGS)
+        autopart.parallelize(MLP(), mesh, (x,), optimizer=torch.optim.LBFGS)
 
 
 def test_recomputed_layers_print_as_one_run():
