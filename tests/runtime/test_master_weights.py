@@ -19,6 +19,7 @@ from autopart.testing import run_world
 from tests.harness import parallelize_lm, train_losses
 from tests.models import (
     LM_FACTORIES,
+    MLP,
     FixedLengthLM,
     snapshot,
     tiny_llama,
@@ -162,8 +163,8 @@ def test_a_checkpoint_saves_the_host_masters_not_the_device_copies(tmp_path):
 
 
 def test_host_masters_need_offload_and_a_mixed_precision():
-    ids, _ = token_batch(8)
+    x = torch.randn(4, 32)  # a small MLP: the pins are what is refused
     mesh = autopart.Mesh.cluster("cpu", nodes=1, per_node=2)
     for pins in ({"precision": "fp32"}, {"precision": "bf16-mixed", "offload": False}):
         with pytest.raises(autopart.PlanError, match="master_weights='host'"):
-            autopart.plan(tiny_llama(), mesh, (ids,), master_weights="host", **pins)
+            autopart.plan(MLP(), mesh, (x,), master_weights="host", **pins)
