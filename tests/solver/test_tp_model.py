@@ -5,6 +5,7 @@ of a parallel block with multi-query attention)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -186,8 +187,15 @@ def _llama(vocab: int, hidden: int = 1024, layers: int = 2):
         return LlamaForCausalLM(config)
 
 
+@functools.cache
+def _llama_problem(vocab: int):
+    """`_problem` of `_llama(vocab)` for one sequence of 2048 tokens at tp=2 on H100s,
+    made once for the tests below, which read it and change nothing of it."""
+    return _problem(_llama(vocab), 1, 2048, MESHES["h100"], 2, meta=True)
+
+
 def test_column_and_row_parallel_layers_emerge_from_the_costs():
-    gm, names, costs, problem = _problem(_llama(32000), 1, 2048, MESHES["h100"], 2, meta=True)
+    gm, names, costs, problem = _llama_problem(32000)
     places = solve_layout(problem).placements
     for i in range(2):
         layer = f"model.layers.{i}"
@@ -202,11 +210,11 @@ def test_column_and_row_parallel_layers_emerge_from_the_costs():
 
 
 def test_vocabulary_parallelism_is_chosen_when_the_vocabulary_dominates():
-    _, _, _, problem = _problem(_llama(32000), 1, 2048, MESHES["h100"], 2, meta=True)
+    _, _, _, problem = _llama_problem(32000)
     large = solve_layout(problem).placements
     assert large["model.embed_tokens.weight"] == Shard(0)  # masked lookup + all-reduce
     assert large["lm_head.weight"] == Shard(0)  # column-parallel over the vocabulary
-    _, _, _, problem = _problem(_llama(128), 1, 2048, MESHES["h100"], 2, meta=True)
+    _, _, _, problem = _llama_problem(128)
     small = solve_layout(problem).placements  # 128 tokens: sharding the vocabulary
     assert small.get("model.embed_tokens.weight") != Shard(0)  # saves less than it costs
     assert small.get("lm_head.weight") != Shard(0)
@@ -218,7 +226,7 @@ def test_the_logits_of_a_parallel_cross_entropy_are_priced_without_their_gather(
     no gather for them, and the plan predicts less tensor-parallel communication."""
     import autopart
 
-    gm, names, costs, problem = _problem(_llama(32000), 1, 2048, MESHES["h100"], 2, meta=True)
+    gm, names, costs, problem = _llama_problem(32000)
     leaf = match_cross_entropy(lm_loss, gm).logits
     gathered = solve_layout(problem)
     parallel = solve_layout(build_problem(gm, names, 2, costs, sharded_logits=leaf))
