@@ -22,10 +22,11 @@ from tests.models import LM_FACTORIES, VOCAB, token_batch, train_reference, trai
 STEPS = 5
 
 # The quick suite runs each schedule once, GPT-2's tied weights across stages among
-# them; the slow sweeps the other model of each.
+# them, on a block a stage; the slow sweeps the other model of each, on two blocks a
+# stage.
 WORLD_2 = [  # (name, model, layers, pins)
-    ("gpt2 PP2 1F1B", "gpt2", 4, dict(pp=2, schedule="1f1b", microbatches=4)),
-    ("llama PP2 GPipe", "llama", 4, dict(pp=2, schedule="gpipe", microbatches=4)),
+    ("gpt2 PP2 1F1B", "gpt2", 2, dict(pp=2, schedule="1f1b", microbatches=4)),
+    ("llama PP2 GPipe", "llama", 2, dict(pp=2, schedule="gpipe", microbatches=4)),
 ]
 MORE_WORLD_2 = [
     ("gpt2 PP2 GPipe", "gpt2", 4, dict(pp=2, schedule="gpipe", microbatches=2)),
