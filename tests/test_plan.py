@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import replace
 
 import pytest
@@ -261,10 +262,12 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _added(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Partial results added one after another, in their dtype, as a ring does."""
-    total = parts[0]
-    for part in parts[1:]:
+def _added(parts: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Partial results added one after another, in their dtype, as a ring does; taken
+    one at a time, so that a thousand of them are never held at once."""
+    parts = iter(parts)
+    total = next(parts)
+    for part in parts:
         total = total + part
     return total
 
@@ -287,6 +290,6 @@ def test_the_rounding_estimate_matches_a_gradient_summed_over_parts(parts):
     `parts` parts' gradients (data-parallel ranks × microbatches)."""
     torch.manual_seed(0)
     x, dy = torch.randn(1024, 256), torch.randn(1024, 256)
-    summed = _added([xc.T @ dc for xc, dc in zip(x.chunk(parts), dy.chunk(parts))])
+    summed = _added(xc.T @ dc for xc, dc in zip(x.chunk(parts), dy.chunk(parts)))
     measured = _relative(summed, x.T @ dy)
     assert 0.5 < measured / reordering_difference("fp32", parts) < 2
