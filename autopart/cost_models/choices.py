@@ -178,11 +178,15 @@ def _as_set(paths: tuple[str, ...]) -> frozenset[str]:
 
 @dataclass(frozen=True, slots=True)
 class CostModels:
-    """The models a prediction uses, passed explicitly."""
+    """The models a prediction uses, passed explicitly. `remembered`: what they worked
+    out for a rank's segments that other plans priced with them hold alike (ZeRO-3's
+    buckets and gathers, `predict._gather_tally`): a search prices thousands of plans
+    with one set of models."""
 
     compute: ComputeModel
     comm: CommModel
     memory: MemoryModel
+    remembered: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, mesh: Mesh, precision: str, compiled: bool = False) -> CostModels:

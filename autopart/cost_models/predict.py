@@ -45,10 +45,9 @@ backward (3× forward FLOPs) without recomputation, as in MFU (Chowdhery et al.,
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 from torch import fx
 
@@ -100,7 +99,6 @@ STEP_SUMS_BYTES = 64.0
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
 TP_ALL_REDUCES_BACKWARD = 2
 LOSS_BYTES = 4  # the fp32 scalar loss all-reduced at the end of every step
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,7 +404,7 @@ def _rank_cost(
     if work is None:
         compute = sum((times[i] for i in mine), PhaseCost())
         tensors = sum(s.param_tensors for s in own)
-        compute += models.compute.region_time(_regions(own, choices), tensors)
+        compute += models.compute.region_time(_regions(own, choices, models), tensors)
         work = _stage_work(own, last, compute, choices, models, traffic)
         if shared is not None:
             shared[alike] = work
@@ -455,14 +453,18 @@ def _rank_cost(
     )
 
 
-def _regions(own: list[SegmentWork], choices: Choices) -> int:
+def _regions(own: list[SegmentWork], choices: Choices, models: CostModels) -> int:
     """Compiled regions a pipeline rank runs per microbatch (`fusion.regions_per_call`):
     one per chunk it holds, and two more per ZeRO-3 gather, which stays out of the
     compiled graph."""
     if not choices.compiled:
         return 0
     gathers = (
-        sum(_gather_tally(own, kind).number for kind in _zero3_groups(choices) if kind.group[0] > 1)
+        sum(
+            _gather_tally(own, kind, models).number
+            for kind in _zero3_groups(choices)
+            if kind.group[0] > 1
+        )
         if choices.zero == 3 and choices.degrees.batch_split > 1
         else 0
     )
@@ -563,7 +565,7 @@ def _zero3_comm(
         (tally, kind.group)
         for kind in _zero3_groups(choices)
         if kind.group[0] > 1
-        for tally in [_gather_tally(own, kind)]
+        for tally in [_gather_tally(own, kind, models)]
         if tally.number
     ]
     alike: Counter[tuple[float, int, int]] = Counter()  # (parameters, ranks, stride)
@@ -813,7 +815,7 @@ def _update_time(
         tensors = sum(s.param_tensors for s in own)
         return models.compute.optimizer_step_time(params * per_param, tensors)
     if choices.zero == 3:
-        shards = len(_parameter_buckets(own, choices))
+        shards = sum(_gather_tally(own, kind, models).buckets for kind in _zero3_groups(choices))
     else:
         grad_bytes = params * choices.state_bytes[1]
         memory = models.memory
@@ -822,22 +824,13 @@ def _update_time(
     return models.compute.optimizer_step_time(shard * per_param, shards)
 
 
-def _parameter_buckets(own: list[SegmentWork], choices: Choices) -> list[float]:
-    """ZeRO-3's buckets (`passes/zero.py`), as parameter counts: one per block holding
-    parameters and one per run of other segments holding them, each split at the
-    pass's cap on fp32 bytes (under ep, the experts' apart from the other weights')."""
-    return [b for kind in _zero3_groups(choices) for b in _bucketing(own, kind)[0]]
-
-
-def _bucketing(own: list[SegmentWork], kind: _Zero3Kind) -> tuple[list[float], list[list[int]]]:
-    """The buckets of the parameters of `kind`, and for each segment the buckets
-    holding those it owns."""
-    return _remembered("buckets", own, kind, lambda: _buckets_of(own, kind.numel))
-
-
 def _buckets_of(
     own: list[SegmentWork], numel: Callable[[SegmentWork], float]
 ) -> tuple[list[float], list[list[int]]]:
+    """ZeRO-3's buckets (`passes/zero.py`) of the parameters `numel` counts, as parameter
+    counts: one per block holding parameters and one per run of other segments holding
+    them, each split at the pass's cap on fp32 bytes; and for each segment the buckets
+    holding those it owns."""
     cap = ZERO3_BUCKET_BYTES / FP32_WEIGHTS[0]
     buckets: list[float] = []
     of_segment: list[list[int]] = []
@@ -860,11 +853,13 @@ def _buckets_of(
     return buckets, of_segment
 
 
-def _gathers(own: list[SegmentWork], kind: _Zero3Kind) -> list[float]:
-    """ZeRO-3's all-gathers in forward order, as parameter counts, as `passes/zero.py`
-    issues them: each bucket where it is first read, and again where it is read after
-    ZERO3_REGATHER_AFTER other gathers (a tied head reading the embedding's bucket)."""
-    buckets, of_segment = _bucketing(own, kind)
+def _gathers(
+    own: list[SegmentWork], buckets: list[float], of_segment: list[list[int]]
+) -> list[float]:
+    """ZeRO-3's all-gathers of `buckets` in forward order, as parameter counts, as
+    `passes/zero.py` issues them: each bucket where it is first read, and again where
+    it is read after ZERO3_REGATHER_AFTER other gathers (a tied head reading the
+    embedding's bucket)."""
     owner = {p: of_segment[i] for i, seg in enumerate(own) for p in seg.segment.owned}
     last: dict[int, int] = {}  # bucket -> its last gather's place in `out`, from 1
     out: list[float] = []
@@ -890,9 +885,11 @@ def _gathers(own: list[SegmentWork], kind: _Zero3Kind) -> list[float]:
 
 @dataclass(frozen=True, slots=True)
 class _GatherTally:
-    """A rank's ZeRO-3 gathers of one kind (`_gathers`): how many of each size
-    (parameters), in the order each size first comes, and the first and the last."""
+    """A rank's ZeRO-3 buckets of one kind (`_Zero3Kind`): how many, and its gathers
+    (`_gathers`): how many of each size (parameters), in the order each size first
+    comes, and the first and the last."""
 
+    buckets: int
     counts: Counter[float]
     first: float
     last: float
@@ -902,30 +899,18 @@ class _GatherTally:
         return self.counts.total()
 
 
-def _gather_tally(own: list[SegmentWork], kind: _Zero3Kind) -> _GatherTally:
-    def tally() -> _GatherTally:
-        gathers = _gathers(own, kind)
-        first, last = (gathers[0], gathers[-1]) if gathers else (0.0, 0.0)
-        return _GatherTally(Counter(gathers), first, last)
-
-    return _remembered("tally", own, kind, tally)
-
-
-# A rank's ZeRO-3 buckets and gathers depend on its segments and the bucket kind alone,
-# and the search prices thousands of plans holding alike segments: each is worked out
-# once. An entry keeps its segments, so that their ids are not reused while it lives.
-_ZERO3_MEMO: OrderedDict[tuple, tuple[tuple, Any]] = OrderedDict()
-ZERO3_MEMO_ENTRIES = 4096
-
-
-def _remembered(what: str, own: list[SegmentWork], kind: _Zero3Kind, make: Callable[[], T]) -> T:
-    key = (what, kind.part, kind.tp, kind.ep, *map(id, (s.segment for s in own)))
-    hit = _ZERO3_MEMO.get(key)
+def _gather_tally(own: list[SegmentWork], kind: _Zero3Kind, models: CostModels) -> _GatherTally:
+    """`own`'s tally of `kind`, worked out once for the plans `models` price (a 1T
+    model's rank has thousands of buckets). The entry keeps its segments, so that their
+    ids are not reused while it lives."""
+    key = ("zero3", kind.part, kind.tp, kind.ep, *map(id, (s.segment for s in own)))
+    hit = models.remembered.get(key)
     if hit is None:
-        hit = (tuple(s.segment for s in own), make())
-        _ZERO3_MEMO[key] = hit
-        if len(_ZERO3_MEMO) > ZERO3_MEMO_ENTRIES:
-            _ZERO3_MEMO.popitem(last=False)
+        buckets, of_segment = _buckets_of(own, kind.numel)
+        gathers = _gathers(own, buckets, of_segment)
+        first, last = (gathers[0], gathers[-1]) if gathers else (0.0, 0.0)
+        tally = _GatherTally(len(buckets), Counter(gathers), first, last)
+        hit = models.remembered[key] = (tuple(s.segment for s in own), tally)
     return hit[1]
 
 
