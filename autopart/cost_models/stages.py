@@ -52,10 +52,7 @@ def balanced_chunks(
 def _linear_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]:
     """Contiguous non-empty parts minimizing the largest sum: best[j][i] is the best
     largest sum for the first i items in j parts, the last part starting at cut[j][i],
-    the first start t that achieves it. With costs ≥ 0, best[j − 1][t] never falls and
-    the last part's sum never rises as t grows, so the best start is where they cross:
-    found by two binary searches instead of a scan (the search runs this thousands of
-    times, so they are written out here rather than called)."""
+    the first start that achieves it (`_first_best_start`)."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
@@ -65,38 +62,50 @@ def _linear_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]:
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
     for j in range(1, parts + 1):
-        before, lo = best[j - 1], j - 1
         for i in range(j, n - parts + j + 1):
-            end = prefix[i]
-            # c: the first t where before[t] has caught up with the last part (i if never).
-            a, b = lo, i
-            while a < b:
-                m = (a + b) // 2
-                if before[m] >= end - prefix[m]:
-                    b = m
-                else:
-                    a = m + 1
-            t = a
-            if a > lo:
-                left = end - prefix[a - 1]
-                if not (a < i and before[a] < left):
-                    # The first t whose last part is as small as the one at c − 1
-                    # (items of zero cost leave it flat).
-                    a, b = lo, t - 1
-                    while a < b:
-                        m = (a + b) // 2
-                        if end - prefix[m] <= left:
-                            b = m
-                        else:
-                            a = m + 1
-                    t = a
-            best[j][i], cut[j][i] = max(before[t], end - prefix[t]), t
+            t = _first_best_start(best[j - 1], prefix, j - 1, i)
+            best[j][i], cut[j][i] = max(best[j - 1][t], prefix[i] - prefix[t]), t
     assignment, i = [0] * n, n
     for j in range(parts, 0, -1):
         t = cut[j][i]
         assignment[t:i] = [j - 1] * (i - t)
         i = t
     return tuple(assignment)
+
+
+def _first_best_start(before: list[float], prefix: list[float], lo: int, i: int) -> int:
+    """The first t in [lo, i) minimizing max(before[t], prefix[i] − prefix[t]). With
+    costs ≥ 0 the first term never falls and the second never rises as t grows, so the
+    minimum is where they cross: two binary searches instead of a scan."""
+
+    def last_part(t: int) -> float:
+        return prefix[i] - prefix[t]
+
+    # c: the first t where the first term has caught up with the second (i if never).
+    a, b = lo, i
+    while a < b:
+        m = (a + b) // 2
+        if before[m] >= last_part(m):
+            b = m
+        else:
+            a = m + 1
+    c = a
+    if c == lo:
+        return lo
+    right = before[c] if c < i else float("inf")
+    left = last_part(c - 1)
+    if right < left:
+        return c
+    # The first t whose last part is as small as the one at c − 1 (items of zero cost
+    # leave it flat).
+    a, b = lo, c - 1
+    while a < b:
+        m = (a + b) // 2
+        if last_part(m) <= left:
+            b = m
+        else:
+            a = m + 1
+    return a
 
 
 def _inside(key: str, path: str) -> bool:
