@@ -62,9 +62,10 @@ def _linear_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]:
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
     for j in range(1, parts + 1):
+        before = best[j - 1]
         for i in range(j, n - parts + j + 1):
-            t = _first_best_start(best[j - 1], prefix, j - 1, i)
-            best[j][i], cut[j][i] = max(best[j - 1][t], prefix[i] - prefix[t]), t
+            t = _first_best_start(before, prefix, j - 1, i)
+            best[j][i], cut[j][i] = max(before[t], prefix[i] - prefix[t]), t
     assignment, i = [0] * n, n
     for j in range(parts, 0, -1):
         t = cut[j][i]
@@ -76,32 +77,29 @@ def _linear_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]:
 def _first_best_start(before: list[float], prefix: list[float], lo: int, i: int) -> int:
     """The first t in [lo, i) minimizing max(before[t], prefix[i] − prefix[t]). With
     costs ≥ 0 the first term never falls and the second never rises as t grows, so the
-    minimum is where they cross: two binary searches instead of a scan."""
-
-    def last_part(t: int) -> float:
-        return prefix[i] - prefix[t]
-
+    minimum is where they cross: two binary searches instead of a scan. The search runs
+    this millions of times: the last part's sum is written out, not called."""
+    end = prefix[i]
     # c: the first t where the first term has caught up with the second (i if never).
     a, b = lo, i
     while a < b:
         m = (a + b) // 2
-        if before[m] >= last_part(m):
+        if before[m] >= end - prefix[m]:
             b = m
         else:
             a = m + 1
     c = a
     if c == lo:
         return lo
-    right = before[c] if c < i else float("inf")
-    left = last_part(c - 1)
-    if right < left:
+    left = end - prefix[c - 1]
+    if c < i and before[c] < left:
         return c
     # The first t whose last part is as small as the one at c − 1 (items of zero cost
     # leave it flat).
     a, b = lo, c - 1
     while a < b:
         m = (a + b) // 2
-        if last_part(m) <= left:
+        if end - prefix[m] <= left:
             b = m
         else:
             a = m + 1
