@@ -45,9 +45,11 @@ backward (3× forward FLOPs) without recomputation, as in MFU (Chowdhery et al.,
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from torch import fx
 
@@ -99,6 +101,7 @@ STEP_SUMS_BYTES = 64.0
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
 TP_ALL_REDUCES_BACKWARD = 2
 LOSS_BYTES = 4  # the fp32 scalar loss all-reduced at the end of every step
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +144,7 @@ def predict(
         else balanced_chunks(segments, [t.total for t in times], choices.chunks)
     )
     pp = choices.pp
-    of_rank: list[list[int]] = [[] for _ in range(pp)]
-    for i, c in enumerate(chunk_of):
-        of_rank[c % pp].append(i)
+    of_rank = _rank_spans(chunk_of, pp)
     traffic = (
         gradient_fraction(
             choices.grad_compression,
@@ -225,11 +226,12 @@ def step_time_lower_bound(
     kept = cache.get(key) if cache is not None else None
     if kept is None:
         at = {**dims, BATCH: choices.microbatch_size}
-        if cp_layout:
-            segments = rank_segments(summary, at, choices)
-        else:
-            segments = list(summary.sharded({**at, BATCH: at[BATCH] / cp}, choices.tp))
-        work = sum(t.total for t in _segment_times(segments, choices, models.compute))
+        segments = (
+            rank_segments(summary, at, choices)
+            if cp_layout
+            else summary.sharded({**at, BATCH: at[BATCH] / cp}, choices.tp)
+        )
+        work: float = sum(t.total for t in _segment_times(segments, choices, models.compute))
         work += _tp_comm(segments, choices, models.comm)
         if cp > 1:  # the rings, conversions and logits' gather it makes
             again = [choices.recomputes(s) for s in segments]
@@ -268,15 +270,16 @@ def step_time_lower_bound(
 
 def rank_segments(
     summary: GraphSummary, at: Mapping[str, int], choices: Choices
-) -> list[SegmentWork]:
+) -> tuple[SegmentWork, ...]:
     """Every segment's work on one rank, per microbatch: its tp share, under context
     parallelism of its 1/cp of the tokens (priced as 1/cp of the batch) but for what
-    the rewrite runs on the whole sequence (`GraphSummary.context_parallel`)."""
-    return list(summary.context_parallel(at, choices.tp, choices.cp))
+    the rewrite runs on the whole sequence (`GraphSummary.context_parallel`). The
+    summary's own tuple, the same object for every plan that asks alike."""
+    return summary.context_parallel(at, choices.tp, choices.cp)
 
 
 def _segment_times(
-    segments: list[SegmentWork], choices: Choices, compute: ComputeModel
+    segments: Sequence[SegmentWork], choices: Choices, compute: ComputeModel
 ) -> list[PhaseCost]:
     return segment_times(
         segments,
@@ -337,26 +340,28 @@ class _StageWork:
 
 
 def _stage_work(
-    own: list[SegmentWork],
+    stage: _Stage,
     last: SegmentWork | None,
     compute: PhaseCost,
     choices: Choices,
     models: CostModels,
     traffic: float,
 ) -> _StageWork:
-    params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
+    own, params = stage.own, stage.params
+    if not choices.recompute and not choices.recompute_attention:
+        return _plain_stage_work(stage, last, compute, choices, models, traffic)
     blocks = [s for s in own if s.is_block]
     recomputed = [s for s in own if choices.recomputes(s)]
     ep = all_to_all_comm(own, choices, models.comm)
     return _StageWork(
         compute=compute,
         params=params,
-        experts=sum(s.expert_numel(choices.ep, choices.tp) for s in own),
+        experts=stage.experts,
         boundary=max((s.output_bytes for s in blocks), default=0.0),
         blocks=len(blocks),
         gathered=max((zero3_gathered(s, choices) for s in blocks), default=params),
         tp=_tp_comm(own, choices, models.comm),
-        other_comm=_zero3_comm(own, compute, choices, models)
+        other_comm=_zero3_comm(stage, compute, choices, models)
         + _cp_comm(own, last, params, choices, models)
         + ep
         + norm_sync_comm(own, choices, models.comm)
@@ -372,16 +377,176 @@ def _stage_work(
             tp_comm(s, choices, models.comm, True) - tp_comm(s, choices, models.comm, False)
             for s in recomputed
         ),
-        sync=_dp_sync(own, compute, choices, models, traffic),
-        optimizer=_optimizer_time(own, compute, choices, models)
+        sync=_dp_sync(stage, compute, choices, models, traffic),
+        optimizer=_optimizer_time(stage, compute, choices, models)
         + _gradient_traffic(params, choices, models),
     )
 
 
+def _plain_stage_work(
+    stage: _Stage,
+    last: SegmentWork | None,
+    compute: PhaseCost,
+    choices: Choices,
+    models: CostModels,
+    traffic: float,
+) -> _StageWork:
+    """`_stage_work` of a plan that recomputes nothing, as the search prices most: its
+    per-segment figures summed from the columns (`_Columns`) in the order `_stage_work`
+    adds them, so that both give the same figures to the last bit."""
+    own, params, columns = stage.own, stage.params, stage.columns
+    blocks = sum(stage.column(columns.is_block))
+    if not blocks:
+        gathered = params
+    elif choices.ep == 1:  # one kind of bucket, gathered where dp > 1
+        gathered = max(stage.column(columns.block_params)) if choices.dp > 1 else 0
+    else:
+        gathered = max(zero3_gathered(s, choices) for s in own if s.is_block)
+    comm = models.comm
+    if columns.syncs:
+        ep = all_to_all_comm(own, choices, comm)
+        syncs = ep + norm_sync_comm(own, choices, comm) + mixing_sync_comm(own, choices, comm)
+    else:
+        ep = syncs = 0.0
+    saved = sum(stage.column(columns.saved))
+    return _StageWork(
+        compute=compute,
+        params=params,
+        experts=stage.experts,
+        boundary=max(stage.column(columns.block_outputs)),
+        blocks=blocks,
+        gathered=gathered,
+        tp=sum(stage.column(columns.tp)),
+        other_comm=_zero3_comm(stage, compute, choices, models)
+        + _cp_comm(own, last, params, choices, models)
+        + syncs,
+        ep=ep,
+        activations=Activations(kept=saved),
+        unrecomputed=Activations(kept=saved),
+        recomputed=0,
+        attention_recomputed=0,
+        recompute_comm=0.0,
+        sync=_dp_sync(stage, compute, choices, models, traffic),
+        optimizer=_optimizer_time(stage, compute, choices, models)
+        + _gradient_traffic(params, choices, models),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """Per segment of a plan's list (`rank_segments`), what a pipeline rank's stage adds
+    up, worked out once for every plan the search prices on that list with the same
+    tp, ep, precision and compilation (`CostModels.remembered`): a rank's sums are then
+    sums of slices, in segment order. `segments` is kept, so that its id is not reused
+    while the columns live."""
+
+    segments: tuple[SegmentWork, ...]
+    params: list[float]  # held by one rank of tp × ep
+    experts: list[float]
+    tensors: list[int]
+    saved: list[float]  # saved for backward, nothing recomputed
+    tp: list[float]  # tensor-parallel collectives, nothing recomputed
+    is_block: list[int]
+    block_outputs: list[float]  # a block's output bytes; 0 for other segments
+    block_params: list[float]  # a block's parameters; 0 for other segments
+    syncs: bool  # whether any segment has batch-norm sums, batch mixing or expert exchanges
+
+    @classmethod
+    def of(
+        cls, segments: tuple[SegmentWork, ...], choices: Choices, models: CostModels
+    ) -> _Columns:
+        key = ("columns", id(segments), choices.tp, choices.ep, choices.precision, choices.compiled)
+        hit = models.remembered.get(key)
+        if hit is None:
+            tp, ep, comm = choices.tp, choices.ep, models.comm
+            params = [s.param_numel(tp, ep) for s in segments]
+            blocks = [int(s.is_block) for s in segments]
+            hit = models.remembered[key] = cls(
+                segments,
+                params,
+                [s.expert_numel(ep, tp) for s in segments],
+                [s.param_tensors for s in segments],
+                [s.saved_bytes(choices.precision, choices.compiled) for s in segments],
+                [tp_comm(s, choices, comm, False) for s in segments],
+                blocks,
+                [s.output_bytes if b else 0.0 for s, b in zip(segments, blocks, strict=True)],
+                [p if b else 0.0 for p, b in zip(params, blocks, strict=True)],
+                any(
+                    s.segment.norm_channels
+                    or s.gathered_bytes
+                    or s.segment.statistics
+                    or s.segment.expert_rows
+                    for s in segments
+                ),
+            )
+        return hit
+
+
+@dataclass(frozen=True, slots=True)
+class _Stage:
+    """A pipeline rank's segments: `own`, the `spans` of the plan's list they fill (one
+    per chunk the rank holds), their `columns`, and what they hold, summed once: the
+    parameters on one rank of tp × ep, of them the experts', and parameter tensors."""
+
+    own: list[SegmentWork]
+    spans: tuple[tuple[int, int], ...]
+    columns: _Columns
+    params: float
+    experts: float
+    tensors: int
+
+    @classmethod
+    def of(
+        cls,
+        segments: tuple[SegmentWork, ...],
+        spans: tuple[tuple[int, int], ...],
+        choices: Choices,
+        models: CostModels,
+    ) -> _Stage:
+        columns = _Columns.of(segments, choices, models)
+        return cls(
+            list(_in_spans(segments, spans)),
+            spans,
+            columns,
+            sum(_in_spans(columns.params, spans)),
+            sum(_in_spans(columns.experts, spans)),
+            sum(_in_spans(columns.tensors, spans)),
+        )
+
+    def column(self, values: Sequence[T]) -> Iterable[T]:
+        """The stage's entries of one of its columns, in segment order."""
+        return _in_spans(values, self.spans)
+
+    @property
+    def identity(self) -> tuple:
+        """What tells its segments apart from another stage's, cheaply: the first
+        segment and the spans (the graph's segments, whatever the microbatch)."""
+        return (id(self.own[0].segment) if self.own else None, self.spans)
+
+
+def _in_spans(values: Sequence[T], spans: tuple[tuple[int, int], ...]) -> Iterable[T]:
+    if len(spans) == 1:
+        a, b = spans[0]
+        return values[a:b]
+    return itertools.chain.from_iterable(values[a:b] for a, b in spans)
+
+
+def _rank_spans(chunk_of: Sequence[int], pp: int) -> list[tuple[tuple[int, int], ...]]:
+    """Per pipeline rank, the spans [a, b) of the segment list its chunks fill (chunk c
+    runs on rank c mod pp; each chunk is contiguous)."""
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    start = 0
+    for i in range(1, len(chunk_of) + 1):
+        if i == len(chunk_of) or chunk_of[i] != chunk_of[start]:
+            spans[chunk_of[start] % pp].append((start, i))
+            start = i
+    return [tuple(s) for s in spans]
+
+
 def _rank_cost(
     rank: int,
-    mine: list[int],
-    segments: list[SegmentWork],
+    spans: tuple[tuple[int, int], ...],
+    segments: tuple[SegmentWork, ...],
     times: list[PhaseCost],
     choices: Choices,
     models: CostModels,
@@ -391,8 +556,9 @@ def _rank_cost(
     """`traffic`: the fraction of the gradients' bytes the dp all-reduce moves. `shared`:
     the `_StageWork` of the plan's other ranks, by what their segments are (copies of
     one block cost alike, as `segment_times` prices them)."""
-    own = [segments[i] for i in mine]
-    last = segments[-1] if len(segments) - 1 in mine else None
+    stage = _Stage.of(segments, spans, choices, models)
+    own = stage.own
+    last = segments[-1] if spans and spans[-1][1] == len(segments) else None
     alike = (
         tuple(
             (s.segment.block_id or s.key, choices.recomputes(s), choices.recomputes_attention(s))
@@ -402,13 +568,13 @@ def _rank_cost(
     )
     work = shared.get(alike) if shared is not None else None
     if work is None:
-        compute = sum((times[i] for i in mine), PhaseCost())
-        tensors = sum(s.param_tensors for s in own)
-        compute += models.compute.region_time(_regions(own, choices, models), tensors)
-        work = _stage_work(own, last, compute, choices, models, traffic)
+        compute = sum(stage.column(times), PhaseCost())
+        regions = _regions(stage, choices, models)
+        compute += models.compute.region_time(regions, stage.tensors)
+        work = _stage_work(stage, last, compute, choices, models, traffic)
         if shared is not None:
             shared[alike] = work
-    comm = work.tp + p2p_comm(work.boundary, choices, models.comm, rank) + work.other_comm
+    comm = work.tp + _sends(work.boundary, choices, models, rank) + work.other_comm
     in_flight = in_flight_microbatches(
         choices.schedule, choices.microbatches, choices.pp, rank, choices.virtual_stages
     )
@@ -453,7 +619,7 @@ def _rank_cost(
     )
 
 
-def _regions(own: list[SegmentWork], choices: Choices, models: CostModels) -> int:
+def _regions(stage: _Stage, choices: Choices, models: CostModels) -> int:
     """Compiled regions a pipeline rank runs per microbatch (`fusion.regions_per_call`):
     one per chunk it holds, and two more per ZeRO-3 gather, which stays out of the
     compiled graph."""
@@ -461,7 +627,7 @@ def _regions(own: list[SegmentWork], choices: Choices, models: CostModels) -> in
         return 0
     gathers = (
         sum(
-            _gather_tally(own, kind, models).number
+            _gather_tally(stage, kind, models).number
             for kind in _zero3_groups(choices)
             if kind.group[0] > 1
         )
@@ -495,7 +661,7 @@ def _cp_comm(
     return rings + conversions + gradients + logits
 
 
-def _tp_comm(own: list[SegmentWork], choices: Choices, comm: CommModel) -> float:
+def _tp_comm(own: Sequence[SegmentWork], choices: Choices, comm: CommModel) -> float:
     return sum(tp_comm(seg, choices, comm, choices.recomputes(seg)) for seg in own)
 
 
@@ -522,6 +688,15 @@ def tp_comm(seg: SegmentWork, choices: Choices, comm: CommModel, recomputed: boo
     )
 
 
+def _sends(boundary: float, choices: Choices, models: CostModels, rank: int) -> float:
+    """`p2p_comm`, worked out once for the plans whose pipelines send alike."""
+    key = ("sends", boundary, choices.pp, choices.chunks, choices.degrees.stride(Axis.PP), rank)
+    hit = models.remembered.get(key)
+    if hit is None:
+        hit = models.remembered[key] = p2p_comm(boundary, choices, models.comm, rank)
+    return hit
+
+
 def p2p_comm(boundary: float, choices: Choices, comm: CommModel, rank: int = 0) -> float:
     """Per microbatch on pipeline rank `rank`: what it sends, each chunk it holds its
     activation to the next chunk (but the last chunk) and its gradient to the one before
@@ -544,9 +719,7 @@ def p2p_comm(boundary: float, choices: Choices, comm: CommModel, rank: int = 0) 
     )
 
 
-def _zero3_comm(
-    own: list[SegmentWork], compute: PhaseCost, choices: Choices, models: CostModels
-) -> float:
+def _zero3_comm(stage: _Stage, compute: PhaseCost, choices: Choices, models: CostModels) -> float:
     """Per microbatch under ZeRO-3, as the runtime runs it (`ops/zero3.py`): each
     gather of a parameter bucket (`_gathers`: a tied weight read far from its bucket is
     gathered again) is issued in forward, again in backward, and its gradients
@@ -565,7 +738,7 @@ def _zero3_comm(
         (tally, kind.group)
         for kind in _zero3_groups(choices)
         if kind.group[0] > 1
-        for tally in [_gather_tally(own, kind, models)]
+        for tally in [_gather_tally(stage, kind, models)]
         if tally.number
     ]
     alike: Counter[tuple[float, int, int]] = Counter()  # (parameters, ranks, stride)
@@ -641,7 +814,7 @@ def _hiding(compute: float, models: CostModels) -> float:
 
 
 def _dp_sync(
-    own: list[SegmentWork],
+    stage: _Stage,
     compute: PhaseCost,
     choices: Choices,
     models: CostModels,
@@ -658,10 +831,9 @@ def _dp_sync(
     if choices.zero == 3:
         return 0.0
     if choices.sync_every is not None:
-        return _local_sgd_sync(own, compute, choices, models)
-    ep = choices.ep
-    experts = sum(s.expert_numel(ep, choices.tp) for s in own) if ep > 1 else 0.0
-    params = sum(s.param_numel(choices.tp, ep) for s in own) - experts
+        return _local_sgd_sync(stage.own, compute, choices, models)
+    experts = stage.experts if choices.ep > 1 else 0.0
+    params = stage.params - experts
     param_bytes, grad_bytes = choices.state_bytes[0], choices.reduced_grad_bytes
     op = ALL_REDUCE if choices.zero == 0 else REDUCE_SCATTER
     rounds = choices.microbatches if choices.zero == 2 else 1
@@ -764,7 +936,7 @@ def _bucketed(
 
 
 def _optimizer_time(
-    own: list[SegmentWork], compute: PhaseCost, choices: Choices, models: CostModels
+    stage: _Stage, compute: PhaseCost, choices: Choices, models: CostModels
 ) -> float:
     """Adam touches this rank's parameters, gradients and state: all of them, or its
     shards of them under ZeRO (1/dp; under ep the experts' 1/dp and the other weights'
@@ -774,10 +946,9 @@ def _optimizer_time(
     segments between blocks (`passes/zero.py`). Offloaded, it runs on the host. Before
     it, every step reads the gradients it steps once for their norm, and sums the
     loss, the norm and the inputs' checksums over the world (runtime/step_sums.py)."""
-    params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
-    experts = sum(s.expert_numel(choices.ep, choices.tp) for s in own)
-    shard = (params - experts) / choices.degrees.batch_split + experts / choices.dp
-    update = _update_time(own, shard, compute, choices, models)
+    shard = (stage.params - stage.experts) / choices.degrees.batch_split
+    shard += stage.experts / choices.dp
+    update = _update_time(stage, shard, compute, choices, models)
     return _step_sums_time(shard, choices, models) + update
 
 
@@ -790,14 +961,14 @@ def _step_sums_time(shard: float, choices: Choices, models: CostModels) -> float
 
 
 def _update_time(
-    own: list[SegmentWork],
+    stage: _Stage,
     shard: float,
     compute: PhaseCost,
     choices: Choices,
     models: CostModels,
 ) -> float:
     """The optimizer's own pass over the rank's `shard` of the parameters."""
-    params = sum(s.param_numel(choices.tp, choices.ep) for s in own)
+    params = stage.params
     per_param = sum(choices.state_bytes)
     if choices.offload:
         # ZeRO-1/2's buckets and a single replica's parameters go down as they become
@@ -812,10 +983,9 @@ def _update_time(
             tile_bytes=models.memory.bucket_bytes,
         )
     if choices.zero == 0 or choices.degrees.batch_split == 1:
-        tensors = sum(s.param_tensors for s in own)
-        return models.compute.optimizer_step_time(params * per_param, tensors)
+        return models.compute.optimizer_step_time(params * per_param, stage.tensors)
     if choices.zero == 3:
-        shards = sum(_gather_tally(own, kind, models).buckets for kind in _zero3_groups(choices))
+        shards = sum(_gather_tally(stage, kind, models).buckets for kind in _zero3_groups(choices))
     else:
         grad_bytes = params * choices.state_bytes[1]
         memory = models.memory
@@ -899,13 +1069,14 @@ class _GatherTally:
         return self.counts.total()
 
 
-def _gather_tally(own: list[SegmentWork], kind: _Zero3Kind, models: CostModels) -> _GatherTally:
-    """`own`'s tally of `kind`, worked out once for the plans `models` price (a 1T
+def _gather_tally(stage: _Stage, kind: _Zero3Kind, models: CostModels) -> _GatherTally:
+    """The stage's tally of `kind`, worked out once for the plans `models` price (a 1T
     model's rank has thousands of buckets). The entry keeps its segments, so that their
     ids are not reused while it lives."""
-    key = ("zero3", kind.part, kind.tp, kind.ep, *map(id, (s.segment for s in own)))
+    key = ("zero3", kind.part, kind.tp, kind.ep, stage.identity)
     hit = models.remembered.get(key)
     if hit is None:
+        own = stage.own
         buckets, of_segment = _buckets_of(own, kind.numel)
         gathers = _gathers(own, buckets, of_segment)
         first, last = (gathers[0], gathers[-1]) if gathers else (0.0, 0.0)

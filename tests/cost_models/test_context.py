@@ -66,7 +66,7 @@ def _summary(model: nn.Module) -> GraphSummary:
     return GraphSummary(captured_for_planning(model, (ids,)).gm)
 
 
-def _segments(summary: GraphSummary, cp: int) -> list[SegmentWork]:
+def _segments(summary: GraphSummary, cp: int) -> tuple[SegmentWork, ...]:
     choices = Choices(BATCH_SIZE, Degrees(cp=cp))
     return rank_segments(summary, {BATCH: BATCH_SIZE, "seq": SEQ}, choices)
 
