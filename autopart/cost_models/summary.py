@@ -298,24 +298,28 @@ class TpLayout:
 
 class GraphSummary:
     """Segments of an analyzed graph, evaluated (and cached) per set of dim sizes, under
-    a plan's tensor-parallel layout (None: the Megatron layout). `cp_layouts`: the
-    graph's context-parallel layouts, where summaries of one graph share them."""
+    a plan's tensor-parallel layout (None: the Megatron layout). `like`: a summary of
+    the same graph under another layout, whose analysis of what needs no layout (the
+    segments' runs and what they hold, the context-parallel layouts) this one shares."""
 
     def __init__(
         self,
         gm: fx.GraphModule,
         layout: TpLayout | None = None,
-        cp_layouts: CpLayouts | None = None,
+        like: GraphSummary | None = None,
     ) -> None:
-        self.gm = gm
+        assert like is None or like.gm is gm, "a summary shares the analysis of its own graph"
+        self.gm: fx.GraphModule = gm
         params = dict(gm.named_parameters())
         self.param_bytes = {k: p.numel() * p.element_size() for k, p in params.items()}
-        self.segments = _segments(gm, {k: p.numel() for k, p in params.items()}, layout)
+        numel = {k: p.numel() for k, p in params.items()}
+        self._runs: _Runs = like._runs if like is not None else _Runs.of(gm, numel)
+        self.segments = _segments(gm, numel, layout, self._runs)
         self.captured_batch = _static_batch(gm)
         self.example_dims = EXAMPLE_DIMS.get(gm, {})
         self._cache: dict[tuple, tuple[SegmentWork, ...]] = {}
         self._sharded: dict[tuple, tuple[SegmentWork, ...]] = {}
-        self.cp_layouts = cp_layouts or CpLayouts(gm)
+        self.cp_layouts: CpLayouts = like.cp_layouts if like is not None else CpLayouts(gm)
         self._cp_sharded: dict[tuple, tuple[SegmentWork, ...]] = {}
 
     def sharded(self, dims: Mapping[str, float], tp: int) -> tuple[SegmentWork, ...]:
@@ -471,31 +475,56 @@ def _shares(works: Iterable[SegmentWork], tp: int) -> tuple[SegmentWork, ...]:
     return tuple(out)
 
 
+_Run = tuple[str, str | None, list[fx.Node]]  # (key, block id, operators)
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """What a graph's segments are and hold, whatever its tensor-parallel layout: the
+    runs of operators (a block instance whole, else a module path's consecutive
+    operators), the parameters each is the first to read, the expert weights and each
+    run's exchanged rows, the operands batch × batch products gather, the statistics
+    averaged over the replicas, and the operands whose rows a loss reads alone."""
+
+    runs: list[_Run]
+    owners: list[list[str]]
+    experts: frozenset[str]
+    rows: list[tuple[sympy.Expr, ...]]
+    gathered: dict[fx.Node, list[fx.Node]]
+    statistics: set[fx.Node]
+    kept: set[fx.Node]
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, numel: Mapping[str, int]) -> _Runs:
+        runs: list[_Run] = []
+        instance_run: dict[str, int] = {}
+        for node in gm.graph.nodes:
+            if node.op in _NO_WORK:
+                continue
+            block = BLOCK.get(node)
+            if block is not None and block.instance in instance_run:
+                runs[instance_run[block.instance]][2].append(node)  # keep an instance whole
+                continue
+            key = block.instance if block else MODULE_PATH.get(node)
+            if block is None and runs and runs[-1][0] == key and runs[-1][1] is None:
+                runs[-1][2].append(node)
+                continue
+            if block is not None:
+                instance_run[key] = len(runs)
+            runs.append((key, block.block_id if block else None, [node]))
+        experts, rows = _experts(gm, runs)
+        gathered, statistics = _replica_mixing(gm)
+        kept = set((row_operands(gm) or {}).values())
+        return cls(runs, _first_readers(runs, numel), experts, rows, gathered, statistics, kept)
+
+
 def _segments(
-    gm: fx.GraphModule, numel: Mapping[str, int], layout: TpLayout | None
+    gm: fx.GraphModule, numel: Mapping[str, int], layout: TpLayout | None, analysed: _Runs
 ) -> tuple[Segment, ...]:
-    runs: list[tuple[str, str | None, list[fx.Node]]] = []
-    instance_run: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        if node.op in _NO_WORK:
-            continue
-        block = BLOCK.get(node)
-        if block is not None and block.instance in instance_run:
-            runs[instance_run[block.instance]][2].append(node)  # keep an instance whole
-            continue
-        key = block.instance if block else MODULE_PATH.get(node)
-        if block is None and runs and runs[-1][0] == key and runs[-1][1] is None:
-            runs[-1][2].append(node)
-            continue
-        if block is not None:
-            instance_run[key] = len(runs)
-        runs.append((key, block.block_id if block else None, [node]))
-    owners = _first_readers(runs, numel)
+    runs, owners, experts, rows = analysed.runs, analysed.owners, analysed.experts, analysed.rows
+    gathered, statistics, kept = analysed.gathered, analysed.statistics, analysed.kept
     collectives = _collectives(gm, runs, layout)
-    experts, rows = _experts(gm, runs)
     flags = [_sharded_flags(gm, key, block_id, nodes, layout) for key, block_id, nodes in runs]
-    gathered, statistics = _replica_mixing(gm)
-    kept = set((row_operands(gm) or {}).values())
     return tuple(
         Segment(
             key,
@@ -546,7 +575,7 @@ def _norm_channels(nodes: list[fx.Node]) -> tuple[int, ...]:
 
 
 def _experts(
-    gm: fx.GraphModule, runs: list[tuple[str, str | None, list[fx.Node]]]
+    gm: fx.GraphModule, runs: list[_Run]
 ) -> tuple[frozenset[str], list[tuple[sympy.Expr, ...]]]:
     """The FQNs of the stacked expert weights, and per run the bytes of the rows each
     all_to_all of its expert layers moves (one into each first grouped multiply, one out
@@ -565,7 +594,7 @@ def _experts(
 
 
 def _collectives(
-    gm: fx.GraphModule, runs: list[tuple[str, str | None, list[fx.Node]]], layout: TpLayout | None
+    gm: fx.GraphModule, runs: list[_Run], layout: TpLayout | None
 ) -> list[tuple[tuple[TpCollective, ...] | None, tuple[fx.Node, ...]]]:
     """Per segment, its tp collectives and the operator each serves. A shared conversion
     of an activation is counted once, with the segment that produces the activation:
@@ -588,9 +617,7 @@ def _collectives(
     return [(tuple(c for c, _ in f.values()), tuple(n for _, n in f.values())) for f in found]
 
 
-def _first_readers(
-    runs: list[tuple[str, str | None, list[fx.Node]]], numel: Mapping[str, int]
-) -> list[list[str]]:
+def _first_readers(runs: list[_Run], numel: Mapping[str, int]) -> list[list[str]]:
     """For each run, the parameters it is the first to read. Parameters no operator
     reads still take memory: they go to the first run."""
     owners: list[list[str]] = [[] for _ in runs]

@@ -64,7 +64,6 @@ from autopart.cost_models import (
     predict,
     step_time_lower_bound,
 )
-from autopart.cost_models.cp_layout import CpLayouts
 from autopart.cost_models.pipeline import bubble_fraction
 from autopart.cost_models.stage_costs import StageProblem, stage_problem_of
 from autopart.cost_models.summary import TpLayout
@@ -242,7 +241,6 @@ class TpLayouts:
         self.mesh, self.dims, self.precision = mesh, {**dims, BATCH: 1}, precision
         self._solutions: dict[tuple[int, bool], TpSolution] = {}
         self._summaries: dict[tuple[int, bool], GraphSummary] = {}
-        self._cp_layouts = CpLayouts(gm)  # shared by the summaries: the graph's alone
         self._splits_experts: dict[tuple[int, bool], bool] = {}
 
     def placements(self, tp: int, sp: bool = False) -> dict[str, Placement]:
@@ -331,7 +329,8 @@ class TpLayouts:
                 if tp > 1
                 else None
             )
-            self._summaries[key] = GraphSummary(self.gm, layout, self._cp_layouts)
+            like = self.summary(1) if tp > 1 else None  # its layout-free analysis, shared
+            self._summaries[key] = GraphSummary(self.gm, layout, like)
         return self._summaries[key]
 
 
