@@ -194,13 +194,16 @@ def _key_value_bytes(work: NodeWork) -> float:
 
 
 def gradient_all_reduces(
-    params: float, cp: int, tp: int, grad_bytes: float, comm: CommModel
+    params: float, cp: int, tp: int, grad_bytes: float, comm: CommModel, tensors: float = 1.0
 ) -> float:
     """Seconds per microbatch of the all-reduces over cp of this rank's `params`
-    parameters' gradients, in backward."""
+    parameters' gradients, in backward: one per parameter tensor of the `tensors` they
+    are, each where its gradient is produced (`copy_to_group`), each its own collective
+    with its own latency (1: their bytes as one buffer, a lower bound)."""
     if cp == 1 or not params:
         return 0.0
-    return comm.time(ALL_REDUCE, params * grad_bytes, cp, tp)
+    tensors = max(1.0, tensors)
+    return tensors * comm.time(ALL_REDUCE, params * grad_bytes / tensors, cp, tp)
 
 
 def output_gather(output_bytes: float, cp: int, tp: int, comm: CommModel) -> float:

@@ -656,7 +656,8 @@ def _cp_comm(
     conversions = conversion_comm(own, cp, tp, choices.precision, recomputed, comm)
     grad_bytes = choices.state_bytes[1]
     in_sync = choices.cp_in_sync
-    gradients = 0.0 if in_sync else gradient_all_reduces(params, cp, tp, grad_bytes, comm)
+    tensors = sum(s.param_tensors for s in own)
+    gradients = 0.0 if in_sync else gradient_all_reduces(params, cp, tp, grad_bytes, comm, tensors)
     logits = output_gather(last.output_bytes, cp, tp, comm) if last else 0.0
     return rings + conversions + gradients + logits
 
@@ -824,7 +825,7 @@ def _dp_sync(
     is compressed), hidden behind the last microbatch's backward but for its last
     bucket; ZeRO-2 reduces every microbatch's gradients (`runtime/zero_replicas.py`),
     m reductions hidden behind m backwards but for the last bucket; ZeRO-1/2's
-    parameter all-gather after the step. Under context parallelism
+    parameter all-gathers after the step, one a bucket. Under context parallelism
     with plain data parallelism the reduction spans dp × cp (it sums cp's parts); under
     expert parallelism the replicated weights' spans dp × ep, and the experts' dp."""
     size, stride = _sync_group(choices)
@@ -847,10 +848,11 @@ def _dp_sync(
             hiding = max(0.0, hiding - sync)
     if choices.zero == 0:
         return exposed
-    # ZeRO-1/2: every shard gathered back after the step, over its own group.
+    # ZeRO-1/2: every bucket's shard gathered back after the step, over its own group,
+    # one all-gather a bucket as the reduction took one.
     for group, numel in (((size, stride), params), (_expert_group(choices), experts)):
         if group[0] > 1 and numel:
-            exposed += models.comm.time(ALL_GATHER, numel * param_bytes, *group)
+            exposed += _bucketed(ALL_GATHER, numel * param_bytes, *group, models)[0]
     return exposed
 
 
@@ -928,7 +930,8 @@ def _bucketed(
     op: str, nbytes: float, size: int, stride: int, models: CostModels
 ) -> tuple[float, float]:
     """(every bucket, the last bucket): seconds of `op` over the sync's `size` ranks,
-    `stride` apart, on `nbytes` of gradients cut into the memory model's buckets."""
+    `stride` apart, on `nbytes` of gradients (or parameters) cut into the memory model's
+    buckets."""
     memory = models.memory
     runs = bucket_runs(nbytes, memory.bucket_bytes, memory.first_bucket_bytes)
     seconds = [(models.comm.time(op, b, size, stride), n) for b, n in runs]
@@ -945,11 +948,28 @@ def _optimizer_time(
     data parallelism does, ZeRO-3 the parameters of each block and of each run of
     segments between blocks (`passes/zero.py`). Offloaded, it runs on the host. Before
     it, every step reads the gradients it steps once for their norm, and sums the
-    loss, the norm and the inputs' checksums over the world (runtime/step_sums.py)."""
+    loss, the norm and the inputs' checksums over the world (runtime/step_sums.py);
+    ZeRO-1 and 2 handle the parameter tensors one by one around it
+    (`_flat_copies_time`)."""
     shard = (stage.params - stage.experts) / choices.degrees.batch_split
     shard += stage.experts / choices.dp
     update = _update_time(stage, shard, compute, choices, models)
-    return _step_sums_time(shard, choices, models) + update
+    copies = _flat_copies_time(stage.tensors, choices, models)
+    return _step_sums_time(shard, choices, models) + update + copies
+
+
+def _flat_copies_time(tensors: float, choices: Choices, models: CostModels) -> float:
+    """Once per step, what ZeRO-1 and 2 pay for each of the rank's `tensors` parameter
+    tensors beyond its bytes (`_gradient_traffic`), as `runtime/zero_replicas.py` runs
+    them: a view into the gathered flat buffer to copy the updated values back from after
+    the step, and under ZeRO-2 a view into every microbatch's flat gradients to copy its
+    gradient into. Each is an operator's dispatch, at the calibrated floor, as the
+    optimizer's per-tensor work is priced. ZeRO-0 and 1 accumulate the gradients into
+    their buckets' views in place, as one device accumulates them."""
+    if choices.zero not in (1, 2) or choices.degrees.batch_split == 1:
+        return 0.0
+    passes = 1 + (choices.microbatches if choices.zero == 2 else 0)
+    return tensors * passes * models.compute.device.kernel_launch_s
 
 
 def _step_sums_time(shard: float, choices: Choices, models: CostModels) -> float:

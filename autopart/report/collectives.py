@@ -186,9 +186,11 @@ def _dp_sync(plan: Plan, params: float, comm: CommModel | None) -> list[Collecti
     )
     out = [Collective("gradient sync", op, axis, ranks, calls, grads, seconds, note)]
     if plan.zero in (1, 2):
-        gather = _time(comm, ALL_GATHER, weights, plan, Axis.DP)
+        gathers, gather = _bucketed_time(comm, ALL_GATHER, weights, plan)
         out.append(
-            Collective("updated parameter gather", ALL_GATHER, axis, ranks, 1, weights, gather)
+            Collective(
+                "updated parameter gather", ALL_GATHER, axis, ranks, gathers, weights, gather
+            )
         )
     return out
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from autopart.capture import capture
 from autopart.cost_models.choices import Choices
-from autopart.cost_models.comm import ALL_REDUCE, REDUCE_SCATTER, CommModel
+from autopart.cost_models.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommModel
 from autopart.cost_models.pipeline import bucket_sizes
 from autopart.cost_models.predict import predict
 from autopart.cost_models.summary import GraphSummary
@@ -206,7 +206,8 @@ def _four_linears():
 def test_zero_1_and_2_pass_over_the_gradients_as_their_buckets_do(microbatches):
     # ZeRO-1 zeroes its flat buckets (1 pass over the gradients G), adds every
     # microbatch's in (3G each) and divides them (2G); ZeRO-2 flattens and divides each
-    # microbatch's (4G each). Their optimizers step the same shards.
+    # microbatch's (4G each), a copy into a view of the flat buffer for each of the 8
+    # tensors, each at the operator floor. Their optimizers step the same shards.
     gm, grad_bytes = _four_linears()
     cpu = Mesh.cluster("cpu", 1, 2)
 
@@ -216,7 +217,27 @@ def test_zero_1_and_2_pass_over_the_gradients_as_their_buckets_do(microbatches):
 
     passes = (1 + 3 * microbatches + 2) - 4 * microbatches
     pass_s = grad_bytes / PRESETS["cpu"].memory_bandwidth
-    assert plan(1).compute_s - plan(2).compute_s == pytest.approx(passes * pass_s)
+    copies_s = microbatches * 8 * PRESETS["cpu"].kernel_launch_s
+    assert plan(1).compute_s - plan(2).compute_s == pytest.approx(passes * pass_s - copies_s)
+
+
+def test_zero_1_gathers_every_bucket_of_its_updated_parameters():
+    # One reduce-scatter and one all-gather a bucket where ZeRO-0 runs one all-reduce:
+    # on a CPU each is a collective of its own, none hidden.
+    gm, grad_bytes = _four_linears()
+    cpu = Mesh.cluster("cpu", 1, 2)
+    comm = CommModel(cpu)
+    buckets = bucket_sizes(grad_bytes, GRAD_BUCKET_BYTES, FIRST_GRAD_BUCKET_BYTES)
+    assert len(buckets) == 2
+
+    def summed(op):
+        return sum(comm.time(op, b, 2) for b in buckets)
+
+    choices = Choices(global_batch=64, degrees=Degrees(dp=2))
+    plain = predict(gm, cpu, choices)
+    zero1 = predict(gm, cpu, replace(choices, zero=1))
+    extra = summed(REDUCE_SCATTER) + summed(ALL_GATHER) - summed(ALL_REDUCE)
+    assert zero1.exposed_comm_s - plain.exposed_comm_s == pytest.approx(extra)
 
 
 def test_zero_2_reduce_scatters_every_microbatch():
