@@ -64,6 +64,29 @@ def bubble_fraction(
     return (stages - 1) / (v * microbatches)
 
 
+def span_floor(
+    schedule: str | None, stages: int, microbatches: int, virtual_stages: int = 1
+) -> float:
+    """The least span of a step, in units of the ranks' summed time for one
+    microbatch, over every way of splitting that time among the ranks: what
+    `pipeline_step` can charge at least, whatever the stage cuts.
+
+    GPipe and 1F1B: rank k cannot start before the first microbatch's forwards on the
+    ranks before it, nor end before its m microbatches' work, after which the last
+    backward still runs on the ranks before it; so the span is at least
+    m · t_k + Σ_{i<k} t_i for every k. Over splits with Σ t = W, the least of the
+    largest of these is W / (1 − r^p), r = (m − 1)/m, where they are all equal
+    (t_k = t_0 · r^k; weighting constraint k by r^(p−1−k) proves no split does better).
+    Balanced ranks take (m + p − 1) · W/p, more. Interleaved 1F1B charges
+    m · t_s + Σ_{r≠s} t_r / v, least at balanced ranks: (m + (p − 1)/v) · W/p."""
+    p, m = stages, microbatches
+    if p == 1 or schedule is None:
+        return m
+    if schedule == Schedule.INTERLEAVED_1F1B:
+        return (m + (p - 1) / virtual_stages) / p
+    return 1 / (1 - ((m - 1) / m) ** p)
+
+
 @dataclass(frozen=True, slots=True)
 class StepTime:
     """A training step: work, communication on the critical path, pipeline idle."""

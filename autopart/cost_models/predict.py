@@ -82,10 +82,10 @@ from autopart.cost_models.memory import (
 )
 from autopart.cost_models.offload import host_step_time
 from autopart.cost_models.pipeline import (
-    bubble_fraction,
     bucket_runs,
     exposed_sync,
     pipeline_step,
+    span_floor,
 )
 from autopart.cost_models.precision import is_mixed
 from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
@@ -264,8 +264,7 @@ def step_time_lower_bound(
         if cache is not None:
             cache[sends] = transfers
     work += transfers
-    bubble = bubble_fraction(choices.schedule, pp, choices.microbatches, choices.virtual_stages)
-    return work * choices.microbatches / pp * (1 + bubble)
+    return work * span_floor(choices.schedule, pp, choices.microbatches, choices.virtual_stages)
 
 
 def rank_segments(
@@ -441,6 +440,7 @@ class _Columns:
     while the columns live."""
 
     segments: tuple[SegmentWork, ...]
+    kinds: list[str]  # a block's id, another segment's key: segments alike have one kind
     params: list[float]  # held by one rank of tp × ep
     experts: list[float]
     tensors: list[int]
@@ -463,6 +463,7 @@ class _Columns:
             blocks = [int(s.is_block) for s in segments]
             hit = models.remembered[key] = cls(
                 segments,
+                [s.segment.block_id or s.key for s in segments],
                 params,
                 [s.expert_numel(ep, tp) for s in segments],
                 [s.param_tensors for s in segments],
@@ -500,10 +501,8 @@ class _Stage:
         cls,
         segments: tuple[SegmentWork, ...],
         spans: tuple[tuple[int, int], ...],
-        choices: Choices,
-        models: CostModels,
+        columns: _Columns,
     ) -> _Stage:
-        columns = _Columns.of(segments, choices, models)
         return cls(
             list(_in_spans(segments, spans)),
             spans,
@@ -556,18 +555,22 @@ def _rank_cost(
     """`traffic`: the fraction of the gradients' bytes the dp all-reduce moves. `shared`:
     the `_StageWork` of the plan's other ranks, by what their segments are (copies of
     one block cost alike, as `segment_times` prices them)."""
-    stage = _Stage.of(segments, spans, choices, models)
-    own = stage.own
+    columns = _Columns.of(segments, choices, models)
     last = segments[-1] if spans and spans[-1][1] == len(segments) else None
-    alike = (
-        tuple(
+    stage: _Stage | None = None
+    kinds: tuple
+    if choices.recompute or choices.recompute_attention:
+        stage = _Stage.of(segments, spans, columns)
+        kinds = tuple(
             (s.segment.block_id or s.key, choices.recomputes(s), choices.recomputes_attention(s))
-            for s in own
-        ),
-        last is not None,
-    )
+            for s in stage.own
+        )
+    else:  # nothing recomputed: what each segment is tells them apart
+        kinds = tuple(_in_spans(columns.kinds, spans))
+    alike = (kinds, last is not None)
     work = shared.get(alike) if shared is not None else None
     if work is None:
+        stage = stage or _Stage.of(segments, spans, columns)
         compute = sum(stage.column(times), PhaseCost())
         regions = _regions(stage, choices, models)
         compute += models.compute.region_time(regions, stage.tensors)

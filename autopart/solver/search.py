@@ -342,67 +342,65 @@ def _price(
     recomputable: bool,
     best: float = math.inf,
 ) -> list[Candidate]:
-    """Each choice priced by `predict` (a pipeline cut where blocks balance its
-    compute, nothing recomputed), but for those whose compute alone is slower than
-    (1 + SLACK) × the fastest fitting plan priced so far (or `best`, a step time already
-    found): they can be neither chosen nor within the slack of the choice. The usual
-    microbatch counts go first, so that the plan to beat is a good one early.
-
-    Then the plans that do not fit, fastest first, go to the inner model (`_inner`),
-    which cuts the pipeline and recomputes blocks to fit memory. Both only add time
-    (the cuts but for `REBALANCE_GAIN`), so once a plan is slower than the fastest that
-    fits by more than the slack, so are the rest, and they are left as they are.
+    """The choices priced best first: in the order of their step floors
+    (`step_time_lower_bound`, every rank busy with an even share of the work in the
+    schedule's least span), each priced by `predict` (a pipeline cut where blocks
+    balance its compute, nothing recomputed) and, where it does not fit, fitted by the
+    inner model (`_inner`), which cuts the pipeline and recomputes blocks to fit memory.
+    Once a floor is slower than (1 + SLACK) × the fastest fitting plan found (or
+    `best`, a step time already found), so are the rest: they can be neither chosen
+    nor within the slack of the choice, and are left unpriced. The inner model only
+    adds time (its cuts but for `REBALANCE_GAIN`), so a plan slower than that before
+    it is fitted, or whose fitted floor is (`_fitted_floor`), is left as it is.
 
     A plan whose parameters, gradients and optimizer state alone exceed the device's
     memory (`_states_overflow`) fits whatever the inner model does: it is priced only
     where no other plan fits, for the refusal to say how close the smallest came
     (and not at all under context parallelism, which has the plans without it)."""
     start, memory = time.perf_counter(), mesh.device.memory_bytes
-    models = CostModels.of(mesh, choices[0].precision, choices[0].compiled) if choices else None
-    out: list[Candidate] = []
-    floors: dict = {}
-    held: dict = {}  # (summary, tp, ep) -> the parameters a rank holds
+    if not choices:
+        return []
+    models = CostModels.of(mesh, choices[0].precision, choices[0].compiled)
+    floors: dict = {}  # step_time_lower_bound's cache
+    held: dict = {}  # _states_overflow's
     hopeless: list[Choices] = []
-    progress = Progress("solver: pricing plans", len(choices))
-    for done, c in enumerate(sorted(choices, key=lambda c: not _usual_microbatches(c))):
-        progress.update(done)
-        assert models is not None
+    scored: list[tuple[float, int, Choices]] = []
+    for i, c in enumerate(choices):
         summary = layouts.summary(c.tp, c.sequence_parallel)
         if _states_overflow(summary, c, dims, models, memory, held):
             if c.cp == 1:
                 hopeless.append(c)
             continue
-        if best < math.inf and any(
-            step_time_lower_bound(summary, c, dims, models, floors, cp_layout) > (1 + SLACK) * best
-            for cp_layout in ((False, True) if c.cp > 1 else (True,))
+        # Under context parallelism the floor without its layout, which is cheap to make.
+        floor = step_time_lower_bound(summary, c, dims, models, floors, cp_layout=c.cp == 1)
+        scored.append((floor, i, c))
+    scored.sort(key=lambda fic: fic[:2])
+    priced: list[tuple[int, Candidate]] = []
+    inner = 0
+    progress = Progress("solver: pricing plans", len(scored))
+    for done, (floor, i, c) in enumerate(scored):
+        progress.update(done)
+        if floor > (1 + SLACK) * best:
+            break
+        summary = layouts.summary(c.tp, c.sequence_parallel)
+        if c.cp > 1 and (
+            step_time_lower_bound(summary, c, dims, models, floors) > (1 + SLACK) * best
         ):
             continue
         predicted = predict(summary, mesh, c, dims, models)
-        out.append(Candidate(c, predicted))
+        if (
+            predicted.peak_memory_bytes > memory
+            and (c.pp > 1 or recomputable)
+            and predicted.step_time_s * (1 - REBALANCE_GAIN) <= (1 + SLACK) * best
+        ):
+            problem = stage_problem_of(summary, c, dims, models, memory, recomputable)
+            if _fitted_floor(problem, c) <= (1 + SLACK) * best:
+                inner += 1
+                c, predicted = _inner(problem, summary, mesh, c, predicted, dims, models)
+        priced.append((i, Candidate(c, predicted)))
         if predicted.peak_memory_bytes <= memory:
             best = min(best, predicted.step_time_s)
-    overflowing = sorted(
-        (i for i, cand in enumerate(out) if cand.predicted.peak_memory_bytes > memory),
-        key=lambda i: out[i].predicted.step_time_s,
-    )
-    inner = 0
-    progress = Progress("solver: fitting plans with the inner model", len(overflowing))
-    for done, i in enumerate(overflowing):
-        progress.update(done)
-        c, predicted = out[i].choices, out[i].predicted
-        if predicted.step_time_s * (1 - REBALANCE_GAIN) > (1 + SLACK) * best:
-            break
-        if c.pp == 1 and not recomputable:
-            continue
-        assert models is not None
-        summary = layouts.summary(c.tp, c.sequence_parallel)
-        problem = stage_problem_of(summary, c, dims, models, memory, recomputable)
-        if _fitted_floor(problem, c) > (1 + SLACK) * best:
-            continue
-        inner += 1
-        out[i] = Candidate(*_inner(problem, summary, mesh, c, predicted, dims, models))
-        if out[i].predicted.peak_memory_bytes <= memory:
-            best = min(best, out[i].predicted.step_time_s)
+    out = [candidate for _, candidate in sorted(priced, key=lambda ic: ic[0])]  # choices' order
     if hopeless and all(cand.predicted.peak_memory_bytes > memory for cand in out):
         out += [
             Candidate(c, predict(layouts.summary(c.tp, c.sequence_parallel), mesh, c, dims, models))
@@ -501,10 +499,6 @@ def _inner(
     if priced.peak_memory_bytes <= memory or predicted.peak_memory_bytes > memory:
         return chosen, priced
     return c, predicted
-
-
-def _usual_microbatches(c: Choices) -> bool:
-    return c.microbatches in ((c.pp, 2 * c.pp, 4 * c.pp) if c.pp > 1 else (1,))
 
 
 def _solve(candidates: list[Candidate], memory: int) -> Candidate:

@@ -3,6 +3,8 @@ exposed part of gradient synchronization."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from autopart.cost_models.choices import Choices
@@ -13,6 +15,7 @@ from autopart.cost_models.pipeline import (
     exposed_sync,
     pipeline_step,
     schedule_span,
+    span_floor,
 )
 from autopart.cost_models.predict import p2p_comm
 from autopart.degrees import Degrees
@@ -37,6 +40,22 @@ def test_interleaved_bubble_is_divided_by_the_virtual_stages():
 def test_no_pipeline_has_no_bubble():
     assert bubble_fraction(None, 1, 8) == 0.0
     assert bubble_fraction("1f1b", 1, 8) == 0.0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_no_split_of_the_work_among_ranks_steps_faster_than_the_span_floor(schedule):
+    """The floor holds for uneven ranks too: a slow first rank of a 1F1B pipeline
+    leaves the others less than a mean microbatch idle (4.43 and 4.15 s a microbatch
+    over 2 microbatches span 12.73 s, where (m + p − 1) × the mean is 12.87)."""
+    rng = random.Random(0)
+    cases = [([4.43, 4.15], 2)] + [
+        ([rng.uniform(0.01, 1.0) ** 3 for _ in range(rng.randint(2, 6))], rng.randint(1, 12))
+        for _ in range(300)
+    ]
+    for times, m in cases:
+        p, v = len(times), 2 if schedule == "interleaved-1f1b" else 1
+        step = pipeline_step(times, [0.0] * p, m, schedule, v)
+        assert span_floor(schedule, p, m, v) * sum(times) <= step.total * (1 + 1e-12), (times, m)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -18,6 +18,7 @@ from autopart.degrees import Degrees
 from autopart.mesh import Mesh
 from autopart.passes import analyze
 from autopart.solver import Pins, make_plan
+from autopart.solver.search import SLACK
 from tests.models import LM_FACTORIES, tiny_gpt2, token_batch
 
 GiB = 1024**3
@@ -76,6 +77,32 @@ def test_a_model_too_large_for_data_parallelism_is_sharded_until_it_fits():
     plan = autopart.plan(model, mesh, ids)
     assert plan.zero >= 1 or plan.tp > 1 or plan.pp > 1
     assert plan.predicted.peak_memory_bytes <= 80 * GiB
+
+
+@pytest.mark.slow  # every plan of a model priced
+def test_the_floors_prune_no_plan_the_search_would_choose(monkeypatch):
+    """The search prices plans in the order of their step floors and stops at the first
+    floor beyond the slack of the fastest fitting plan found: with every floor at 0 (no
+    plan left unpriced), it chooses the same plan, at the same prediction. A model that
+    fits only sharded, recomputed or pipelined, so that the inner model fits plans."""
+    import autopart.solver.search as search
+
+    mesh = Mesh.cluster("a100-80g", nodes=1, per_node=8)
+    captured = capture(_llama_8b_dims(16), (_tokens(8, 2048),))
+    analyze(captured.gm, captured.context())
+    pins = Pins(precision="bf16-mixed")
+    pruned = make_plan(captured, mesh, pins)
+    monkeypatch.setattr(search, "step_time_lower_bound", lambda *args, **kwargs: 0.0)
+    monkeypatch.setattr(search, "_fitted_floor", lambda *args: 0.0)
+    everything = make_plan(captured, mesh, pins)
+    assert pruned.recompute or pruned.zero or pruned.pp > 1
+    assert replace(pruned, alternatives=()) == replace(everything, alternatives=())
+
+    def within_slack(plan):  # the plans either search must price
+        fastest = min(a.step_time_s for a in (plan.predicted, *plan.alternatives))
+        return [a for a in plan.alternatives if a.step_time_s <= (1 + SLACK) * fastest]
+
+    assert within_slack(pruned) == within_slack(everything)
 
 
 @pytest.mark.slow  # a larger model planned twice
