@@ -427,19 +427,23 @@ def _states_overflow(
     """Whether a rank's parameters, gradients and optimizer state alone exceed the
     device's memory on the rank holding the mean share of the pipeline: what neither
     recomputation nor stage cuts reduce. `cache`: the parameters a rank of each
-    tp × ep holds, kept across plans."""
+    tp × ep holds, and the answers, kept across plans (most differ in nothing it reads)."""
     key = (id(summary), c.tp, c.ep)
-    if key not in cache:
-        cache[key] = sum(s.param_numel(c.tp, c.ep) for s in summary.evaluate({**dims, BATCH: 1}))
-    states = models.memory.breakdown(
-        cache[key] / c.pp,
-        c.dp,
-        c.zero,
-        offload=c.offload,
-        ep=c.ep,  # every weight sharded as the non-experts are: a floor
-        master_weights=c.master_weights,
-    )
-    return sum(states.values()) > memory
+    answer = (*key, c.pp, c.dp, c.zero, c.offload, c.master_weights)
+    if answer not in cache:
+        if key not in cache:
+            at = {**dims, BATCH: 1}
+            cache[key] = sum(s.param_numel(c.tp, c.ep) for s in summary.evaluate(at))
+        states = models.memory.breakdown(
+            cache[key] / c.pp,
+            c.dp,
+            c.zero,
+            offload=c.offload,
+            ep=c.ep,  # every weight sharded as the non-experts are: a floor
+            master_weights=c.master_weights,
+        )
+        cache[answer] = sum(states.values()) > memory
+    return cache[answer]
 
 
 def _with_inner_cuts(
