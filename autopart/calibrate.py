@@ -135,9 +135,10 @@ ATTENTION_SHAPES = ((8, 4, 64, 32), (2, 4, 256, 32), (4, 4, 128, 16), (2, 2, 128
 GPU_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 QUICK_SIZES = (64, 128, 256)
 MESSAGE_SIZES = tuple(1024 * 4**i for i in range(9))  # 1 KiB ... 64 MiB
-# Up to a few MiB: a step's tensor-parallel gathers and gradient buckets reach them, and a
-# fit over messages the rendezvous dominates cannot see the per-byte cost.
-QUICK_MESSAGES = (1024, 64 * 1024, 1024**2, 4 * 1024**2)
+# Up to a gradient bucket's order of size: a step's tensor-parallel gathers and gradient
+# buckets reach them, and on a CPU time-sliced among its ranks the rendezvous outweighs
+# the transfer up to a few MiB, where a fit cannot see the per-byte cost.
+QUICK_MESSAGES = (1024, 64 * 1024, 1024**2, 4 * 1024**2, 16 * 1024**2)
 COPY_BYTES = 256 * 1024**2
 MAX_EXTRAPOLATION = 1.25  # a fitted peak may exceed the best measured rate by this much
 # The length of one timing sample. On a CPU shared by more runnable processes than it has
