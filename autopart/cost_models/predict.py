@@ -231,7 +231,8 @@ def step_time_lower_bound(
             if cp_layout
             else summary.sharded({**at, BATCH: at[BATCH] / cp}, choices.tp)
         )
-        work: float = sum(t.total for t in _segment_times(segments, choices, models.compute))
+        times = _segment_times(segments, choices, models.compute)
+        work: float = sum(t.total for t in times)
         work += _tp_comm(segments, choices, models.comm)
         if cp > 1:  # the rings, conversions and logits' gather it makes
             again = [choices.recomputes(s) for s in segments]
@@ -244,17 +245,20 @@ def step_time_lower_bound(
                 whole = summary.sharded(at, tp)
                 work += ring_floor(segments, whole, cp, tp, precision, again, comm, compute)
             work += output_gather(segments[-1].output_bytes, cp, tp, comm)
+        # All stages' parameters: spread over pp below, which only lowers the floor.
+        params = sum(s.param_numel(choices.tp) for s in segments)
         if cp > 1 and not choices.cp_in_sync:
-            # All stages' parameters: spread over pp below, which only lowers the floor.
-            params = sum(s.param_numel(choices.tp) for s in segments)
             grad_bytes = choices.state_bytes[1]
             comm = models.comm
             work += gradient_all_reduces(params, choices.cp, choices.tp, grad_bytes, comm)
         boundary = min((s.output_bytes for s in segments if s.is_block), default=0.0)
-        kept = (work, boundary)
+        forward = sum(t.forward for t in times)
+        later = sum(t.backward + t.recompute for t in times)
+        kept = (work, boundary, forward, later, params)
         if cache is not None:
             cache[key] = kept
-    work, boundary = kept
+    work, boundary, forward, later, params = kept
+    work += _zero3_floor(forward, later, params, choices, models)
     pp = choices.pp
     # Every rank's transfers, alike for every plan of these pipeline degrees.
     sends = ("sends", boundary, pp, choices.chunks, choices.degrees.stride(Axis.PP))
@@ -265,6 +269,38 @@ def step_time_lower_bound(
             cache[sends] = transfers
     work += transfers
     return work * span_floor(choices.schedule, pp, choices.microbatches, choices.virtual_stages)
+
+
+def _zero3_floor(
+    forward: float, later: float, params: float, choices: Choices, models: CostModels
+) -> float:
+    """What ZeRO-3's collectives add at least to the ranks' summed time for a microbatch
+    (`_zero3_comm`), given their summed compute in forward and after it, and the
+    parameters one rank of tp holds over all stages: every parameter gathered in forward
+    and in backward and its gradient reduce-scattered, each collective at its
+    algorithm's least seconds per byte (a collective's time is at least that times its
+    bytes); where collectives hide behind compute, a pass costs at least the larger of
+    its compute and its collectives. With experts (their own groups), none."""
+    if choices.zero != 3 or choices.ep > 1 or choices.dp == 1:
+        return 0.0
+    size, stride, comm = choices.dp, choices.degrees.stride(Axis.DP), models.comm
+    param_bytes, grad_bytes = choices.state_bytes[0], choices.reduced_grad_bytes
+    if comm.measures_zero3_buckets:
+        per_byte = _per_byte(lambda b: comm.zero3_bucket_time(b, size))
+        return params * (param_bytes + grad_bytes) / 2 * per_byte
+    gathers = params * param_bytes * _per_byte(lambda b: comm.time(ALL_GATHER, b, size, stride))
+    scatters = params * grad_bytes * _per_byte(lambda b: comm.time(REDUCE_SCATTER, b, size, stride))
+    if not comm.overlaps_compute:
+        return 2 * gathers + scatters
+    return max(0.0, gathers - forward) + max(0.0, gathers + scatters - later)
+
+
+def _per_byte(seconds: Callable[[float], float]) -> float:
+    """The least seconds per byte of a collective whose time is the least of its
+    algorithms', each a latency and a rate (or sums of such leasts): its slope at a size
+    far past where the algorithms cross, where the slowest-growing one is the least."""
+    far = 1e15
+    return (seconds(2 * far) - seconds(far)) / far
 
 
 def rank_segments(

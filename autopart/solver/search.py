@@ -45,6 +45,7 @@ seed, so it is deterministic, and logs the problem size and solve time.
 from __future__ import annotations
 
 import functools
+import heapq
 import logging
 import math
 import time
@@ -342,16 +343,17 @@ def _price(
     recomputable: bool,
     best: float = math.inf,
 ) -> list[Candidate]:
-    """The choices priced best first: in the order of their step floors
-    (`step_time_lower_bound`, every rank busy with an even share of the work in the
-    schedule's least span), each priced by `predict` (a pipeline cut where blocks
-    balance its compute, nothing recomputed) and, where it does not fit, fitted by the
-    inner model (`_inner`), which cuts the pipeline and recomputes blocks to fit memory.
-    Once a floor is slower than (1 + SLACK) × the fastest fitting plan found (or
-    `best`, a step time already found), so are the rest: they can be neither chosen
-    nor within the slack of the choice, and are left unpriced. The inner model only
-    adds time (its cuts but for `REBALANCE_GAIN`), so a plan slower than that before
-    it is fitted, or whose fitted floor is (`_fitted_floor`), is left as it is.
+    """The choices priced best first. Each is priced by `predict` (a pipeline cut where
+    blocks balance its compute, nothing recomputed) and, where it does not fit, fitted
+    by the inner model (`_inner`), which cuts the pipeline and recomputes blocks to fit
+    memory. Both are done least bound first: a plan's step floor before it is priced
+    (`step_time_lower_bound`: every rank busy with an even share of the work, in the
+    schedule's least span), its price before it is fitted (the inner model only adds
+    time, its cuts but for `REBALANCE_GAIN`). Once the least bound left is slower than
+    (1 + SLACK) × the fastest fitting plan found (or `best`, a step time already
+    found), what is left can be neither chosen nor within the slack of the choice: a
+    plan is left unpriced, or unfitted. A plan whose fitted floor (`_fitted_floor`) is
+    beyond the slack is left unfitted too.
 
     A plan whose parameters, gradients and optimizer state alone exceed the device's
     memory (`_states_overflow`) fits whatever the inner model does: it is priced only
@@ -364,7 +366,10 @@ def _price(
     floors: dict = {}  # step_time_lower_bound's cache
     held: dict = {}  # _states_overflow's
     hopeless: list[Choices] = []
-    scored: list[tuple[float, int, Choices]] = []
+    # The work left, least bound first: (bound, 0, i) a plan to price, its bound its
+    # step floor; (bound, 1, i) a priced plan that does not fit, to fit, its bound the
+    # least the inner model can make of its step.
+    queue: list[tuple[float, int, int]] = []
     for i, c in enumerate(choices):
         summary = layouts.summary(c.tp, c.sequence_parallel)
         if _states_overflow(summary, c, dims, models, memory, held):
@@ -373,34 +378,36 @@ def _price(
             continue
         # Under context parallelism the floor without its layout, which is cheap to make.
         floor = step_time_lower_bound(summary, c, dims, models, floors, cp_layout=c.cp == 1)
-        scored.append((floor, i, c))
-    scored.sort(key=lambda fic: fic[:2])
-    priced: list[tuple[int, Candidate]] = []
+        queue.append((floor, 0, i))
+    heapq.heapify(queue)
+    priced: dict[int, Candidate] = {}
     inner = 0
-    progress = Progress("solver: pricing plans", len(scored))
-    for done, (floor, i, c) in enumerate(scored):
-        progress.update(done)
-        if floor > (1 + SLACK) * best:
-            break
+    progress = Progress("solver: pricing plans", len(queue))
+    while queue and queue[0][0] <= (1 + SLACK) * best:
+        _, fit, i = heapq.heappop(queue)
+        c = choices[i]
         summary = layouts.summary(c.tp, c.sequence_parallel)
-        if c.cp > 1 and (
-            step_time_lower_bound(summary, c, dims, models, floors) > (1 + SLACK) * best
-        ):
-            continue
-        predicted = predict(summary, mesh, c, dims, models)
-        if (
-            predicted.peak_memory_bytes > memory
-            and (c.pp > 1 or recomputable)
-            and predicted.step_time_s * (1 - REBALANCE_GAIN) <= (1 + SLACK) * best
-        ):
+        if fit:
             problem = stage_problem_of(summary, c, dims, models, memory, recomputable)
-            if _fitted_floor(problem, c) <= (1 + SLACK) * best:
-                inner += 1
-                c, predicted = _inner(problem, summary, mesh, c, predicted, dims, models)
-        priced.append((i, Candidate(c, predicted)))
-        if predicted.peak_memory_bytes <= memory:
-            best = min(best, predicted.step_time_s)
-    out = [candidate for _, candidate in sorted(priced, key=lambda ic: ic[0])]  # choices' order
+            if _fitted_floor(problem, c) > (1 + SLACK) * best:
+                continue
+            inner += 1
+            priced[i] = Candidate(
+                *_inner(problem, summary, mesh, c, priced[i].predicted, dims, models)
+            )
+        else:
+            progress.update(len(priced))
+            if c.cp > 1 and (
+                step_time_lower_bound(summary, c, dims, models, floors) > (1 + SLACK) * best
+            ):
+                continue
+            priced[i] = Candidate(c, predict(summary, mesh, c, dims, models))
+            if priced[i].predicted.peak_memory_bytes > memory and (c.pp > 1 or recomputable):
+                bound = priced[i].predicted.step_time_s * (1 - REBALANCE_GAIN)
+                heapq.heappush(queue, (bound, 1, i))
+        if priced[i].predicted.peak_memory_bytes <= memory:
+            best = min(best, priced[i].predicted.step_time_s)
+    out = [priced[i] for i in sorted(priced)]  # in the choices' order
     if hopeless and all(cand.predicted.peak_memory_bytes > memory for cand in out):
         out += [
             Candidate(c, predict(layouts.summary(c.tp, c.sequence_parallel), mesh, c, dims, models))

@@ -4,6 +4,8 @@ cache: a floor above its plan's price would drop a plan the search should weigh.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from autopart.api import captured_for_planning
@@ -62,3 +64,17 @@ def test_the_floor_counts_the_least_bubble_any_split_of_the_work_leaves(summary)
     four = Choices(2 * BATCH_SIZE, Degrees(pp=2), microbatches=4, schedule="1f1b")
     floors = [step_time_lower_bound(summary, c, {"seq": SEQ}, models) for c in (two, four)]
     assert floors[0] / floors[1] == pytest.approx((4 / 3) / (16 / 7))
+
+
+@pytest.mark.parametrize("device", ["a10-24g", "cpu"], ids=["overlapped", "on-cpu"])
+def test_the_floor_counts_zero3s_gathers_where_they_outlast_the_compute(summary, device):
+    """On slow links ZeRO-3's gathers and reduce-scatters outlast the compute they hide
+    behind (on a CPU nothing hides): the floor grows by at least their bytes at the
+    links' rate, and stays under the price."""
+    slow = replace(Mesh.cluster(device, nodes=4, per_node=1).device, inter_node_bandwidth=1e6)
+    mesh = Mesh.cluster(slow, nodes=4, per_node=1)
+    models = CostModels.of(mesh, "fp32")
+    plain, sharded = (Choices(BATCH_SIZE, Degrees(dp=4), zero=z) for z in (0, 3))
+    floors = [step_time_lower_bound(summary, c, {"seq": SEQ}, models) for c in (plain, sharded)]
+    price = predict(summary, mesh, sharded, {"seq": SEQ}, models).step_time_s
+    assert floors[0] < floors[1] <= price
