@@ -161,6 +161,7 @@ class CommModel:
         self.inter = Link(d.inter_node_bandwidth, d.inter_node_latency)
         # The search asks for the same collectives many times over.
         self._times: dict[tuple[str, float, int, int], float] = {}
+        self._sends: dict[tuple[str, float, bool], float] = {}
 
     @property
     def overlaps_compute(self) -> bool:
@@ -194,13 +195,17 @@ class CommModel:
     def _point_to_point(self, op: str, nbytes: float, first: int, peer: int, size: int) -> float:
         if nbytes == 0 or first == peer:
             return 0.0
-        collectives = self.mesh.device.collectives
-        measured = collectives.get(op) or collectives.get(SEND_RECV)
-        if measured:
-            return Link(1.0 / measured["beta"], measured["alpha"]).time(1, 1.0, nbytes)
         n = self.mesh.per_node
-        across = any((first + i) // n != (peer + i) // n for i in range(min(size, n)))
-        return (self.inter if across else self.intra).time(1, 1.0, nbytes)
+        key = (op, nbytes, _crosses_nodes(first, peer, min(size, n), n))
+        if key not in self._sends:
+            collectives = self.mesh.device.collectives
+            measured = collectives.get(op) or collectives.get(SEND_RECV)
+            if measured:
+                link = Link(1.0 / measured["beta"], measured["alpha"])
+            else:
+                link = self.inter if key[2] else self.intra
+            self._sends[key] = link.time(1, 1.0, nbytes)
+        return self._sends[key]
 
     def time(self, op: str, nbytes: float, size: int, stride: int = 1) -> float:
         """Seconds for collective `op` of an `nbytes` buffer over an axis of `size`
@@ -281,6 +286,20 @@ class CommModel:
             gather = self._ring(ALL_GATHER, nbytes, inside)
             return scatter + outer + gather
         return self._ring(op, nbytes, inside) + outer
+
+
+def _crosses_nodes(first: int, peer: int, pairs: int, per_node: int) -> bool:
+    """Whether any of ranks first … first+pairs−1 (pairs ≤ per_node) sits in another node
+    than the rank `peer − first` further on: the pair whose rank sits furthest along
+    its node (towards the end for a later peer, the start for an earlier one) tells."""
+    step = peer - first
+    if abs(step) >= per_node:
+        return True
+    start = first % per_node
+    wraps = start + pairs > per_node  # the ranks run into the next node
+    if step > 0:
+        return (per_node - 1 if wraps else start + pairs - 1) + step >= per_node
+    return (0 if wraps else start) + step < 0
 
 
 _HIERARCHICAL = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)

@@ -229,3 +229,15 @@ def test_the_cheapest_algorithm_the_backends_run_prices_a_step():
     large = _flat(8).algorithms("all_reduce", M, 8)
     assert _flat(8).time("all_reduce", M, 8) == large["ring"] < large["tree"]
     assert large["halving_doubling"] < large["ring"]  # cheaper on paper, but not run
+
+
+def test_a_send_crosses_nodes_where_any_of_its_pairs_does():
+    """`_crosses_nodes` against every pair of ranks sending together, one by one."""
+    from autopart.cost_models.comm import _crosses_nodes
+
+    for n in (1, 2, 4, 8):
+        for first in range(3 * n):
+            for peer in range(3 * n):
+                for pairs in range(1, n + 1):
+                    each = any((first + i) // n != (peer + i) // n for i in range(pairs))
+                    assert _crosses_nodes(first, peer, pairs, n) == each, (first, peer, pairs)
