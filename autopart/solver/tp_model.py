@@ -239,18 +239,22 @@ def _variables(
         own, first_copy = BLOCK.get(node), BLOCK.get(first)
         if own is not None and first_copy is not None:
             prefix.setdefault(own.instance + ".", first_copy.instance + ".")
-    param_var = {fqn: _tied_fqn(fqn, prefix) for fqn in set(param_names.values())}
+    order = {own: i for i, own in enumerate(prefix)}
+    param_var = {fqn: _tied_fqn(fqn, prefix, order) for fqn in set(param_names.values())}
     for node in gm.graph.nodes:
         fqn = param_names.get(str(node.target)) if node.op == "get_attr" else None
         var_of[node] = param_var[fqn] if fqn else var_of.get(node, node)
     return var_of, param_var
 
 
-def _tied_fqn(fqn: str, prefix: Mapping[str, str]) -> str:
-    for own, first in prefix.items():
-        if fqn.startswith(own):
-            return first + fqn[len(own) :]
-    return fqn
+def _tied_fqn(fqn: str, prefix: Mapping[str, str], order: Mapping[str, int]) -> str:
+    """`fqn` under the first of `prefix`'s copies' prefixes it begins with (`order`: each
+    one's place in `prefix`), made its first copy's: each of its own dotted prefixes
+    looked up, not every copy's tried."""
+    parts = fqn.split(".")
+    begins = [".".join(parts[:i]) + "." for i in range(1, len(parts))]
+    own = min((p for p in begins if p in order), key=order.__getitem__, default=None)
+    return fqn if own is None else prefix[own] + fqn[len(own) :]
 
 
 # ---------------------------------------------------------------------------------------
