@@ -13,6 +13,7 @@ import pytest
 
 import autopart
 from autopart.cli import main
+from autopart.cost_models.predict import STEP_SUMS_BYTES
 from autopart.plan_format import CHOICE_RULE, alternative_gap, alternative_label, format_bytes
 from autopart.report import MatplotlibMissing, write_html
 from autopart.report.collectives import step_collectives
@@ -224,7 +225,7 @@ def test_the_collectives_follow_from_the_plan(pipeline_plan):
     assert plan.predicted is not None
     params = plan.predicted.memory["parameters"]
     assert found["dp"].nbytes == pytest.approx(params)  # fp32 gradients of fp32 weights
-    assert "tp" not in found and found["world"].nbytes == 4
+    assert "tp" not in found and found["world"].nbytes == STEP_SUMS_BYTES
 
 
 def test_cli_writes_the_page_and_prints_its_path(pipeline_plan, tmp_path, capsys):

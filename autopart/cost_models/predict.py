@@ -31,9 +31,10 @@ blocks) and chunks to pipeline ranks; then per rank:
     ZeRO-1/2 then all-gather the updated parameters, fully exposed;
   the optimizer step (`ComputeModel.optimizer_step_time`);
   on a running Gloo mesh nothing hides behind compute (`CommModel.overlaps_compute`);
-  the step's loss, averaged over the data-parallel replicas and delivered to every rank
-    as `ParallelModule.train_step` returns it: one all-reduce of a scalar over the whole
-    world, exposed.
+  the step's sums (`runtime/step_sums.py`: the loss averaged over the data-parallel
+    replicas as `ParallelModule.train_step` returns it, the gradient norm's parts, the
+    inputs' checksums), one all-reduce of a few values over the whole world, exposed,
+    with the optimizer step (`_step_sums_time`).
 
 The tensor-parallel layout is the plan's (`Choices.tp_placements`): the operators the
 rewrite shards run on 1/tp of the work, the rest in full on every tp rank (`summary.py`).
@@ -100,7 +101,6 @@ from autopart.policy import ZERO3_BUCKET_BYTES, ZERO3_REGATHER_AFTER
 STEP_SUMS_BYTES = 64.0
 TP_ALL_REDUCES_FORWARD = 2  # per block: after attention, after the MLP
 TP_ALL_REDUCES_BACKWARD = 2
-LOSS_BYTES = 4  # the fp32 scalar loss all-reduced at the end of every step
 T = TypeVar("T")
 
 
@@ -168,7 +168,7 @@ def predict(
         [r.compute.forward / r.compute.total if r.compute.total else 0.0 for r in ranks],
     )
     optimizer = max(r.optimizer for r in ranks)
-    sync = max(r.sync for r in ranks) + models.comm.time(ALL_REDUCE, LOSS_BYTES, mesh.world_size)
+    sync = max(r.sync for r in ranks)
     step_time = step.total + optimizer + sync
     peak = max(ranks, key=lambda r: total(r.memory)).memory
     model_flops = (

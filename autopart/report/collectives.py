@@ -25,7 +25,8 @@ the largest peak):
     ep all_to_alls     likewise (`StageFigures.ep_comm_s`): time only. Under ep the
                        gradient sync spans dp × ep (the experts' own spans dp alone;
                        the plan does not record their share, so all is timed over dp × ep)
-    the loss           one all-reduce of a 4-byte scalar over the world per step
+    the step's sums    the loss, the gradient norm's parts and the inputs' checksums:
+                       one all-reduce of a few values over the world per step
 
 Times come from the communication model on the plan's mesh: each collective's transfer
 time per step, before any overlap with compute hides it.
@@ -45,7 +46,7 @@ from autopart.cost_models.comm import (
 )
 from autopart.cost_models.memory import MemoryModel, state_bytes
 from autopart.cost_models.pipeline import bucket_runs
-from autopart.cost_models.predict import LOSS_BYTES
+from autopart.cost_models.predict import STEP_SUMS_BYTES
 from autopart.degrees import Axis, MeshError
 from autopart.mesh import Mesh
 from autopart.plan import Plan, Predicted
@@ -80,10 +81,17 @@ def step_collectives(plan: Plan) -> list[Collective]:
         *_ep_collectives(plan, predicted),
     ]
     if plan.mesh.world_size > 1:
-        seconds = comm.time(ALL_REDUCE, LOSS_BYTES, plan.mesh.world_size) if comm else None
+        world = plan.mesh.world_size
+        seconds = comm.time(ALL_REDUCE, STEP_SUMS_BYTES, world) if comm else None
         found.append(
             Collective(
-                "loss average", ALL_REDUCE, "world", plan.mesh.world_size, 1, LOSS_BYTES, seconds
+                "step sums (loss, gradient norm, input checksums)",
+                ALL_REDUCE,
+                "world",
+                world,
+                1,
+                STEP_SUMS_BYTES,
+                seconds,
             )
         )
     return found
