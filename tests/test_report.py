@@ -297,6 +297,7 @@ def _signatures() -> dict[str, list[tuple[str, str, int]]]:
     }
 
 
+@pytest.mark.slow  # a headless browser renders the page
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium (headless)")
 def test_the_browser_shows_the_figures(pipeline_plan, tmp_path):
     """Each figure's box on the page (the page's fixed layout) is drawn on, in several

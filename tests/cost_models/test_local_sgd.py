@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 import autopart
+from autopart.api import captured_for_planning
+from autopart.solver import Pins, make_plan
 from tests.models import tiny_gpt2, token_batch
 
 
@@ -12,8 +14,9 @@ def test_averaging_every_h_steps_costs_one_parameter_all_reduce_per_h_steps():
     ids, _ = token_batch(64)
     mesh = autopart.Mesh.cluster("a100-80g", 4, 8)
     pins = {"dp": 32, "tp": 1, "pp": 1, "zero": 0, "microbatches": 1}
+    captured = captured_for_planning(tiny_gpt2(), (ids,), repeated_once=True)  # once for all
     exposed = {
-        h: autopart.plan(tiny_gpt2(), mesh, (ids,), sync_every=h, **pins).predicted
+        h: make_plan(captured, mesh, Pins.of(sync_every=h, **pins)).predicted
         for h in (None, 1, 2, 4)
     }
     # The same all-reduce, amortized over h steps: 1 - 1/4 of it is 3 × (1/2 - 1/4).
