@@ -383,87 +383,105 @@ def _stage_work(
     traffic: float,
 ) -> _StageWork:
     own, params = stage.own, stage.params
-    if not choices.recompute and not choices.recompute_attention:
-        return _plain_stage_work(stage, last, compute, choices, models, traffic)
-    blocks = [s for s in own if s.is_block]
-    recomputed = [s for s in own if choices.recomputes(s)]
-    ep = all_to_all_comm(own, choices, models.comm)
+    plain = not choices.recompute and not choices.recompute_attention
+    held = (_plain_holdings if plain else _holdings)(stage, choices, models)
+    other_comm = _zero3_comm(stage, compute, choices, models)
+    other_comm += _cp_comm(own, last, params, choices, models)
+    for part in held.syncs:
+        other_comm += part
     return _StageWork(
         compute=compute,
         params=params,
         experts=stage.experts,
-        boundary=max((s.output_bytes for s in blocks), default=0.0),
-        blocks=len(blocks),
-        gathered=max((zero3_gathered(s, choices) for s in blocks), default=params),
-        tp=_tp_comm(own, choices, models.comm),
-        other_comm=_zero3_comm(stage, compute, choices, models)
-        + _cp_comm(own, last, params, choices, models)
-        + ep
-        + norm_sync_comm(own, choices, models.comm)
-        + mixing_sync_comm(own, choices, models.comm),
-        ep=ep,
-        activations=_activations(own, choices),
-        unrecomputed=Activations(
-            kept=sum(s.saved_bytes(choices.precision, choices.compiled) for s in own)
-        ),
-        recomputed=len(recomputed),
-        attention_recomputed=sum(choices.recomputes_attention(s) for s in own),
-        recompute_comm=sum(
-            tp_comm(s, choices, models.comm, True) - tp_comm(s, choices, models.comm, False)
-            for s in recomputed
-        ),
+        boundary=held.boundary,
+        blocks=held.blocks,
+        gathered=held.gathered,
+        tp=held.tp,
+        other_comm=other_comm,
+        ep=held.syncs[0],
+        activations=held.activations,
+        unrecomputed=held.unrecomputed,
+        recomputed=held.recomputed,
+        attention_recomputed=held.attention_recomputed,
+        recompute_comm=held.recompute_comm,
         sync=_dp_sync(stage, compute, choices, models, traffic),
         optimizer=_optimizer_time(stage, compute, choices, models)
         + _gradient_traffic(params, choices, models),
     )
 
 
-def _plain_stage_work(
-    stage: _Stage,
-    last: SegmentWork | None,
-    compute: PhaseCost,
-    choices: Choices,
-    models: CostModels,
-    traffic: float,
-) -> _StageWork:
-    """`_stage_work` of a plan that recomputes nothing, as the search prices most: its
-    per-segment figures summed from the columns (`_Columns`) in the order `_stage_work`
-    adds them, so that both give the same figures to the last bit."""
-    own, params, columns = stage.own, stage.params, stage.columns
+@dataclass(frozen=True, slots=True)
+class _Holdings:
+    """What a stage's segments add up to whatever the ranks' data parallelism: its
+    blocks, their largest output and gathered parameters, its tensor-parallel
+    collectives, activations, recomputation, and its collectives of experts, batch
+    norms and batch mixing (`syncs`, in that order)."""
+
+    boundary: float
+    blocks: int
+    gathered: float
+    tp: float
+    activations: Activations
+    unrecomputed: Activations
+    syncs: tuple[float, float, float]
+    recomputed: int = 0
+    attention_recomputed: int = 0
+    recompute_comm: float = 0.0
+
+
+def _syncs(own: list[SegmentWork], choices: Choices, comm: CommModel) -> tuple[float, float, float]:
+    return (
+        all_to_all_comm(own, choices, comm),
+        norm_sync_comm(own, choices, comm),
+        mixing_sync_comm(own, choices, comm),
+    )
+
+
+def _holdings(stage: _Stage, choices: Choices, models: CostModels) -> _Holdings:
+    """`_Holdings` segment by segment, each recomputed or not."""
+    own, comm = stage.own, models.comm
+    blocks = [s for s in own if s.is_block]
+    recomputed = [s for s in own if choices.recomputes(s)]
+    return _Holdings(
+        boundary=max((s.output_bytes for s in blocks), default=0.0),
+        blocks=len(blocks),
+        gathered=max((zero3_gathered(s, choices) for s in blocks), default=stage.params),
+        tp=_tp_comm(own, choices, comm),
+        activations=_activations(own, choices),
+        unrecomputed=Activations(
+            kept=sum(s.saved_bytes(choices.precision, choices.compiled) for s in own)
+        ),
+        syncs=_syncs(own, choices, comm),
+        recomputed=len(recomputed),
+        attention_recomputed=sum(choices.recomputes_attention(s) for s in own),
+        recompute_comm=sum(
+            tp_comm(s, choices, comm, True) - tp_comm(s, choices, comm, False) for s in recomputed
+        ),
+    )
+
+
+def _plain_holdings(stage: _Stage, choices: Choices, models: CostModels) -> _Holdings:
+    """`_holdings` of a plan that recomputes nothing, as the search prices most: summed
+    from the columns (`_Columns`) in the order `_holdings` adds them, so that both give
+    the same figures to the last bit."""
+    columns = stage.columns
     blocks = sum(stage.column(columns.is_block))
     if not blocks:
-        gathered = params
+        gathered = stage.params
     elif choices.ep == 1:  # one kind of bucket, gathered where dp > 1
         gathered = max(stage.column(columns.block_params)) if choices.dp > 1 else 0
     else:
-        gathered = max(zero3_gathered(s, choices) for s in own if s.is_block)
-    comm = models.comm
-    if columns.syncs:
-        ep = all_to_all_comm(own, choices, comm)
-        syncs = ep + norm_sync_comm(own, choices, comm) + mixing_sync_comm(own, choices, comm)
-    else:
-        ep = syncs = 0.0
-    saved = sum(stage.column(columns.saved))
-    return _StageWork(
-        compute=compute,
-        params=params,
-        experts=stage.experts,
+        gathered = max(zero3_gathered(s, choices) for s in stage.own if s.is_block)
+    syncs = _syncs(stage.own, choices, models.comm) if columns.syncs else (0.0, 0.0, 0.0)
+    saved = Activations(kept=sum(stage.column(columns.saved)))
+    return _Holdings(
         boundary=max(stage.column(columns.block_outputs)),
         blocks=blocks,
         gathered=gathered,
         tp=sum(stage.column(columns.tp)),
-        other_comm=_zero3_comm(stage, compute, choices, models)
-        + _cp_comm(own, last, params, choices, models)
-        + syncs,
-        ep=ep,
-        activations=Activations(kept=saved),
-        unrecomputed=Activations(kept=saved),
-        recomputed=0,
-        attention_recomputed=0,
-        recompute_comm=0.0,
-        sync=_dp_sync(stage, compute, choices, models, traffic),
-        optimizer=_optimizer_time(stage, compute, choices, models)
-        + _gradient_traffic(params, choices, models),
+        activations=saved,
+        unrecomputed=saved,
+        syncs=syncs,
     )
 
 
