@@ -80,8 +80,10 @@ def span_floor(
     Balanced ranks take (m + p − 1) · W/p, more. Interleaved 1F1B charges
     m · t_s + Σ_{r≠s} t_r / v, least at balanced ranks: (m + (p − 1)/v) · W/p."""
     p, m = stages, microbatches
-    if p == 1 or schedule is None:
+    if p == 1:
         return m
+    if schedule is None:  # the slowest rank's m microbatches, no bubble
+        return m / p
     if schedule == Schedule.INTERLEAVED_1F1B:
         return (m + (p - 1) / virtual_stages) / p
     return 1 / (1 - ((m - 1) / m) ** p)

@@ -195,18 +195,19 @@ def step_time_lower_bound(
     cache: dict | None = None,
     cp_layout: bool = True,
 ) -> float:
-    """A floor under `predict(...).step_time_s`: every pipeline rank busy with an even
-    share of the compute and of the tensor-parallel collectives (and of context
-    parallelism's rings, conversions and logits' gather), sending its stage transfers
-    (each no smaller than the smallest block's output), and idle for the
-    schedule's bubble, with no other communication or optimizer step (`pipeline_step`
-    charges the slowest rank's work and talk, at least the mean, and the bubble in
-    proportion to them); under context parallelism without the sync's sums, the
-    gradient all-reduces over cp that every microbatch leaves exposed. Without
-    `cp_layout`, every operator is counted on 1/cp of the microbatch, even those the cp
-    rewrite runs whole, and each attention adds the lesser of its ring and its whole
-    sequence's compute (`context.ring_floor`): a lower floor that needs no cp layout,
-    which is dear to make.
+    """A floor under `predict(...).step_time_s`, whatever the stage cuts: the pipeline
+    ranks' summed work for a microbatch (the compute, the tensor-parallel collectives,
+    context parallelism's rings, conversions and logits' gather, the stage transfers,
+    each no smaller than the smallest block's output, and ZeRO-3's collectives at
+    their least, `_zero3_floor`) in the least span any split of it among the ranks
+    allows (`pipeline.span_floor`), with no other communication or optimizer step;
+    under context parallelism without the sync's sums, the gradient all-reduces over cp
+    that every microbatch leaves exposed. Without `cp_layout`, every operator is
+    counted on 1/cp of the microbatch, even those the cp rewrite runs whole, and each
+    attention adds the lesser of its ring and its whole sequence's compute
+    (`context.ring_floor`): a lower floor that needs no cp layout, which is dear to
+    make; it leaves ZeRO-3 out, as that compute, counted apart, could hide its
+    collectives.
     The search does not price a plan whose floor is slower than a plan it has. `cache`:
     a dict kept across calls on one graph and mesh, for a microbatch's work (the search
     asks for thousands of plans)."""
@@ -251,14 +252,17 @@ def step_time_lower_bound(
             grad_bytes = choices.state_bytes[1]
             comm = models.comm
             work += gradient_all_reduces(params, choices.cp, choices.tp, grad_bytes, comm)
-        boundary = min((s.output_bytes for s in segments if s.is_block), default=0.0)
+        outputs = [s.output_bytes for s in segments if s.is_block]
         forward = sum(t.forward for t in times)
         later = sum(t.backward + t.recompute for t in times)
-        kept = (work, boundary, forward, later, params)
+        kept = (work, min(outputs, default=0.0), len(outputs), forward, later, params)
         if cache is not None:
             cache[key] = kept
-    work, boundary, forward, later, params = kept
-    work += _zero3_floor(forward, later, params, choices, models)
+    work, boundary, blocks, forward, later, params = kept
+    if cp == 1 or cp_layout:
+        work += _zero3_floor(forward, later, params, choices, models)
+    if blocks < choices.chunks or choices.stage_cuts:
+        boundary = 0.0  # a chunk may hold no block (cut anywhere, or as pinned): it sends nothing
     pp = choices.pp
     # Every rank's transfers, alike for every plan of these pipeline degrees.
     sends = ("sends", boundary, pp, choices.chunks, choices.degrees.stride(Axis.PP))
@@ -475,7 +479,7 @@ def _plain_holdings(stage: _Stage, choices: Choices, models: CostModels) -> _Hol
     syncs = _syncs(stage.own, choices, models.comm) if columns.syncs else (0.0, 0.0, 0.0)
     saved = Activations(kept=sum(stage.column(columns.saved)))
     return _Holdings(
-        boundary=max(stage.column(columns.block_outputs)),
+        boundary=max(stage.column(columns.block_outputs), default=0.0),
         blocks=blocks,
         gathered=gathered,
         tp=sum(stage.column(columns.tp)),

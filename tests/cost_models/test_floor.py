@@ -29,6 +29,7 @@ PLANS = [
         virtual_stages=2,
     ),
     Choices(BATCH_SIZE, Degrees(tp=2, dp=2), zero=3, microbatches=2),
+    Choices(BATCH_SIZE, Degrees(cp=2, dp=2), zero=3, microbatches=2),
 ]
 
 
