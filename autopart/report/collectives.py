@@ -138,8 +138,9 @@ def _time(comm: CommModel | None, op: str, nbytes: float, plan: Plan, axis: Axis
 def _bucketed_time(
     comm: CommModel | None, op: str, nbytes: float, plan: Plan
 ) -> tuple[int, float | None]:
-    """(calls, seconds) of `op` over dp on `nbytes` of gradients cut into the runtime's
-    buckets, as the cost models price it."""
+    """(calls, seconds) of `op` over dp on `nbytes` (gradients, or the updated
+    parameters gathered back) cut into the runtime's buckets, as the cost models price
+    it."""
     memory = MemoryModel(plan.precision)
     runs = bucket_runs(nbytes, memory.bucket_bytes, memory.first_bucket_bytes)
     calls = sum(n for _, n in runs)

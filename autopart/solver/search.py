@@ -347,8 +347,8 @@ def _price(
     blocks balance its compute, nothing recomputed) and, where it does not fit, fitted
     by the inner model (`_inner`), which cuts the pipeline and recomputes blocks to fit
     memory. Both are done least bound first: a plan's step floor before it is priced
-    (`step_time_lower_bound`: every rank busy with an even share of the work, in the
-    schedule's least span), its price before it is fitted (the inner model only adds
+    (`step_time_lower_bound`: the ranks' summed work in the least span any split of it
+    allows), its price before it is fitted (the inner model only adds
     time, its cuts but for `REBALANCE_GAIN`). Once the least bound left is slower than
     (1 + SLACK) × the fastest fitting plan found (or `best`, a step time already
     found), what is left can be neither chosen nor within the slack of the choice: a
