@@ -4,7 +4,9 @@ it (`CostModels`): what `predict`, the search's floors and the inner stage model
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from torch import fx
 from torch.distributed.tensor import Placement
@@ -23,6 +25,8 @@ from autopart.policy import (
     cp_gradients_in_sync,
     outer_optimizer,
 )
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,14 +183,21 @@ def _as_set(paths: tuple[str, ...]) -> frozenset[str]:
 @dataclass(frozen=True, slots=True)
 class CostModels:
     """The models a prediction uses, passed explicitly. `remembered`: what they worked
-    out for a rank's segments that other plans priced with them hold alike (ZeRO-3's
-    buckets and gathers, `predict._gather_tally`): a search prices thousands of plans
-    with one set of models."""
+    out that other plans priced with them share (`remember`): a search prices
+    thousands of plans with one set of models."""
 
     compute: ComputeModel
     comm: CommModel
     memory: MemoryModel
     remembered: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def remember(self, key: Hashable, make: Callable[[], T]) -> T:
+        """`make()`, worked out once per `key` for every plan these models price (a
+        rank's columns, sends and ZeRO-3 tallies, `predict`). A key naming an object by
+        its id belongs to an entry that keeps the object, so the id is not reused."""
+        if key not in self.remembered:
+            self.remembered[key] = make()
+        return self.remembered[key]
 
     @classmethod
     def of(cls, mesh: Mesh, precision: str, compiled: bool = False) -> CostModels:

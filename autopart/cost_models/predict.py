@@ -386,11 +386,11 @@ def _stage_work(
     models: CostModels,
     traffic: float,
 ) -> _StageWork:
-    own, params = stage.own, stage.params
+    params = stage.params
     plain = not choices.recompute and not choices.recompute_attention
     held = (_plain_holdings if plain else _holdings)(stage, choices, models)
     other_comm = _zero3_comm(stage, compute, choices, models)
-    other_comm += _cp_comm(own, last, params, choices, models)
+    other_comm += _cp_comm(stage, last, choices, models)
     for part in held.syncs:
         other_comm += part
     return _StageWork(
@@ -514,31 +514,34 @@ class _Columns:
         cls, segments: tuple[SegmentWork, ...], choices: Choices, models: CostModels
     ) -> _Columns:
         key = ("columns", id(segments), choices.tp, choices.ep, choices.precision, choices.compiled)
-        hit = models.remembered.get(key)
-        if hit is None:
-            tp, ep, comm = choices.tp, choices.ep, models.comm
-            params = [s.param_numel(tp, ep) for s in segments]
-            blocks = [int(s.is_block) for s in segments]
-            hit = models.remembered[key] = cls(
-                segments,
-                [s.segment.block_id or s.key for s in segments],
-                params,
-                [s.expert_numel(ep, tp) for s in segments],
-                [s.param_tensors for s in segments],
-                [s.saved_bytes(choices.precision, choices.compiled) for s in segments],
-                [tp_comm(s, choices, comm, False) for s in segments],
-                blocks,
-                [s.output_bytes if b else 0.0 for s, b in zip(segments, blocks, strict=True)],
-                [p if b else 0.0 for p, b in zip(params, blocks, strict=True)],
-                any(
-                    s.segment.norm_channels
-                    or s.gathered_bytes
-                    or s.segment.statistics
-                    or s.segment.expert_rows
-                    for s in segments
-                ),
-            )
-        return hit
+        return models.remember(key, lambda: cls._made(segments, choices, models.comm))
+
+    @classmethod
+    def _made(
+        cls, segments: tuple[SegmentWork, ...], choices: Choices, comm: CommModel
+    ) -> _Columns:
+        tp, ep = choices.tp, choices.ep
+        params = [s.param_numel(tp, ep) for s in segments]
+        blocks = [int(s.is_block) for s in segments]
+        return cls(
+            segments,
+            [s.segment.block_id or s.key for s in segments],
+            params,
+            [s.expert_numel(ep, tp) for s in segments],
+            [s.param_tensors for s in segments],
+            [s.saved_bytes(choices.precision, choices.compiled) for s in segments],
+            [tp_comm(s, choices, comm, False) for s in segments],
+            blocks,
+            [s.output_bytes if b else 0.0 for s, b in zip(segments, blocks, strict=True)],
+            [p if b else 0.0 for p, b in zip(params, blocks, strict=True)],
+            any(
+                s.segment.norm_channels
+                or s.gathered_bytes
+                or s.segment.statistics
+                or s.segment.expert_rows
+                for s in segments
+            ),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -699,11 +702,7 @@ def _regions(stage: _Stage, choices: Choices, models: CostModels) -> int:
 
 
 def _cp_comm(
-    own: list[SegmentWork],
-    last: SegmentWork | None,
-    params: float,
-    choices: Choices,
-    models: CostModels,
+    stage: _Stage, last: SegmentWork | None, choices: Choices, models: CostModels
 ) -> float:
     """Per microbatch under context parallelism: the rings of attention, the
     conversions to and from what runs on the whole sequence, the gradient all-reduces
@@ -711,14 +710,17 @@ def _cp_comm(
     cp, tp = choices.cp, choices.tp
     if cp == 1:
         return 0.0
-    comm = models.comm
+    own, comm = stage.own, models.comm
     recomputed = [choices.recomputes(s) for s in own]
     rings = ring_comm(own, cp, tp, choices.precision, recomputed, comm, models.compute)
     conversions = conversion_comm(own, cp, tp, choices.precision, recomputed, comm)
     grad_bytes = choices.state_bytes[1]
     in_sync = choices.cp_in_sync
-    tensors = sum(s.param_tensors for s in own)
-    gradients = 0.0 if in_sync else gradient_all_reduces(params, cp, tp, grad_bytes, comm, tensors)
+    gradients = (
+        0.0
+        if in_sync
+        else gradient_all_reduces(stage.params, cp, tp, grad_bytes, comm, stage.tensors)
+    )
     logits = output_gather(last.output_bytes, cp, tp, comm) if last else 0.0
     return rings + conversions + gradients + logits
 
@@ -753,10 +755,7 @@ def tp_comm(seg: SegmentWork, choices: Choices, comm: CommModel, recomputed: boo
 def _sends(boundary: float, choices: Choices, models: CostModels, rank: int) -> float:
     """`p2p_comm`, worked out once for the plans whose pipelines send alike."""
     key = ("sends", boundary, choices.pp, choices.chunks, choices.degrees.stride(Axis.PP), rank)
-    hit = models.remembered.get(key)
-    if hit is None:
-        hit = models.remembered[key] = p2p_comm(boundary, choices, models.comm, rank)
-    return hit
+    return models.remember(key, lambda: p2p_comm(boundary, choices, models.comm, rank))
 
 
 def p2p_comm(boundary: float, choices: Choices, comm: CommModel, rank: int = 0) -> float:
@@ -1155,15 +1154,15 @@ def _gather_tally(stage: _Stage, kind: _Zero3Kind, models: CostModels) -> _Gathe
     model's rank has thousands of buckets). The entry keeps its segments, so that their
     ids are not reused while it lives."""
     key = ("zero3", kind.part, kind.tp, kind.ep, stage.identity)
-    hit = models.remembered.get(key)
-    if hit is None:
-        own = stage.own
-        buckets, of_segment = _buckets_of(own, kind.numel)
-        gathers = _gathers(own, buckets, of_segment)
-        first, last = (gathers[0], gathers[-1]) if gathers else (0.0, 0.0)
-        tally = _GatherTally(len(buckets), Counter(gathers), first, last)
-        hit = models.remembered[key] = (tuple(s.segment for s in own), tally)
-    return hit[1]
+    own = stage.own
+    return models.remember(key, lambda: (tuple(s.segment for s in own), _tally(own, kind)))[1]
+
+
+def _tally(own: list[SegmentWork], kind: _Zero3Kind) -> _GatherTally:
+    buckets, of_segment = _buckets_of(own, kind.numel)
+    gathers = _gathers(own, buckets, of_segment)
+    first, last = (gathers[0], gathers[-1]) if gathers else (0.0, 0.0)
+    return _GatherTally(len(buckets), Counter(gathers), first, last)
 
 
 def _activations(own: list[SegmentWork], choices: Choices) -> Activations:
