@@ -44,6 +44,9 @@ MESH_AXES: tuple[Axis, ...] = (Axis.PP, Axis.DP, Axis.EP, Axis.CP, Axis.TP)
 BATCH_AXES: tuple[Axis, ...] = (Axis.DP, Axis.EP)
 
 
+_POSITION = {str(a): i for i, a in enumerate(MESH_AXES)}
+
+
 class MeshError(ValueError):
     """A mesh that does not match the world it is used in, or a bad factorization."""
 
@@ -108,9 +111,8 @@ class Degrees:
         return Degrees({**dict(self.items()), **changes})
 
     def _index(self, axis: Axis | str) -> int:
-        for i, a in enumerate(self.axes):
-            if a == axis:  # an Axis compares equal to its name
-                return i
+        if axis in _POSITION:  # an Axis hashes as its name
+            return _POSITION[axis]
         raise MeshError(f"unknown mesh axis {str(axis)!r}: the axes are {self.names}")
 
     @property

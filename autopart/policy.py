@@ -7,6 +7,7 @@ predicts it; both import it from here, so the two cannot drift apart.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -161,13 +162,19 @@ def zero_refusal(zero: int, optimizer: type[torch.optim.Optimizer] | None) -> st
 
 def check_choice(kind: type[Enum], value: object, what: str) -> str | None:
     """None if `value` names a member of `kind`, else the sentence that says what would."""
-    names = [m.value for m in kind]
+    names = _member_values(kind)
     if value in names:
         return None
     # A near miss ('1F1B', 'bf16_mixed') names the member it was meant to.
     nearest = difflib.get_close_matches(str(value).lower(), names, n=1)
     guess = f" (did you mean {nearest[0]!r}?)" if nearest else ""
     return f"{what} must be one of {names}, not {value!r}{guess}"
+
+
+@functools.cache
+def _member_values(kind: type[Enum]) -> list[str]:
+    # The search checks its choices millions of times; an enum's members do not change.
+    return [m.value for m in kind]
 
 
 POWERSGD = re.compile(r"powersgd:rank=([1-9]\d*)$")

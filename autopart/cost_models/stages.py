@@ -52,7 +52,9 @@ def balanced_chunks(
 def _linear_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]:
     """Contiguous non-empty parts minimizing the largest sum: best[j][i] is the best
     largest sum for the first i items in j parts, the last part starting at cut[j][i],
-    the first start that achieves it (`_first_best_start`)."""
+    the first start that achieves it. With costs ≥ 0, before[t] never falls and the
+    last part's sum never rises as t grows: the best start is where they cross, found
+    walking forward, since the crossing never moves back as i grows."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
@@ -62,10 +64,18 @@ def _linear_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]:
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
     for j in range(1, parts + 1):
-        before = best[j - 1]
+        before, row, cuts, lo = best[j - 1], best[j], cut[j], j - 1
+        c = lo  # the first t where before[t] ≥ prefix[i] − prefix[t]: never falls as i grows
         for i in range(j, n - parts + j + 1):
-            t = _first_best_start(before, prefix, j - 1, i)
-            best[j][i], cut[j][i] = max(before[t], prefix[i] - prefix[t]), t
+            end = prefix[i]
+            while c < i and before[c] < end - prefix[c]:
+                c += 1
+            # The best start is c, or before it where the last part is smaller.
+            if c == lo or (c < i and before[c] < end - prefix[c - 1]):
+                t = c
+            else:
+                t = _first_smallest_last(prefix, lo, c - 1, end)
+            row[i], cuts[i] = max(before[t], end - prefix[t]), t
     assignment, i = [0] * n, n
     for j in range(parts, 0, -1):
         t = cut[j][i]
@@ -74,29 +84,11 @@ def _linear_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]:
     return tuple(assignment)
 
 
-def _first_best_start(before: list[float], prefix: list[float], lo: int, i: int) -> int:
-    """The first t in [lo, i) minimizing max(before[t], prefix[i] − prefix[t]). With
-    costs ≥ 0 the first term never falls and the second never rises as t grows, so the
-    minimum is where they cross: two binary searches instead of a scan. The search runs
-    this millions of times: the last part's sum is written out, not called."""
-    end = prefix[i]
-    # c: the first t where the first term has caught up with the second (i if never).
-    a, b = lo, i
-    while a < b:
-        m = (a + b) // 2
-        if before[m] >= end - prefix[m]:
-            b = m
-        else:
-            a = m + 1
-    c = a
-    if c == lo:
-        return lo
-    left = end - prefix[c - 1]
-    if c < i and before[c] < left:
-        return c
-    # The first t whose last part is as small as the one at c − 1 (items of zero cost
-    # leave it flat).
-    a, b = lo, c - 1
+def _first_smallest_last(prefix: list[float], lo: int, c: int, end: float) -> int:
+    """The first t in [lo, c] whose last part, end − prefix[t], is as small as c's:
+    items of zero cost leave it flat."""
+    left = end - prefix[c]
+    a, b = lo, c
     while a < b:
         m = (a + b) // 2
         if end - prefix[m] <= left:

@@ -20,6 +20,11 @@ def parameter_names(gm: nn.Module) -> dict[str, str]:
     }
 
 
+def trainable_names(gm: nn.Module) -> set[str]:
+    """Every name a parameter that requires grad is reachable by (tied ones by each)."""
+    return {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
 def parameter_readers(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     """Parameter FQN -> the nodes that read it, in graph order."""
     readers: dict[str, list[fx.Node]] = {}

@@ -9,6 +9,7 @@ decisions and the rewrite applies them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -47,6 +48,23 @@ class Decision:
     # node's arguments and the group of the axis.
     local_op: str = ""
 
+    def copy(self) -> Decision:
+        """A copy whose containers are its own (later passes edit them in place);
+        `dataclasses.replace` does the same several times slower, and a walk copies one
+        per node of every later block copy."""
+        return Decision(
+            self.output,
+            dict(self.inputs),
+            set(self.copy_to_group),
+            dict(self.updates),
+            self.reduce_to,
+            self.has_bias,
+            set(self.gather_grad),
+            self.fused_split,
+            self.fallback,
+            self.local_op,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class LocalSize:
@@ -72,8 +90,9 @@ class Operands:
     # into 2·cp chunks, and attention over sequence shards runs as ring attention.
     context_parallel: bool = False
 
-    @property
+    @functools.cached_property
     def tensors(self) -> list[int]:
+        # The rules ask for it many times per node; `places` is not changed once built.
         return [i for i, p in enumerate(self.places) if p is not None]
 
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Placement, Shard
 from autopart.batch import SEQ
 from autopart.ops.aten import VIEW_OPS, WEIGHT_PRODUCTS, op_name
 from autopart.ops.meta import SHAPE, AnalysisMissing, TensorInfo
+from autopart.ops.params import trainable_names
 from autopart.passes.blocks import block_counterparts
 from autopart.passes.tp_decision import (
     Decision,
@@ -78,11 +79,12 @@ def propagate(
     origin: dict[fx.Node, tuple[str, ...]] = {}  # column outputs -> weight (and bias) FQNs
     counterparts = _counterparts(gm)
     decided: dict[fx.Node, Decision] = {}  # the rules' answers, before the walk's checks
+    trainable = trainable_names(gm)
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             fqn = param_names.get(str(node.target))
             result.places[node] = param_places.get(fqn, R) if fqn else R
-            result.grads[node] = bool(fqn) and _requires_grad(gm, str(node.target))
+            result.grads[node] = bool(fqn) and str(node.target) in trainable
             if fqn:
                 origin[node] = (fqn,)
             continue
@@ -141,22 +143,17 @@ def _as_in_first_copy(
     answer = decided[first]
     if any(isinstance(v, LocalSize) for v in answer.updates.values()):
         return None
-    return dataclasses.replace(
-        answer,
-        inputs=dict(answer.inputs),
-        copy_to_group=set(answer.copy_to_group),
-        updates=dict(answer.updates),
-        gather_grad=set(answer.gather_grad),
-    )
+    return answer.copy()
 
 
 def gradient_flow(gm: fx.GraphModule, param_names: Mapping[str, str]) -> dict[fx.Node, bool]:
     """Which nodes' values need a gradient: trainable parameters and whatever is
     computed from them (the `grads` a walk records, without deciding placements)."""
     grads: dict[fx.Node, bool] = {}
+    trainable = trainable_names(gm)
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            grads[node] = str(node.target) in param_names and _requires_grad(gm, str(node.target))
+            grads[node] = str(node.target) in param_names and str(node.target) in trainable
         else:
             grads[node] = any(grads.get(n, False) for n in node.all_input_nodes)
     return grads
@@ -277,13 +274,6 @@ def _track_origins(
             and leaf in origin
         ):
             result.wants_row[origin[leaf][0]] = target.dim
-
-
-def _requires_grad(gm: fx.GraphModule, target: str) -> bool:
-    try:
-        return gm.get_parameter(target).requires_grad
-    except AttributeError:  # a buffer or constant
-        return False
 
 
 def _seq_divisible(node: fx.Node, tp: int) -> bool:
