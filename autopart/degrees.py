@@ -137,18 +137,23 @@ class Degrees:
         pinned = {str(a): n for a, n in (pinned or {}).items()}
         names = axis_names()
 
-        def split(rest: int, i: int) -> Iterator[dict[str, int]]:
+        def split(rest: int, i: int) -> Iterator[tuple[int, ...]]:
             if i == len(names) - 1:
                 if pinned.get(names[i], rest) == rest:
-                    yield {names[i]: rest}
+                    yield (rest,)
                 return
             for d in _divisors(rest):
                 if pinned.get(names[i], d) == d:
                     for inner in split(rest // d, i + 1):
-                        yield {names[i]: d, **inner}
+                        yield (d, *inner)
 
         for sizes in split(world_size, 0):
-            yield cls(sizes)
+            # Checked by construction; a world of thousands has thousands of these.
+            degrees = object.__new__(cls)
+            object.__setattr__(degrees, "axes", MESH_AXES)
+            object.__setattr__(degrees, "sizes", sizes)
+            object.__setattr__(degrees, "_by_name", dict(zip(names, sizes)))
+            yield degrees
 
     # -- the device mesh --------------------------------------------------------------
 

@@ -9,7 +9,6 @@ decisions and the rewrite applies them.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -90,10 +89,11 @@ class Operands:
     # into 2·cp chunks, and attention over sequence shards runs as ring attention.
     context_parallel: bool = False
 
-    @functools.cached_property
-    def tensors(self) -> list[int]:
-        # The rules ask for it many times per node; `places` is not changed once built.
-        return [i for i, p in enumerate(self.places) if p is not None]
+    # The indices of the tensor leaves: the rules ask for them many times per node.
+    tensors: list[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.tensors = [i for i, p in enumerate(self.places) if p is not None]
 
 
 def replicated_output(node: fx.Node) -> NodePlacement:
