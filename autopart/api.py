@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from autopart.batch import batch_size, split_batch
 from autopart.capture import Captured, capture, parameters_in
+from autopart.heap import collecting_only_new_objects
 from autopart.mesh import Mesh
 from autopart.ops.batch_products import ROWS, WHOLE, WholeBatchLoss, loss_by_rows
 from autopart.ops.groups import MeshGroups
@@ -313,7 +314,8 @@ def captured_for_planning(
             (example_inputs, example_kwargs), params[0].device
         )
     trace = capture_repeated_once if repeated_once else capture
-    with parameters_in(model, param_dtype):  # the analysis runs the graph on them too
+    # The analysis runs the graph on the parameters in `param_dtype` too.
+    with parameters_in(model, param_dtype), collecting_only_new_objects():
         captured = trace(
             model,
             example_inputs,

@@ -6,7 +6,7 @@
     capture                                    → passes (the pass context), ops
     passes          runtime                    → ops (never each other)
     ops                                        → the foundation only
-    foundation: mesh, degrees, policy, plan, plan_format, placements, batch
+    foundation: mesh, degrees, policy, plan, plan_format, placements, batch, heap
 
 Imports under TYPE_CHECKING and inside functions count too: a cycle that only type
 annotations or a lazy import hide is still a cycle in the design.
@@ -21,7 +21,7 @@ import autopart
 
 PACKAGE = Path(autopart.__file__).parent
 
-FOUNDATION = {"mesh", "degrees", "policy", "plan", "plan_format", "placements", "batch"}
+FOUNDATION = {"mesh", "degrees", "policy", "plan", "plan_format", "placements", "batch", "heap"}
 BASE = {"foundation", "ops"}
 ALLOWED = {
     "foundation": set(),
