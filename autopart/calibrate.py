@@ -54,11 +54,12 @@
                   on a GPU one after a burst of compute. All-gather and
                   reduce-scatter in their single-tensor forms, which runtimes use (on
                   Gloo the list forms take up to 3× longer). Send/recv too, as a ring
-                  shift (each rank sends to the next, as pipeline stages do) timed
-                  back to back: a stage waits for its peer idle, and what its peer's
-                  compute costs it is the schedule's bubble; and the same shift as an
-                  exchange between compute, as ring attention passes its keys and
-                  values on between the pairs it computes. t(M) = A + B·M is
+                  shift (each rank sends to the next, as pipeline stages do): on a GPU
+                  timed back to back, since a stage waits for its peer idle and what
+                  its peer's compute costs it is the schedule's bubble; on a CPU in
+                  the stream, as the other collectives (`_collective_fit`); and the
+                  same shift as an exchange between compute, as ring attention passes
+                  its keys and values on between the pairs it computes. t(M) = A + B·M is
                   fitted by least squares on relative error and stored per ring step
                   and per byte sent: alpha = A / ring_steps(op, world), beta = B /
                   ring_volume(op, world), which `cost_models.comm.CommModel` reads
@@ -747,13 +748,19 @@ def _collective_fit(
         for _ in messages:
             progress.step(f"{op} (unsupported)")
         return None
-    if op == "send_recv":
+    if op == "send_recv" and device.type != "cpu":
         # A pipeline's receiver waits for its peer, idle: a transfer adds its own time
         # back to back, not the peers' lateness after compute (the schedule's bubble).
         times = _median_times(runs, device, repeats, op)
     elif device.type == "cpu":
         # Gloo blocks the calling rank: each collective is a rendezvous of ranks that
         # were computing, priced as a layer's pieces issue them (`_blocking_stream`).
+        # A pipeline's transfer too: its receiver sleeps in Gloo until the data comes,
+        # and on cores time-sliced with other work its wake-up can wait for a
+        # scheduler's slice. Back to back, the shift either keeps both ranks awake or
+        # pays that slice on nearly every call, and which one a calibration sees
+        # changes from run to run; between pieces of compute, as a stage sends after
+        # its microbatch, the wake-up is paid as often as a step pays it.
         alone = _blocking_stream(None, device)
         streams = {nbytes: _blocking_stream(run, device) for nbytes, run in runs.items()}
         alone()  # the warm-up: the layer's first backward

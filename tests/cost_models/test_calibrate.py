@@ -235,6 +235,35 @@ def test_a_cpu_collective_is_timed_between_pieces_of_compute():
     assert len(issued) == 2 * cal.STREAM_PIECES
 
 
+@pytest.mark.parametrize(("device", "in_stream"), [("cpu", True), ("cuda", False)])
+def test_a_pipeline_transfer_is_timed_in_the_stream_on_a_cpu(monkeypatch, device, in_stream):
+    """Send/recv on a CPU is timed between pieces of compute, as a stage sends after its
+    microbatch: back to back, a receiver that sleeps in Gloo pays a scheduler's slice
+    in some calibrations and not in others. On a GPU it stays back to back."""
+    monkeypatch.setattr(cal, "_collective_call", lambda op, nbytes, device, world: lambda: None)
+    monkeypatch.setattr(cal, "_blocking_stream", lambda collective, device: lambda: None)
+    monkeypatch.setattr(cal, "_compute_burst", lambda device: lambda: None)
+    how = []
+
+    def added_times(runs, alone, device, repeats, per_run=1, rounds=cal.COLLECTIVE_ROUNDS):
+        how.append("stream")
+        return {n: 1e-3 + n * 1e-9 for n in runs}
+
+    def median_times(fns, device, repeats, what=""):
+        how.append("back to back")
+        return {n: 1e-4 + n * 1e-9 for n in fns}
+
+    monkeypatch.setattr(cal, "_added_times", added_times)
+    monkeypatch.setattr(cal, "_median_times", median_times)
+    messages = (1024, 1024**2)
+    fitted = cal._collective_fit(
+        "send_recv", messages, torch.device(device), 2, 5, cal.Progress(2, False)
+    )
+    assert how == (["stream"] if in_stream else ["back to back"])
+    assert fitted is not None
+    assert fitted["alpha"] == pytest.approx(1e-3 if in_stream else 1e-4)
+
+
 def test_a_collective_that_adds_nothing_measurable_is_timed_back_to_back(monkeypatch):
     """On a busy host the time a collective adds between compute can fall to the floor;
     those messages take their time back to back, so that the fit does not price the
