@@ -91,7 +91,13 @@ from autopart.policy import (
 from autopart.solver.pipeline import microbatches_problem
 from autopart.solver.stage_model import pace_lower_bound, solve_stages
 from autopart.solver.tensor_parallel import choose_tp_placements
-from autopart.solver.tp_model import TpSolution, build_problem, parameter_roles, solve_layout
+from autopart.solver.tp_model import (
+    GraphVariables,
+    TpSolution,
+    build_problem,
+    parameter_roles,
+    solve_layout,
+)
 
 if TYPE_CHECKING:
     from autopart.solver.pins import Pins
@@ -260,11 +266,17 @@ class TpLayouts:
     def _solution(self, tp: int, sp: bool) -> TpSolution:
         if (tp, sp) not in self._solutions:
             costs = TpCosts(self.gm, CostModels.of(self.mesh, self.precision), self.dims, tp)
-            problem = build_problem(self.gm, self.param_names, tp, costs, sp, self.sharded_logits)
+            problem = build_problem(
+                self.gm, self.param_names, tp, costs, sp, self.sharded_logits, self._variables
+            )
             pattern = functools.partial(choose_tp_placements, self.gm, self.param_names, tp)
             sharded = self.placements(tp) if sp else {}
             self._solutions[tp, sp] = solve_layout(problem, pattern=pattern, sharded=sharded)
         return self._solutions[tp, sp]
+
+    @functools.cached_property
+    def _variables(self) -> GraphVariables:
+        return GraphVariables.of(self.gm, self.param_names)
 
     @functools.cached_property
     def _expert_layers(self) -> list[ExpertLayer]:

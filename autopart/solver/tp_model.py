@@ -103,6 +103,37 @@ class TpProblem:
         return cost.seconds + self.price * cost.saved_bytes
 
 
+@dataclass(frozen=True)
+class GraphVariables:
+    """What the layout problem of a graph shares at every tp degree: each node's
+    variable, each parameter's, which nodes' values need a gradient, each operator's
+    group key (its variable and its operands'), the groups' first nodes and sizes, and
+    the conversion sites. The search builds a problem per degree and per sequence
+    parallelism; walking a 1T model's graph for these once serves them all."""
+
+    var_of: dict[fx.Node, Var]
+    param_var: dict[str, str]
+    grads: dict[fx.Node, bool]
+    group_of: dict[fx.Node, tuple]
+    groups: dict[tuple, tuple[fx.Node, int]]  # key -> (its first node, how many share it)
+    conversion_sites: dict[tuple[Var, frozenset], int]
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, param_names: Mapping[str, str]) -> GraphVariables:
+        var_of, param_var = _variables(gm, param_names)
+        group_of: dict[fx.Node, tuple] = {}
+        groups: dict[tuple, tuple[fx.Node, int]] = {}
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "get_attr"):
+                continue
+            sources = tuple(dict.fromkeys(var_of[s] for s in _tensor_sources(node)))
+            key = group_of[node] = (var_of[node], sources)
+            first, count = groups.get(key, (node, 0))
+            groups[key] = (first, count + 1)
+        sites = _conversion_sites(gm, group_of, var_of)
+        return cls(var_of, param_var, gradient_flow(gm, param_names), group_of, groups, sites)
+
+
 def build_problem(
     gm: fx.GraphModule,
     param_names: Mapping[str, str],
@@ -110,12 +141,14 @@ def build_problem(
     costs: TpCosts,
     sequence_parallel: bool = False,
     sharded_logits: int | None = None,
+    variables: GraphVariables | None = None,
 ) -> TpProblem:
     """Every operator's strategies and their costs. `param_names`: get_attr target ->
     the parameter's FQN (one name per tensor); `sharded_logits`: the output leaf a
-    vocabulary-parallel cross-entropy reads (`tp_propagate.decide_node`)."""
-    var_of, param_var = _variables(gm, param_names)
-    grads = gradient_flow(gm, param_names)
+    vocabulary-parallel cross-entropy reads (`tp_propagate.decide_node`); `variables`:
+    `GraphVariables.of(gm, param_names)`, where the caller keeps it."""
+    shared = variables or GraphVariables.of(gm, param_names)
+    var_of, param_var, grads = shared.var_of, shared.param_var, shared.grads
     price = costs.memory_price()
     candidates: dict[Var, list[NodePlacement]] = {}
     state_cost = {}
@@ -127,19 +160,9 @@ def build_problem(
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             candidates.setdefault(var_of[node], [R])
-
-    groups: dict[tuple, Group] = {}
-    group_of: dict[fx.Node, tuple] = {}
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
-            continue
-        sources = tuple(dict.fromkeys(var_of[s] for s in _tensor_sources(node)))
-        key = (var_of[node], sources)
-        group_of[node] = key
-        if key in groups:
-            groups[key].count += 1
-            continue
-        groups[key] = Group(node, var_of[node], sources, count=1)
+    groups = {
+        key: Group(first, key[0], key[1], count) for key, (first, count) in shared.groups.items()
+    }
 
     def enumerate_group(group: Group) -> None:
         group.combos, group.outputs, group.costs = [], [], []
@@ -165,9 +188,17 @@ def build_problem(
             for key, group in groups.items()
             if tuple(len(candidates.get(v, ())) for v in group.sources) != seen[key]
         ]
-    problem = TpProblem(tp, candidates, groups, group_of, var_of, param_var, state_cost, price)
-    problem.conversion_sites = _conversion_sites(gm, problem)
-    return problem
+    return TpProblem(
+        tp,
+        candidates,
+        groups,
+        shared.group_of,
+        var_of,
+        param_var,
+        state_cost,
+        price,
+        shared.conversion_sites,
+    )
 
 
 def _enumerate(
@@ -209,14 +240,16 @@ def _tensor_sources(node: fx.Node) -> list[fx.Node]:
     ]
 
 
-def _conversion_sites(gm: fx.GraphModule, problem: TpProblem) -> dict[tuple, int]:
+def _conversion_sites(
+    gm: fx.GraphModule, group_of: Mapping[fx.Node, tuple], var_of: Mapping[fx.Node, Var]
+) -> dict[tuple, int]:
     """Sources that share a conversion key (their variable and their consumers'
     groups), counted: the rewrite inserts one conversion per source and target."""
     sites: dict[tuple, int] = defaultdict(int)
     for source in gm.graph.nodes:
-        consumers = frozenset(problem.group_of[u] for u in source.users if u in problem.group_of)
+        consumers = frozenset(group_of[u] for u in source.users if u in group_of)
         if consumers:
-            sites[(problem.var_of[source], consumers)] += 1
+            sites[(var_of[source], consumers)] += 1
     return dict(sites)
 
 
