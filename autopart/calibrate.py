@@ -118,7 +118,12 @@ import torch.distributed as dist
 
 from autopart.capture import BATCH, capture
 from autopart.cost_models.comm import ring_steps, ring_volume
-from autopart.cost_models.compute import LINEAR_PRODUCTS, ComputeModel, backward_factor
+from autopart.cost_models.compute import (
+    ADAM_TRAFFIC,
+    LINEAR_PRODUCTS,
+    ComputeModel,
+    backward_factor,
+)
 from autopart.cost_models.work import FUNCTIONS, node_work
 from autopart.mesh import PRESETS, DeviceSpec, Mesh, gpu_preset
 from autopart.ops.flat_buckets import REDUCE_DEPTH
@@ -669,8 +674,8 @@ def _optimizer_per_tensor(device: torch.device, bandwidth: float, repeats: int) 
     the device) beyond its traffic, as a training step runs it: over the parameters of
     the reference layer (`_reference_layer`, width `REFERENCE_WIDTH`), timed right after
     the layer's forward and backward. `ComputeModel.optimizer_step_time` prices the
-    traffic as 2 × the parameters', gradients' and two moments' bytes over the memory
-    bandwidth; what is left is spread over the tensors."""
+    traffic as `ADAM_TRAFFIC` × the parameters', gradients' and two moments' bytes over
+    the memory bandwidth; what is left is spread over the tensors."""
     gm, x, _ = _reference_layer(REFERENCE_WIDTH, 4, 128, device)
     params = [p for p in gm.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
@@ -680,7 +685,8 @@ def _optimizer_per_tensor(device: torch.device, bandwidth: float, repeats: int) 
     samples = max(repeats, OPTIMIZER_SAMPLES)
     _together()
     seconds = _world_mean({0: _median_after(backward, optimizer.step, device, samples)}, device)[0]
-    traffic = 2 * 4 * sum(p.numel() * p.element_size() for p in params) / bandwidth
+    state = 4 * sum(p.numel() * p.element_size() for p in params)
+    traffic = ADAM_TRAFFIC * state / bandwidth
     return max(seconds - traffic, 0.0) / len(params)
 
 

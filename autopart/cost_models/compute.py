@@ -83,8 +83,16 @@ modeled time of a reference transformer layer's forward and backward (`autopart
 calibrate`), what running operators one after another costs beyond each one's roofline.
 Every operator's time is multiplied by it (1.0 for the data-sheet presets).
 
-Optimizer. Adam's update is memory-bound: it reads and writes the rank's parameters,
-gradients and optimizer state about once each, 2 × their bytes. It also dispatches
+Optimizer. Adam's update is memory-bound. torch's implementations (the single-tensor
+one and the multi-tensor "foreach" one alike) run it as eight elementwise operators,
+each reading its operands and writing its result through memory, as an unfused kernel
+does (`passes/traffic.py`): the weight decay and the update read and write the weights,
+the two moments' updates read the gradient (the second one twice, for its square),
+the first moment is read and written by its update and read by the step, the second is
+read and written by its decay and again by its update and read for its square root,
+and the square root, its quotient and its sum each write a temporary the next reads.
+That is 21 passes of a parameter's size, over the 4 such tensors of its state:
+`ADAM_TRAFFIC` × the state's bytes. It also dispatches
 `ADAM_OPERATORS_PER_TENSOR` operators per parameter tensor, as torch's single-tensor
 implementation does (its default on CPU: the step counter, weight decay, the two moment
 updates, the bias-corrected denominator in three operators, the update and the step's
@@ -95,7 +103,7 @@ from the caches, which doubles the per-tensor cost of a warm step. On CUDA
 torch defaults to the multi-tensor ("foreach") implementation,
 which launches about as many kernels per group of tensors; there the per-tensor term
 overstates a step by 10 launches per tensor (12 ms for Llama-3-8B's 291 tensors on an
-H100, against a memory-bound update of about 80 ms).
+H100, against a memory-bound update of about 200 ms).
 """
 
 from __future__ import annotations
@@ -116,6 +124,7 @@ DEFAULT_HALF_DIM = 64.0
 BACKWARD_CONTRACTION = 2.0  # backward / forward for matmuls, attention, convolutions
 BACKWARD_OTHER = 1.0  # backward / forward for everything else
 ADAM_OPERATORS_PER_TENSOR = 10  # torch.optim.adam._single_tensor_adam, AdamW included
+ADAM_TRAFFIC = 21 / 4  # Adam's bytes moved over its state's bytes (module docstring)
 # A linear layer's three products (y = x @ Wᵀ), each timed by `autopart calibrate` in
 # its own operand layout (`DeviceSpec.matmul_products`): forward x @ Wᵀ (the second
 # operand transposed), grad_input g @ W (both as stored), grad_weight gᵀ @ x (the first
@@ -388,13 +397,13 @@ class ComputeModel:
 
     def optimizer_step_time(self, state_bytes: float, tensors: float = 0.0) -> float:
         """Adam over `tensors` parameter tensors holding `state_bytes` of parameters,
-        gradients and state: 2 × the bytes over the memory bandwidth, plus the
-        per-tensor cost: measured, or `ADAM_OPERATORS_PER_TENSOR` launch floors (module
-        docstring)."""
+        gradients and state: `ADAM_TRAFFIC` × the bytes over the memory bandwidth, plus
+        the per-tensor cost: measured, or `ADAM_OPERATORS_PER_TENSOR` launch floors
+        (module docstring)."""
         per_tensor = self.device.optimizer_tensor_s
         if per_tensor is None:
             per_tensor = ADAM_OPERATORS_PER_TENSOR * self.device.kernel_launch_s
-        return 2 * state_bytes / self.device.memory_bandwidth + tensors * per_tensor
+        return ADAM_TRAFFIC * state_bytes / self.device.memory_bandwidth + tensors * per_tensor
 
 
 def backward_factor(work: NodeWork) -> float:

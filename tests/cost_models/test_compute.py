@@ -9,6 +9,7 @@ import pytest
 
 from autopart.cost_models.compute import (
     ADAM_OPERATORS_PER_TENSOR,
+    ADAM_TRAFFIC,
     ComputeModel,
     PhaseCost,
     training_flops,
@@ -124,7 +125,7 @@ def test_views_and_tuple_items_are_told_apart_in_a_graph(gpt_graph):
 def test_adam_is_memory_bound_plus_a_launch_floor_per_operator_per_tensor():
     model = ComputeModel(H100)
     state = 16 * 8.03e9  # Llama-3-8B: fp32 parameters, gradients, two moments
-    memory_bound = 2 * state / H100.memory_bandwidth
+    memory_bound = ADAM_TRAFFIC * state / H100.memory_bandwidth
     assert model.optimizer_step_time(state) == pytest.approx(memory_bound)
     launches = 291 * ADAM_OPERATORS_PER_TENSOR * H100.kernel_launch_s
     assert model.optimizer_step_time(state, tensors=291) == pytest.approx(memory_bound + launches)
