@@ -98,7 +98,11 @@ def _train_fixed_length(pins: dict) -> dict:
     return result
 
 
-@pytest.mark.parametrize("pins", [{"dp": 2}, {"tp": 2}, {"pp": 2, "microbatches": 2}], ids=str)
+@pytest.mark.parametrize(
+    "pins",
+    [{"dp": 2}, pytest.param({"tp": 2}, marks=pytest.mark.slow), {"pp": 2, "microbatches": 2}],
+    ids=str,
+)
 def test_a_length_the_exporter_keeps_static_is_captured_again_per_new_length(pins):
     per_rank = run_world(_train_fixed_length, 2, pins)
     reference = _single_device(FixedLengthLM(), FIXED_STEPS)
