@@ -23,11 +23,13 @@ import pytest
 import torch
 
 import autopart
+from autopart.api import captured_for_planning
 from autopart.capture import capture
 from autopart.mesh import Mesh
 from autopart.ops.meta import BLOCK
 from autopart.ops.zero3 import sharded_parameters
 from autopart.passes import analyze
+from autopart.solver import Pins, make_plan
 from autopart.testing import run_world
 from tests.harness import (
     assert_every_rank_matches,
@@ -340,12 +342,13 @@ def test_a_load_balancing_loss_is_taken_over_the_whole_batch_or_per_part_as_aske
     a replica would see their own part alone, and are refused. Per-part statistics
     (Megatron-LM's) are the user's choice, which the plan then states."""
     ids, _ = token_batch(8)
-    model = tiny_mixtral(router_loss=True)
+    captured = captured_for_planning(tiny_mixtral(router_loss=True), (ids,), repeated_once=True)
+    plan = functools.partial(make_plan, captured, TWO_CPUS)  # one capture, planned 4 ways
     for pins in ({"dp": 2}, {"ep": 2}):
-        assert autopart.plan(model, TWO_CPUS, (ids,), **pins).degrees.batch_split == 2
+        assert plan(Pins.of(**pins)).degrees.batch_split == 2
     with pytest.raises(autopart.PlanError, match="combines statistics over the batch"):
-        autopart.plan(model, TWO_CPUS, (ids,), dp=2, microbatches=2)
-    accepted = autopart.plan(model, TWO_CPUS, (ids,), dp=2, per_part_statistics=True)
+        plan(Pins.of(dp=2, microbatches=2))
+    accepted = plan(Pins.of(dp=2, per_part_statistics=True))
     assert accepted.dp == 2 and "per_part_statistics=True" in accepted.explain()
 
 
