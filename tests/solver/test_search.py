@@ -52,10 +52,18 @@ def _tokens(batch: int, seq: int) -> torch.Tensor:
     return torch.zeros(batch, seq, dtype=torch.long, device="meta")
 
 
-def test_ample_memory_keeps_data_parallelism():
-    mesh = Mesh.cluster("h100-80g", nodes=1, per_node=8)
+@pytest.fixture(scope="module")
+def gpt2_small():
+    """GPT-2 small's width at 64 sequences of 1024 tokens, captured and analyzed once:
+    planning reads the capture without changing it."""
     captured = capture(_gpt2_small(), (_tokens(64, 1024),))
     analyze(captured.gm, captured.context())
+    return captured
+
+
+def test_ample_memory_keeps_data_parallelism(gpt2_small):
+    mesh = Mesh.cluster("h100-80g", nodes=1, per_node=8)
+    captured = gpt2_small
     plan = make_plan(captured, mesh, Pins(precision="bf16-mixed"))
     assert (plan.dp, plan.tp, plan.pp) == (8, 1, 1)
     assert not plan.recompute
@@ -106,14 +114,13 @@ def test_the_floors_prune_no_plan_the_search_would_choose(monkeypatch):
 
 
 @pytest.mark.slow  # a larger model planned twice
-def test_zero3_is_left_out_for_an_optimizer_that_reads_whole_tensors():
+def test_zero3_is_left_out_for_an_optimizer_that_reads_whole_tensors(gpt2_small):
     """ZeRO-3 shards parameters flat: exact for AdamW, not for Adafactor's row and column
     statistics. ZeRO-1/2 step whole parameters for Adafactor (runtime/zero_owners.py),
     so the solver keeps them and leaves ZeRO-3 out, and a pin or a plan that asks for
     ZeRO-3 is refused before anything runs."""
     mesh = Mesh.cluster("h100-80g", nodes=1, per_node=8)
-    captured = capture(_gpt2_small(), (_tokens(64, 1024),))
-    analyze(captured.gm, captured.context())
+    captured = gpt2_small
     adamw = make_plan(captured, mesh, Pins.of(precision="bf16-mixed", optimizer_class=AdamW))
     assert any(c.zero == 3 for c in (adamw, *adamw.alternatives))
     pins = Pins.of(precision="bf16-mixed", optimizer_class=Adafactor)
@@ -139,12 +146,11 @@ def _memory_between(captured, mesh, tight: Choices, loose: Choices) -> Mesh:
     return Mesh.cluster(device, nodes=mesh.nodes, per_node=mesh.per_node)
 
 
-def test_gradient_accumulation_keeps_plain_data_parallelism_in_memory():
+def test_gradient_accumulation_keeps_plain_data_parallelism_in_memory(gpt2_small):
     """Without a pipeline, microbatches accumulate gradients: when a replica's whole
     batch does not fit, smaller microbatches do, without pp, ZeRO or recomputation."""
     mesh = Mesh.cluster("h100-80g", nodes=1, per_node=8)
-    captured = capture(_gpt2_small(), (_tokens(64, 1024),))
-    analyze(captured.gm, captured.context())
+    captured = gpt2_small
     whole, accumulated = (
         Choices(64, Degrees(dp=8), microbatches=m, precision="bf16-mixed") for m in (1, 8)
     )
