@@ -63,16 +63,17 @@ def plan(
     "fp16-mixed", "bf16-params", or "bf16-auto": the solver's choice of bf16-mixed or
     bf16-params), `sequence_parallel`, and `compile` (the plan priced as programs
     compiled by inductor, as `parallelize(..., compile=True)` runs them)."""
-    captured_in = _captures(model, example_inputs, example_kwargs, repeated_once=True)
-    captured = captured_in(_param_dtype(None, pins))
-    loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn else None
-    products = _product_loss(loss_fn, captured)
-    return make_plan(
-        captured,
-        mesh,
-        Pins.of(sharded_logits=loss and loss.logits, batch_product_loss=products, **pins),
-        captured_in,
-    )
+    with collecting_only_new_objects():  # one block for the capture and the search
+        captured_in = _captures(model, example_inputs, example_kwargs, repeated_once=True)
+        captured = captured_in(_param_dtype(None, pins))
+        loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn else None
+        products = _product_loss(loss_fn, captured)
+        return make_plan(
+            captured,
+            mesh,
+            Pins.of(sharded_logits=loss and loss.logits, batch_product_loss=products, **pins),
+            captured_in,
+        )
 
 
 def parallelize(

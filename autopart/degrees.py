@@ -10,6 +10,7 @@ cost terms and runtime that implement what the axis does are new.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -42,9 +43,6 @@ MESH_AXES: tuple[Axis, ...] = (Axis.PP, Axis.DP, Axis.EP, Axis.CP, Axis.TP)
 # The axes the batch is split over: the data-parallel replicas, and within each the
 # expert-parallel ranks (each routes its own share of the tokens to every rank's experts).
 BATCH_AXES: tuple[Axis, ...] = (Axis.DP, Axis.EP)
-
-
-_POSITION = {str(a): i for i, a in enumerate(MESH_AXES)}
 
 
 class MeshError(ValueError):
@@ -111,8 +109,9 @@ class Degrees:
         return Degrees({**dict(self.items()), **changes})
 
     def _index(self, axis: Axis | str) -> int:
-        if axis in _POSITION:  # an Axis hashes as its name
-            return _POSITION[axis]
+        positions = _positions(self.axes)
+        if axis in positions:  # an Axis hashes as its name
+            return positions[axis]
         raise MeshError(f"unknown mesh axis {str(axis)!r}: the axes are {self.names}")
 
     @property
@@ -185,6 +184,12 @@ class Degrees:
     @classmethod
     def from_json(cls, data: Mapping[str, int]) -> Degrees:
         return cls(data)
+
+
+@functools.cache
+def _positions(axes: tuple[Axis, ...]) -> dict[str, int]:
+    # The search asks for strides hundreds of thousands of times.
+    return {str(a): i for i, a in enumerate(axes)}
 
 
 def axis_names() -> list[str]:

@@ -17,13 +17,17 @@ from collections.abc import Iterator
 @contextlib.contextmanager
 def collecting_only_new_objects() -> Iterator[None]:
     """Within the block, the cyclic collector leaves alone the objects that existed at
-    its start. Where the process has already set objects aside (`gc.freeze`, as the test
-    ranks do), that choice stands and the block changes nothing."""
+    its start. The young generations are collected first, so that what is garbage
+    already is not set aside with them; older garbage waits for the first full
+    collection after the block. Where the process has already set objects aside
+    (`gc.freeze`, as the test ranks do), that choice stands and the block changes
+    nothing, as it does inside another such block."""
     if gc.get_freeze_count():
         yield
         return
-    gc.freeze()
+    gc.collect(1)
     try:
+        gc.freeze()
         yield
     finally:
         gc.unfreeze()

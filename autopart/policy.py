@@ -174,6 +174,7 @@ def check_choice(kind: type[Enum], value: object, what: str) -> str | None:
 @functools.cache
 def _member_values(kind: type[Enum]) -> list[str]:
     # The search checks its choices millions of times; an enum's members do not change.
+    # Shared by every caller: read, never changed.
     return [m.value for m in kind]
 
 

@@ -52,7 +52,7 @@ def balanced_chunks(
 def _linear_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]:
     """Contiguous non-empty parts minimizing the largest sum: best[j][i] is the best
     largest sum for the first i items in j parts, the last part starting at cut[j][i],
-    the first start that achieves it. With costs ≥ 0, best[j − 1][t] never falls and
+    the first start that achieves it. With finite costs ≥ 0, best[j − 1][t] never falls and
     the last part's sum never rises as t grows: the best start is where they cross,
     found walking forward, since the crossing never moves back as i grows."""
     n = len(costs)

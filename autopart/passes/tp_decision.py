@@ -52,16 +52,16 @@ class Decision:
         `dataclasses.replace` does the same several times slower, and a walk copies one
         per node of every later block copy."""
         return Decision(
-            self.output,
-            dict(self.inputs),
-            set(self.copy_to_group),
-            dict(self.updates),
-            self.reduce_to,
-            self.has_bias,
-            set(self.gather_grad),
-            self.fused_split,
-            self.fallback,
-            self.local_op,
+            output=self.output,
+            inputs=dict(self.inputs),
+            copy_to_group=set(self.copy_to_group),
+            updates=dict(self.updates),
+            reduce_to=self.reduce_to,
+            has_bias=self.has_bias,
+            gather_grad=set(self.gather_grad),
+            fused_split=self.fused_split,
+            fallback=self.fallback,
+            local_op=self.local_op,
         )
 
 

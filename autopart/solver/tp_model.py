@@ -85,7 +85,9 @@ class Group:
 
 @dataclass
 class TpProblem:
-    """The strategy tables of one graph at one tp degree."""
+    """The strategy tables of one graph at one tp degree. `group_of`, `var_of`,
+    `param_var` and `conversion_sites` are the graph's `GraphVariables`, shared by the
+    problems of every degree: read them, never change them."""
 
     tp: int
     candidates: dict[Var, list[NodePlacement]]
@@ -147,7 +149,7 @@ def build_problem(
     the parameter's FQN (one name per tensor); `sharded_logits`: the output leaf a
     vocabulary-parallel cross-entropy reads (`tp_propagate.decide_node`); `variables`:
     `GraphVariables.of(gm, param_names)`, where the caller keeps it."""
-    shared = variables or GraphVariables.of(gm, param_names)
+    shared = GraphVariables.of(gm, param_names) if variables is None else variables
     var_of, param_var, grads = shared.var_of, shared.param_var, shared.grads
     price = costs.memory_price()
     candidates: dict[Var, list[NodePlacement]] = {}

@@ -173,7 +173,7 @@ def test_dropless_routing_moves_rows_by_their_positions_and_mixes_nothing(kernel
 
 
 def test_mixtral_routing_mixes_nothing():
-    """So do Hugging Face's Mixtral layers."""
+    """Hugging Face's Mixtral layers keep each token's result its own too."""
     assert _mixing(tiny_mixtral(), token_batch(8)[0]) == []
 
 
