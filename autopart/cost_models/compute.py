@@ -74,8 +74,9 @@ Backward and recomputation. A contraction's backward computes two products of th
 size as its forward (the input gradient and the weight gradient): 2× the forward's
 FLOPs, bytes and kernels. Every other operator's backward is taken as 1× its forward (an
 elementwise gradient reads and writes about what the forward did; a view's gradient is
-one more view or reshape), without the function's evaluations unless the gradient
-evaluates it again (`work.FUNCTION_IN_BACKWARD`; attention recomputes its probabilities).
+one more view or reshape; a few run more, `work.BACKWARD_PASSES`), without the function's
+evaluations unless the gradient evaluates it again (`work.FUNCTION_IN_BACKWARD`;
+attention recomputes its probabilities).
 Recomputing an operator in backward costs one more forward.
 
 Scale. A calibrated profile carries `DeviceSpec.compute_scale`: the measured over the
@@ -306,12 +307,13 @@ class ComputeModel:
 
     def backward_time(self, work: NodeWork) -> float:
         """A contraction's backward: its two products (`contraction_math`), twice the
-        forward's bytes, kernels and casts. Any other operator's: its forward again
-        (without the function's evaluations, but for a fused operator of a compiled
-        program, which backward recomputes: `fusion.py`)."""
+        forward's bytes, kernels and casts. Any other operator's: its forward again,
+        `NodeWork.backward_passes` times (without the function's evaluations, but for a
+        fused operator of a compiled program, which backward recomputes: `fusion.py`)."""
         if not work.is_contraction:
             recomputed = self.compiled and work.fusible
-            return self.forward_time(work, functions=recomputed) * BACKWARD_OTHER
+            passes = BACKWARD_OTHER * work.backward_passes
+            return self.forward_time(work, functions=recomputed) * passes
         if not work.dispatched:
             return 0.0
         return self._kernel(work, self.contraction_math(work, backward=True), BACKWARD_CONTRACTION)

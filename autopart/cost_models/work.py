@@ -57,7 +57,9 @@ _CALLS = ("call_function", "call_method", "call_module")
 # Pointwise functions whose arithmetic can cost more than their memory traffic: on a CPU
 # a vectorized tanh takes tens of cycles an element (0.4 G elements/s on one x86 core,
 # against 10 G for a negation). Operator -> the function it evaluates once per output
-# element; the softmaxes evaluate exp. Attention evaluates exp once per score.
+# element; the softmaxes evaluate exp, and cross-entropy once per logit (its
+# log-softmax: its input's elements, `_function_evaluations`). Attention evaluates exp
+# once per score.
 FUNCTIONS = {
     "exp": "exp",
     "tanh": "tanh",
@@ -72,11 +74,20 @@ FUNCTIONS = {
     "softmax": "exp",
     "_log_softmax": "exp",
     "log_softmax": "exp",
+    "cross_entropy_loss": "exp",
 }
+# Operators that evaluate their function once per element of their first operand, not
+# of their output: a loss reduces the logits it exponentiates to one value.
+PER_INPUT_ELEMENT = frozenset({"cross_entropy_loss"})
 # Operators whose backward evaluates their function again; the others' gradients are
 # arithmetic on the saved output (tanh' = 1 − y², softmax's Jacobian product, ...).
 # Flash attention recomputes the probabilities from the scores in backward.
 FUNCTION_IN_BACKWARD = frozenset({"silu", "gelu", "erf", "sin", "cos"})
+# Operators other than contractions whose backward moves more than their forward did
+# (operator -> backward over forward): cross-entropy's gradient fills a zero tensor of
+# the logits' size and scatters the targets' entries into it, then the log-softmax's
+# backward reads it and the saved log-probabilities and writes the logits' gradient.
+BACKWARD_PASSES = {"cross_entropy_loss": 2.0}
 
 
 class MissingDim(KeyError):
@@ -108,6 +119,7 @@ class NodeWork:
     function: str | None = None  # the transcendental it evaluates (FUNCTIONS)
     evaluations: float = 0.0  # how many times, in forward
     evaluates_in_backward: bool = False  # and as many again in backward
+    backward_passes: float = 1.0  # its backward over its forward, if not a contraction
     # Captured in 16 bits (a model built in fp16 or bf16): autocast has nothing to cast
     # and its bytes are already what a mixed-precision step moves (`precision.py`).
     low_precision: bool = False
@@ -244,6 +256,7 @@ def node_work(
         function=function,
         evaluations=evaluations,
         evaluates_in_backward=kind == ATTENTION or name in FUNCTION_IN_BACKWARD,
+        backward_passes=BACKWARD_PASSES.get(name, 1.0),
         low_precision=is_low_precision(SHAPE.get(node)),
         causal=kind == ATTENTION and runs_causal(gm, node),
         fusible=fused is not None,
@@ -338,7 +351,8 @@ def _function_evaluations(
     dims: Mapping[str, float],
 ) -> tuple[str | None, float]:
     """(function, evaluations in forward): exp once per attention score (B·H·L·S, the
-    output's B·H·L·E elements times S/E), or `FUNCTIONS[name]` once per output element."""
+    output's B·H·L·E elements times S/E), or `FUNCTIONS[name]` once per output element
+    (per element of the first operand for `PER_INPUT_ELEMENT`)."""
     out = SHAPE.get(node)
     if not isinstance(out, TensorInfo):
         return None, 0.0
@@ -346,5 +360,12 @@ def _function_evaluations(
         _, keys, head = shape
         return "exp", evaluate(out.numel, dims) * keys / head
     if name in FUNCTIONS:
-        return FUNCTIONS[name], evaluate(out.numel, dims)
+        counted = _first_operand(node) if name in PER_INPUT_ELEMENT else out
+        return FUNCTIONS[name], evaluate(counted.numel, dims) if counted else 0.0
     return None, 0.0
+
+
+def _first_operand(node: fx.Node) -> TensorInfo | None:
+    first = node.args[0] if node.args else None
+    info = SHAPE.get(first) if isinstance(first, fx.Node) else None
+    return info if isinstance(info, TensorInfo) else None

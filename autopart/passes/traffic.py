@@ -15,6 +15,10 @@ from autopart.passes.flops import tensor_operands
 from autopart.passes.runner import PassContext
 
 NONE = Traffic(sympy.Integer(0), sympy.Integer(0))
+# Composite operators whose kernels write a tensor of an operand's size besides their
+# output (operator -> the operand, by position): cross-entropy writes the log-softmax
+# of its logits, then reads the targets' entries of it and reduces them to the loss.
+WRITES_OPERAND = {"cross_entropy_loss": 0}
 
 
 def traffic_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -24,7 +28,11 @@ def traffic_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ):
             TRAFFIC.set(node, NONE)
             continue
-        read = sympy.Add(*(i.nbytes for i in tensor_operands(node, gm, ctx)))
+        operands = tensor_operands(node, gm, ctx)
+        read = sympy.Add(*(i.nbytes for i in operands))
         written = sympy.Add(*(o.nbytes for o in tensor_infos(node)))
+        kept = WRITES_OPERAND.get(op_name(node, gm))
+        if kept is not None and kept < len(operands):
+            written += operands[kept].nbytes
         TRAFFIC.set(node, Traffic(read, written))
     return gm

@@ -6,7 +6,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
+from autopart.capture import capture
 from autopart.cost_models.compute import (
     ADAM_OPERATORS_PER_TENSOR,
     ADAM_TRAFFIC,
@@ -19,7 +23,7 @@ from autopart.cost_models.summary import GraphSummary
 from autopart.cost_models.work import MATMUL, OTHER, NodeWork, evaluate, node_work
 from autopart.mesh import PRESETS
 from autopart.ops.aten import op_name
-from autopart.passes import MODULE_PATH, total_flops
+from autopart.passes import MODULE_PATH, analyze, total_flops
 from tests.cost_models.conftest import GPT
 
 H100 = PRESETS["h100-80g"]
@@ -201,3 +205,22 @@ def test_nodes_cost_prices_a_subset(gpt_graph):
 def test_unknown_precision_is_an_error():
     with pytest.raises(ValueError, match="precision"):
         ComputeModel(H100, "int8")
+
+
+class _CrossEntropy(nn.Module):
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, target)
+
+
+def test_cross_entropy_exponentiates_every_logit_writes_them_and_backward_runs_twice():
+    rows, vocab = 8, 64
+    logits, target = torch.randn(rows, vocab), torch.randint(0, vocab, (rows,))
+    captured = capture(_CrossEntropy(), (logits, target))
+    analyze(captured.gm, captured.context())
+    gm = captured.gm
+    node = next(n for n in gm.graph.nodes if op_name(n, gm) == "cross_entropy_loss")
+    work = node_work(node, gm, dict(captured.dim_sizes), {})
+    assert (work.function, work.evaluations) == ("exp", rows * vocab)
+    assert work.written_bytes == 4 * rows * vocab + 4  # the log-probabilities, the loss
+    model = ComputeModel(replace(PRESETS["cpu"], kernel_launch_s=0.0))
+    assert model.time(work).backward == pytest.approx(2 * model.time(work).forward)
