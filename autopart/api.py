@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from autopart.batch import batch_size, split_batch
 from autopart.capture import Captured, capture, parameters_in
-from autopart.heap import collecting_only_new_objects
+from autopart.heap import young_collections_only
 from autopart.mesh import Mesh
 from autopart.ops.batch_products import ROWS, WHOLE, WholeBatchLoss, loss_by_rows
 from autopart.ops.groups import MeshGroups
@@ -63,7 +63,7 @@ def plan(
     "fp16-mixed", "bf16-params", or "bf16-auto": the solver's choice of bf16-mixed or
     bf16-params), `sequence_parallel`, and `compile` (the plan priced as programs
     compiled by inductor, as `parallelize(..., compile=True)` runs them)."""
-    with collecting_only_new_objects():  # one block for the capture and the search
+    with young_collections_only():  # one block for the capture and the search
         captured_in = _captures(model, example_inputs, example_kwargs, repeated_once=True)
         captured = captured_in(_param_dtype(None, pins))
         loss = match_cross_entropy(loss_fn, captured.gm) if loss_fn else None
@@ -316,7 +316,7 @@ def captured_for_planning(
         )
     trace = capture_repeated_once if repeated_once else capture
     # The analysis runs the graph on the parameters in `param_dtype` too.
-    with parameters_in(model, param_dtype), collecting_only_new_objects():
+    with parameters_in(model, param_dtype), young_collections_only():
         captured = trace(
             model,
             example_inputs,

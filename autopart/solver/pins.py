@@ -21,7 +21,7 @@ from autopart.capture import BATCH, Captured
 from autopart.cost_models import Choices, CostModels, predict
 from autopart.cost_models.resharding import resharding
 from autopart.degrees import BATCH_AXES, Axis, Degrees, MeshError, axis_names
-from autopart.heap import collecting_only_new_objects
+from autopart.heap import young_collections_only
 from autopart.mesh import Mesh
 from autopart.ops.batch_products import WHOLE
 from autopart.ops.meta import BLOCK
@@ -215,7 +215,7 @@ def make_plan(
     the precision pin leaves a choice of modes (`policy.PRECISION_CHOICES`), each mode
     is planned on the capture it runs (`captured_in` makes it: in bf16 for 16-bit
     parameters; `captured` is the model as built) and `_choose_mode` keeps one."""
-    with collecting_only_new_objects():
+    with young_collections_only():
         return _make_plan(captured, mesh, pins, captured_in)
 
 
