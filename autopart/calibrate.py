@@ -119,7 +119,6 @@ import torch.distributed as dist
 from autopart.capture import BATCH, capture
 from autopart.cost_models.comm import ring_steps, ring_volume
 from autopart.cost_models.compute import (
-    ADAM_TRAFFIC,
     LINEAR_PRODUCTS,
     ComputeModel,
     backward_factor,
@@ -291,7 +290,7 @@ def calibrate(
     progress.step("memory bandwidth")
     rates = _function_rates(device, repeats) if device.type == "cpu" else {}
     progress.step("transcendental functions")
-    optimizer = _optimizer_per_tensor(device, bandwidth, repeats)
+    optimizer = _optimizer_per_tensor(device, repeats)
     progress.step("optimizer")
     collectives = {}
     for op in ops:
@@ -669,25 +668,34 @@ def _function_rates(device: torch.device, repeats: int) -> dict[str, float]:
 OPTIMIZER_SAMPLES = 25  # optimizer steps timed, each after a forward and backward
 
 
-def _optimizer_per_tensor(device: torch.device, bandwidth: float, repeats: int) -> float:
+def _optimizer_per_tensor(device: torch.device, repeats: int) -> float:
     """Seconds per parameter tensor of AdamW's step (torch's default implementation for
-    the device) beyond its traffic, as a training step runs it: over the parameters of
-    the reference layer (`_reference_layer`, width `REFERENCE_WIDTH`), timed right after
-    the layer's forward and backward. `ComputeModel.optimizer_step_time` prices the
-    traffic as `ADAM_TRAFFIC` × the parameters', gradients' and two moments' bytes over
-    the memory bandwidth; what is left is spread over the tensors."""
+    the device) beyond its traffic, as a training step runs it: the step over the
+    reference layer's parameters (`_reference_layer`, width `REFERENCE_WIDTH`) less the
+    step over one tensor of as many elements, taking turns, each right after the
+    layer's forward and backward. Both move the same bytes, so the difference is the
+    tensors' own cost at whatever speed the memory runs then; a traffic priced from the
+    bandwidth measured earlier left nothing of it on a loaded host."""
     gm, x, _ = _reference_layer(REFERENCE_WIDTH, 4, 128, device)
     params = [p for p in gm.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    numel = sum(p.numel() for p in params)
+    flat = torch.nn.Parameter(torch.zeros(numel, dtype=params[0].dtype, device=device))
+    flat.grad = torch.randn_like(flat)  # nonzero moments, as a trained layer's
+    steps = {
+        "layer": torch.optim.AdamW(params, lr=1e-3).step,
+        "one tensor": torch.optim.AdamW([flat], lr=1e-3).step,
+    }
     backward = lambda: gm(x).sum().backward()  # noqa: E731
     backward()
-    optimizer.step()  # the warm-up: the state's allocation
-    samples = max(repeats, OPTIMIZER_SAMPLES)
+    for step in steps.values():
+        step()  # the warm-up: the state's allocation
+    times: dict[str, list[float]] = {name: [] for name in steps}
     _together()
-    seconds = _world_mean({0: _median_after(backward, optimizer.step, device, samples)}, device)[0]
-    state = 4 * sum(p.numel() * p.element_size() for p in params)
-    traffic = ADAM_TRAFFIC * state / bandwidth
-    return max(seconds - traffic, 0.0) / len(params)
+    for _ in range(max(repeats, OPTIMIZER_SAMPLES)):
+        for name, step in steps.items():
+            times[name].append(_median_after(backward, step, device, 1))
+    seconds = _world_mean({k: statistics.median(v) for k, v in times.items()}, device)
+    return max(seconds["layer"] - seconds["one tensor"], 0.0) / (len(params) - 1)
 
 
 def _operator_floor(device: torch.device, repeats: int) -> float:

@@ -211,7 +211,7 @@ def test_the_profile_records_the_hosts_load_and_the_warnings(tmp_path, monkeypat
     monkeypatch.setattr(cal, "_attention_fits", lambda dtype, launch, device, repeats: {})
     monkeypatch.setattr(cal, "_copy_bandwidth", lambda nbytes, device, repeats: 1e10)
     monkeypatch.setattr(cal, "_function_rates", functions)
-    monkeypatch.setattr(cal, "_optimizer_per_tensor", lambda device, bw, repeats: 3e-5)
+    monkeypatch.setattr(cal, "_optimizer_per_tensor", lambda device, repeats: 3e-5)
     monkeypatch.setattr(cal, "_compute_scale", lambda spec, device, repeats: 1.2)
     path = tmp_path / "profile.json"
     cal.calibrate(path, sizes=(64, 128), dtypes=("fp32",))
