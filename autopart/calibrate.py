@@ -118,11 +118,7 @@ import torch.distributed as dist
 
 from autopart.capture import BATCH, capture
 from autopart.cost_models.comm import ring_steps, ring_volume
-from autopart.cost_models.compute import (
-    LINEAR_PRODUCTS,
-    ComputeModel,
-    backward_factor,
-)
+from autopart.cost_models.compute import LINEAR_PRODUCTS, ComputeModel, backward_factor
 from autopart.cost_models.work import FUNCTIONS, node_work
 from autopart.mesh import PRESETS, DeviceSpec, Mesh, gpu_preset
 from autopart.ops.flat_buckets import REDUCE_DEPTH

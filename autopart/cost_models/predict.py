@@ -389,10 +389,9 @@ def _stage_work(
     params = stage.params
     plain = not choices.recompute and not choices.recompute_attention
     held = (_plain_holdings if plain else _holdings)(stage, choices, models)
-    other_comm = _zero3_comm(stage, compute, choices, models)
-    other_comm += _cp_comm(stage, last, choices, models)
-    for part in held.syncs:
-        other_comm += part
+    experts, norms, mixing = held.syncs
+    zero3, cp = _zero3_comm(stage, compute, choices, models), _cp_comm(stage, last, choices, models)
+    other_comm = zero3 + cp + experts + norms + mixing
     return _StageWork(
         compute=compute,
         params=params,
@@ -402,7 +401,7 @@ def _stage_work(
         gathered=held.gathered,
         tp=held.tp,
         other_comm=other_comm,
-        ep=held.syncs[0],
+        ep=experts,
         activations=held.activations,
         unrecomputed=held.unrecomputed,
         recomputed=held.recomputed,

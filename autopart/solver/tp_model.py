@@ -85,20 +85,33 @@ class Group:
 
 @dataclass
 class TpProblem:
-    """The strategy tables of one graph at one tp degree. `group_of`, `var_of`,
-    `param_var` and `conversion_sites` are the graph's `GraphVariables`, shared by the
-    problems of every degree: read them, never change them."""
+    """The strategy tables of one graph at one tp degree, over the graph's
+    `GraphVariables` (shared by the problems of every degree: read, never changed)."""
 
     tp: int
     candidates: dict[Var, list[NodePlacement]]
     groups: dict[tuple, Group]
-    group_of: dict[fx.Node, tuple]
-    var_of: dict[fx.Node, Var]
-    param_var: dict[str, str]  # every parameter FQN -> the variable that places it
+    variables: GraphVariables
     state_cost: dict[tuple[str, Placement], float]  # per FQN, λ × its state bytes
     price: float  # λ, seconds per byte
-    # (source variable, consumer groups) -> how many sources share that key
-    conversion_sites: dict[tuple[Var, frozenset], int] = field(default_factory=dict)
+
+    @property
+    def var_of(self) -> dict[fx.Node, Var]:
+        return self.variables.var_of
+
+    @property
+    def group_of(self) -> dict[fx.Node, tuple]:
+        return self.variables.group_of
+
+    @property
+    def param_var(self) -> dict[str, str]:
+        """Every parameter FQN -> the variable that places it."""
+        return self.variables.param_var
+
+    @property
+    def conversion_sites(self) -> dict[tuple[Var, frozenset], int]:
+        """(source variable, consumer groups) -> how many sources share that key."""
+        return self.variables.conversion_sites
 
     def combo_cost(self, g: Group, c: int) -> float:
         cost = g.costs[c]
@@ -190,17 +203,7 @@ def build_problem(
             for key, group in groups.items()
             if tuple(len(candidates.get(v, ())) for v in group.sources) != seen[key]
         ]
-    return TpProblem(
-        tp,
-        candidates,
-        groups,
-        shared.group_of,
-        var_of,
-        param_var,
-        state_cost,
-        price,
-        shared.conversion_sites,
-    )
+    return TpProblem(tp, candidates, groups, shared, state_cost, price)
 
 
 def _enumerate(
