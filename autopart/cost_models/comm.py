@@ -91,6 +91,11 @@ SEND_RECV = "send_recv"
 # keys and values on; a profile may measure it apart from a pipeline's send/recv, whose
 # receiver waits for its peer idle.
 EXCHANGE = "exchange"
+# The local copy a collective's caller makes around it (`CommModel.time` prices it at
+# the device's memory bandwidth, read and written): a gather's concatenation along a
+# dim other than 0, the reduce-scatter input's along one, the slice a rank keeps of a
+# gradient, an all-to-all's stacking and concatenation. `M` is the bytes copied.
+LOCAL_COPY = "local_copy"
 COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, SEND_RECV)
 POINT_TO_POINT = (SEND_RECV, EXCHANGE)
 
@@ -209,9 +214,12 @@ class CommModel:
 
     def time(self, op: str, nbytes: float, size: int, stride: int = 1) -> float:
         """Seconds for collective `op` of an `nbytes` buffer over an axis of `size`
-        ranks, `stride` ranks apart: the cheapest algorithm."""
+        ranks, `stride` ranks apart: the cheapest algorithm. A `LOCAL_COPY` of
+        `nbytes`: their read and write at the device's memory bandwidth."""
         key = (op, nbytes, size, stride)
-        if key not in self._times:
+        if key not in self._times and op == LOCAL_COPY:
+            self._times[key] = 2 * nbytes / self.mesh.device.memory_bandwidth
+        elif key not in self._times:
             times = self.algorithms(op, nbytes, size, stride)
             self._times[key] = min(t for name, t in times.items() if name not in NOT_RUN)
         return self._times[key]

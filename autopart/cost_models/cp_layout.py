@@ -99,7 +99,7 @@ def _walk(
         ops = result.operands[node]
         if not split_by(ops, decision):
             whole.add(site)
-        for k, c in enumerate(collectives_of(ops, decision, result.grads[node])):
+        for k, c in enumerate(collectives_of(ops, decision, result.grads[node], mirrored=True)):
             if c.key == (COPY,):
                 continue
             if c.source is None:

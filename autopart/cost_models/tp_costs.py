@@ -23,6 +23,12 @@ so these are the costs of what will run:
       sharded logits        3 all-reduces of one fp32 value a token (the runtime's
                             vocabulary-parallel cross-entropy) -
 
+  with the local copies the runtime makes around them (`comm.LOCAL_COPY`): a gather
+  along a dim d > 0 concatenates its pieces (the whole tensor; none where every dim
+  before d is 1, the pieces then being a view), a reduce-scatter along d > 0 does so to
+  its input, a rank's own slice along d copies its share (none where every dim before d
+  is 1), and an all-to-all stacks its send buffer and concatenates what it receives;
+
 An activation's conversion is shared by every consumer that asks for the same target
 (the rewrite inserts it once), so those are reported with the key the rewrite uses; a
 parameter's conversion belongs to its consumer (a tied weight may be read in two
@@ -44,7 +50,13 @@ import sympy
 from torch import fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from autopart.cost_models.comm import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
+from autopart.cost_models.comm import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    LOCAL_COPY,
+    REDUCE_SCATTER,
+)
 from autopart.cost_models.memory import STATE_BYTES
 from autopart.cost_models.precision import is_mixed
 from autopart.cost_models.work import NodeWork, evaluate, is_low_precision, node_work
@@ -56,6 +68,8 @@ if TYPE_CHECKING:
     from autopart.cost_models.choices import CostModels
 
 COPY = "copy_to_group"
+# A rank keeping its own slice of a replicated tensor: no collective, a local copy.
+OWN_SLICE = "own_slice"
 # The runtime's vocabulary-parallel cross-entropy (`ops/vocab_parallel_loss.py`) reduces
 # one fp32 value a token three times in forward: the max, the sum of exponentials and
 # the target's logit; its backward is local.
@@ -85,9 +99,14 @@ class TpCollective:
         return 0.5 if self.activation and not self.low_precision else 1.0
 
 
-def collectives_of(ops: Operands, decision: Decision, output_grad: bool) -> list[TpCollective]:
+def collectives_of(
+    ops: Operands, decision: Decision, output_grad: bool, mirrored: bool = False
+) -> list[TpCollective]:
     """The collectives the rewrite inserts for `decision` on `ops.node`, forward and
-    backward (a backward one only where a gradient flows)."""
+    backward (a backward one only where a gradient flows). `mirrored`: context
+    parallelism's layout, each rank holding two mirrored chunks of the sequence
+    (`ops/context_parallel.py`), so that its gathers reorder what arrives and its own
+    slices join two chunks: each a copy more."""
     out: list[TpCollective] = []
     node, tp = ops.node, ops.tp
     for i, want in decision.inputs.items():
@@ -97,9 +116,14 @@ def collectives_of(ops: Operands, decision: Decision, output_grad: bool) -> list
         scatter = i in decision.gather_grad
         key = (str(want), scatter, str(have))
         full = _nbytes(source)
+        dim = _shard_dim(want if isinstance(want, Shard) else have, source)
         for op, backward in _conversion(have, want, scatter, ops.grads[i]):
             nbytes = full / tp if op == ALL_TO_ALL else full  # the send buffer: a shard
-            out.append(_of_operand(source, op, nbytes, backward, key))
+            if op != OWN_SLICE:
+                out.append(_of_operand(source, op, nbytes, backward, key))
+            copied = _copied(op, nbytes, tp, dim, source, mirrored)
+            if copied != 0:
+                out.append(_of_operand(source, LOCAL_COPY, copied, backward, key))
     for i in decision.copy_to_group:
         if ops.grads[i]:
             source = ops.flat[i]
@@ -110,9 +134,13 @@ def collectives_of(ops: Operands, decision: Decision, output_grad: bool) -> list
         if decision.reduce_to == R:
             out.append(TpCollective(ALL_REDUCE, full, False, True, low_precision=low))
         else:
-            out.append(TpCollective(REDUCE_SCATTER, full, False, True, low_precision=low))
-            if output_grad:
-                out.append(TpCollective(ALL_GATHER, full, True, True, low_precision=low))
+            dim = _shard_dim(decision.reduce_to, node)
+            steps = [(REDUCE_SCATTER, False)] + [(ALL_GATHER, True)] * output_grad
+            for op, backward in steps:
+                out.append(TpCollective(op, full, backward, True, low_precision=low))
+                copied = _copied(op, full, tp, dim, node)
+                if copied != 0:
+                    out.append(TpCollective(LOCAL_COPY, copied, backward, True, low_precision=low))
     if node.op == "output":
         out += _sharded_logits_loss(ops, decision)
     return out
@@ -148,9 +176,9 @@ def _conversion(
     if scatter:
         steps = [(ALL_GATHER, False), (REDUCE_SCATTER, True)]
     elif isinstance(have, Shard) and isinstance(want, Replicate):
-        steps = [(ALL_GATHER, False)]
+        steps = [(ALL_GATHER, False), (OWN_SLICE, True)]
     elif isinstance(have, Replicate) and isinstance(want, Shard):
-        steps = [(ALL_GATHER, True)]
+        steps = [(OWN_SLICE, False), (ALL_GATHER, True)]
     elif isinstance(have, Partial) and isinstance(want, Replicate):
         steps = [(ALL_REDUCE, False)]
     elif isinstance(have, Partial) and isinstance(want, Shard):
@@ -158,6 +186,45 @@ def _conversion(
     else:
         steps = [(ALL_TO_ALL, False), (ALL_TO_ALL, True)]
     return [(op, backward) for op, backward in steps if grad or not backward]
+
+
+def _copied(
+    op: str,
+    nbytes: sympy.Expr | float,
+    tp: int,
+    dim: int | None,
+    source: fx.Node,
+    mirrored: bool = False,
+) -> sympy.Expr | float:
+    """The bytes the runtime copies locally around `op` of `nbytes` along `dim` (the
+    shard dim, None for none): `funcol`'s gather and reduce-scatter along a dim other
+    than 0, `ops/collectives.py`'s own slice and all-to-all; under `mirrored`, the
+    reordering of a gather and the joining of a slice's two chunks besides."""
+    if op == ALL_TO_ALL:
+        return 2 * nbytes  # the send buffer stacked, what arrives concatenated
+    if mirrored and op == OWN_SLICE:
+        return nbytes / tp
+    info = SHAPE.get(source)
+    reorder = nbytes if mirrored and op == ALL_GATHER else 0
+    if op == ALL_REDUCE or not dim or not isinstance(info, TensorInfo):
+        return reorder
+    if op == REDUCE_SCATTER:
+        return nbytes
+    shape = info.shape
+    leading = sympy.Mul(*(sympy.sympify(d) for d in shape[:dim]))
+    # 1 where a dim before `dim` exceeds 1, else 0 (the pieces are then views)
+    copies = sympy.Min(1, leading - 1)
+    return copies * (nbytes / tp if op == OWN_SLICE else nbytes) + reorder
+
+
+def _shard_dim(place: Placement, source: fx.Node) -> int | None:
+    """The dim `place` shards of `source`'s output, counted from 0."""
+    if not isinstance(place, Shard):
+        return None
+    info = SHAPE.get(source)
+    if place.dim < 0 and isinstance(info, TensorInfo):
+        return place.dim + len(info.shape)
+    return place.dim
 
 
 def _nbytes(node: fx.Node) -> sympy.Expr | float:

@@ -17,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from autopart.api import captured_for_planning
 from autopart.capture import capture
 from autopart.cost_models.choices import Choices, CostModels
-from autopart.cost_models.comm import ALL_GATHER
+from autopart.cost_models.comm import ALL_GATHER, LOCAL_COPY
 from autopart.cost_models.context import conversion_comm, ring_comm, ring_floor
 from autopart.cost_models.predict import rank_segments
 from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork
@@ -117,15 +117,20 @@ def test_a_dense_mlp_halves_under_cp():
 def test_a_routed_layer_gathers_the_sequence_over_cp():
     """Per layer: the router's input all-gathered in forward; the layer's output split
     again at the residual add, its gradient all-gathered in backward. Activations
-    captured in fp32, [batch, seq, hidden 64]."""
+    captured in fp32, [batch, seq, hidden 64]. Each gather along the sequence copies
+    what arrives twice (joined along dim 1, then its chunks put in order), and each
+    rank's slice joins its two chunks: the local copies beside the collectives."""
     hidden = BATCH_SIZE * SEQ * 64 * 4
     blocks = [s for s in _segments(_summary(tiny_mixtral()), 2) if s.is_block]
     assert len(blocks) == 2
     for seg in blocks:
-        assert sorted(seg.cp_traffic) == [
+        assert sorted(t for t in seg.cp_traffic if t[0] != LOCAL_COPY) == [
             (ALL_GATHER, hidden, False, 0.5, 1),
             (ALL_GATHER, hidden, True, 0.5, 1),
         ]
+        copies = {t[1:3] for t in seg.cp_traffic if t[0] == LOCAL_COPY}
+        assert {(2 * hidden, False), (2 * hidden, True), (hidden / 2, False)} <= copies
+        assert (hidden / 2, True) in copies
     comm = CostModels.of(MESHES[2], "fp32").comm
     assert conversion_comm(blocks, 2, 1, "fp32", [False, False], comm) > 0.0
 
@@ -151,7 +156,12 @@ def test_masked_attention_is_priced_as_gathered_not_as_a_ring():
         again = [False] * len(segments)
         rings = ring_comm(segments, 2, 1, "fp32", again, models.comm, models.compute)
         gathers = conversion_comm(segments, 2, 1, "fp32", again, models.comm)
-        traffic = sorted((op, b, back) for s in segments for op, b, back, _, n in s.cp_traffic)
+        traffic = sorted(
+            (op, b, back)
+            for s in segments
+            for op, b, back, _, n in s.cp_traffic
+            if op != LOCAL_COPY
+        )
         return rings, gathers, traffic
 
     rings, gathers, traffic = comm(masked)
@@ -203,7 +213,8 @@ def test_a_causal_mask_built_from_shapes_is_priced_as_a_ring():
     segments = _segments(summary, 2)
     attention = [w for s in segments for w in s.nodes if w.kind == ATTENTION]
     assert len(attention) == 2 and not any(w.cp_whole for w in attention)
-    assert all(not s.cp_traffic for s in segments)
+    # no collective: the whole tables' own slices copy locally
+    assert all(op == LOCAL_COPY for s in segments for op, *_ in s.cp_traffic)
     models = CostModels.of(MESHES[2], "fp32")
     again = [False] * len(segments)
     assert ring_comm(segments, 2, 1, "fp32", again, models.comm, models.compute) > 0.0
@@ -255,7 +266,11 @@ def test_the_priced_gathers_and_rings_are_the_rewrites(build, cp_groups):
     gm = captured.gm
     analyze(gm, captured.context())
     layout = GraphSummary(gm).cp_layouts.at(2)
-    priced = {(c.backward, c.source.name) for c, _ in layout.collectives if c.source}
+    priced = {
+        (c.backward, c.source.name)
+        for c, _ in layout.collectives
+        if c.source and c.op != LOCAL_COPY
+    }
     attention = [n for n in gm.graph.nodes if op_name(n, gm) in ATTENTION_OPS]
     rings = {n.name for n in attention if n not in layout.whole}
     grads = {n.name for n, g in gradient_flow(gm, parameter_names(gm)).items() if g}
