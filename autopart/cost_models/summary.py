@@ -44,7 +44,14 @@ from autopart.batch import BATCH
 from autopart.cost_models.cp_layout import CpLayouts
 from autopart.cost_models.precision import bytes_scale, is_mixed
 from autopart.cost_models.tp_costs import TpCollective, collectives_of, distributed, split_by
-from autopart.cost_models.work import OTHER, NodeWork, evaluate, node_work, op_kind
+from autopart.cost_models.work import (
+    OTHER,
+    NodeWork,
+    cross_entropy_work,
+    evaluate,
+    node_work,
+    op_kind,
+)
 from autopart.ops.aten import op_name
 from autopart.ops.meta import (
     BLOCK,
@@ -65,7 +72,7 @@ from autopart.passes.batch_mixing import (
 )
 from autopart.passes.experts import expert_layers
 from autopart.passes.product_rows import row_operands
-from autopart.passes.tp_decision import R
+from autopart.passes.tp_decision import R, flatten_args
 from autopart.passes.tp_propagate import propagate
 from autopart.policy import Precision
 
@@ -260,6 +267,9 @@ class TpLayout:
     saves_replicated: frozenset[fx.Node]  # split, with only replicated activation operands
     sharded_params: frozenset[str]
     collectives: Mapping[fx.Node, tuple[TpCollective, ...]] = field(default_factory=dict)
+    # The logits of a standard cross-entropy stay sharded over the vocabulary: the
+    # runtime's vocabulary-parallel loss runs on each rank's slice.
+    vocab_parallel_loss: bool = False
 
     @classmethod
     def of(
@@ -293,20 +303,31 @@ class TpLayout:
             )
         )
         sharded = frozenset(f for f, p in placements.items() if distributed(p))
-        return cls(split, saves_replicated, sharded, collectives)
+        vocab_parallel = False
+        if sharded_logits is not None:
+            [output] = gm.graph.find_nodes(op="output")
+            vocab_parallel = sharded_logits not in decisions[output].inputs and distributed(
+                operands[output].places[sharded_logits]
+            )
+        return cls(split, saves_replicated, sharded, collectives, vocab_parallel)
 
 
 class GraphSummary:
     """Segments of an analyzed graph, evaluated (and cached) per set of dim sizes, under
     a plan's tensor-parallel layout (None: the Megatron layout). `like`: a summary of
     the same graph under another layout, whose analysis of what needs no layout (the
-    segments' runs and what they hold, the context-parallel layouts) this one shares."""
+    segments' runs and what they hold, the context-parallel layouts) this one shares.
+    `loss_logits`: the output leaf a standard cross-entropy reads after the graph
+    (`ops/loss_match.py`), whose work the last segment carries (`cross_entropy_work`):
+    on each tp rank's vocabulary slice where the layout leaves the logits sharded, else
+    whole; under context parallelism whole, the outputs gathered for it."""
 
     def __init__(
         self,
         gm: fx.GraphModule,
         layout: TpLayout | None = None,
         like: GraphSummary | None = None,
+        loss_logits: int | None = None,
     ) -> None:
         assert like is None or like.gm is gm, "a summary shares the analysis of its own graph"
         self.gm: fx.GraphModule = gm
@@ -321,6 +342,8 @@ class GraphSummary:
         self._sharded: dict[tuple, tuple[SegmentWork, ...]] = {}
         self.cp_layouts: CpLayouts = like.cp_layouts if like is not None else CpLayouts(gm)
         self._cp_sharded: dict[tuple, tuple[SegmentWork, ...]] = {}
+        self._logits = _output_leaf(gm, loss_logits) if loss_logits is not None else None
+        self._loss_split = layout is not None and layout.vocab_parallel_loss
 
     def sharded(self, dims: Mapping[str, float], tp: int) -> tuple[SegmentWork, ...]:
         """`evaluate(dims)` on one rank of a `tp`-way tensor-parallel group (cached)."""
@@ -366,6 +389,7 @@ class GraphSummary:
         mixed: dict[tuple, SegmentWork] = {}  # a block's copies mix their operators alike
         for seg, mine, all_of, found in zip(self.segments, local, full, conversions):
             whole = tuple(n in layout.whole for n in seg.nodes)
+            whole += (True,) * (len(mine.nodes) - len(whole))  # the loss after the graph
             if not any(whole) and not found:
                 out.append(mine)
                 continue
@@ -461,6 +485,10 @@ class GraphSummary:
                 traffic = twin.tp_traffic if alike else _traffic(seg, size)
                 work = replace(twin, segment=seg, tp_traffic=traffic)
             out.append(work)
+        if self._logits is not None and out:
+            loss = cross_entropy_work(tensor_info(self._logits), dims).scaled(scale)
+            loss = replace(loss, tp_sharded=self._loss_split)
+            out[-1] = replace(out[-1], nodes=(*out[-1].nodes, loss), totals=None)
         return tuple(out)
 
 
@@ -692,6 +720,14 @@ def _signature(seg: Segment) -> tuple:
         (c.op, c.nbytes, c.backward, c.activation, c.low_precision)
         for c in seg.tp_collectives or ()
     )
+
+
+def _output_leaf(gm: fx.GraphModule, index: int) -> fx.Node | None:
+    """The node producing the graph's output leaf `index` (as `Operands.flat` of the
+    output node counts them), if it is a tensor."""
+    [output] = gm.graph.find_nodes(op="output")
+    leaf = flatten_args(output)[0][index]
+    return leaf if isinstance(leaf, fx.Node) and isinstance(SHAPE.get(leaf), TensorInfo) else None
 
 
 def _output_node(nodes: Sequence[fx.Node]) -> fx.Node | None:

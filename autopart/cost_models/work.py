@@ -267,6 +267,29 @@ def node_work(
     )
 
 
+def cross_entropy_work(logits: TensorInfo, dims: Mapping[str, float]) -> NodeWork:
+    """A standard cross-entropy over `logits` that the runtime computes after the
+    captured graph (the `loss_fn` the plan recognized, `ops/loss_match.py`), priced as
+    the graph's own `cross_entropy_loss` would be: it reads the logits and the class
+    indices, writes the log-softmax, exponentiates every logit, and its backward makes
+    two passes. What it keeps for backward is counted with the output's gradients
+    (`MemoryModel`), so it saves nothing here."""
+    numel = evaluate(logits.numel, dims)
+    nbytes = evaluate(logits.nbytes, dims)
+    rows = numel / evaluate(logits.shape[-1], dims) if logits.shape else 1.0
+    name = "cross_entropy_loss"
+    return NodeWork(
+        kind=OTHER,
+        flops=numel,
+        read_bytes=nbytes + rows * torch.int64.itemsize,
+        written_bytes=nbytes + torch.float32.itemsize,
+        function=FUNCTIONS[name],
+        evaluations=numel,
+        backward_passes=BACKWARD_PASSES[name],
+        low_precision=is_low_precision(logits),
+    )
+
+
 def is_low_precision(info: object) -> bool:
     """Whether a value's captured dtype is a 16-bit float (what autocast computes in)."""
     return isinstance(info, TensorInfo) and info.dtype in LOW_PRECISION_DTYPES

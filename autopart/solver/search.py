@@ -343,7 +343,7 @@ class TpLayouts:
                 else None
             )
             like = self.summary(1) if tp > 1 else None  # its layout-free analysis, shared
-            self._summaries[key] = GraphSummary(self.gm, layout, like)
+            self._summaries[key] = GraphSummary(self.gm, layout, like, self.sharded_logits)
         return self._summaries[key]
 
 
