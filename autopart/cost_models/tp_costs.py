@@ -42,6 +42,7 @@ solver weighs a layout that saves memory against one that saves time on one scal
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -210,11 +211,16 @@ def _copied(
         return reorder
     if op == REDUCE_SCATTER:
         return nbytes
-    shape = info.shape
-    leading = sympy.Mul(*(sympy.sympify(d) for d in shape[:dim]))
-    # 1 where a dim before `dim` exceeds 1, else 0 (the pieces are then views)
-    copies = sympy.Min(1, leading - 1)
+    copies = _pieces_copied(tuple(info.shape[:dim]))
     return copies * (nbytes / tp if op == OWN_SLICE else nbytes) + reorder
+
+
+@functools.lru_cache(maxsize=1024)  # a layout asks of the same few shapes at every node
+def _pieces_copied(leading_dims: tuple) -> sympy.Expr:
+    """1 where a dim before the split one exceeds 1, else 0 (the pieces are then
+    views), given the dims before it."""
+    leading = sympy.Mul(*(sympy.sympify(d) for d in leading_dims))
+    return sympy.Min(1, leading - 1)
 
 
 def _shard_dim(place: Placement, source: fx.Node) -> int | None:
