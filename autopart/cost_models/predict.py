@@ -1075,61 +1075,80 @@ def _update_time(
 
 def _buckets_of(
     own: list[SegmentWork], numel: Callable[[SegmentWork], float]
-) -> tuple[list[float], list[list[int]]]:
+) -> tuple[list[float], list[range]]:
     """ZeRO-3's buckets (`passes/zero.py`) of the parameters `numel` counts, as parameter
     counts: one per block holding parameters and one per run of other segments holding
     them, each split at the pass's cap on fp32 bytes; and for each segment the buckets
     holding those it owns."""
     cap = ZERO3_BUCKET_BYTES / FP32_WEIGHTS[0]
     buckets: list[float] = []
-    of_segment: list[list[int]] = []
+    of_segment: list[range] = []
     in_run = False
     for seg in own:
         params = numel(seg)
         if params and (seg.is_block or not in_run):
             buckets.append(0.0)
-        mine = [len(buckets) - 1] if params else []
+        start = len(buckets) - 1 if params else len(buckets)
         if params > 0:
             # Fill the open bucket, then whole buckets of `cap`, then the rest.
             first = min(params, max(0.0, cap - buckets[-1]))
             buckets[-1] += first
             whole, rest = divmod(params - first, cap)
-            more = [cap] * int(whole) + ([rest] if rest > 0 else [])
-            mine.extend(range(len(buckets), len(buckets) + len(more)))
-            buckets.extend(more)
-        of_segment.append(mine)
+            buckets += [cap] * int(whole) + ([rest] if rest > 0 else [])
+        of_segment.append(range(start, len(buckets)))
         in_run = (in_run or params > 0) and not seg.is_block
     return buckets, of_segment
 
 
 def _gathers(
-    own: list[SegmentWork], buckets: list[float], of_segment: list[list[int]]
-) -> list[float]:
-    """ZeRO-3's all-gathers of `buckets` in forward order, as parameter counts, as
-    `passes/zero.py` issues them: each bucket where it is first read, and again where
-    it is read after ZERO3_REGATHER_AFTER other gathers (a tied head reading the
-    embedding's bucket)."""
+    own: list[SegmentWork], buckets: list[float], of_segment: list[range]
+) -> tuple[Counter[float], float, float]:
+    """ZeRO-3's all-gathers of `buckets` in forward order, as `passes/zero.py` issues
+    them: each bucket where it is first read, and again where it is read after
+    ZERO3_REGATHER_AFTER other gathers (a tied head reading the embedding's bucket).
+    Counted: how many of each size (parameters), in the order each size first comes,
+    and the first and the last gathered."""
     owner = {p: of_segment[i] for i, seg in enumerate(own) for p in seg.segment.owned}
-    last: dict[int, int] = {}  # bucket -> its last gather's place in `out`, from 1
-    out: list[float] = []
-    for i, seg in enumerate(own):
-        mine = of_segment[i]  # contiguous: the open bucket, then those the segment began
-        borrowed = [b for p in seg.segment.borrowed for b in owner.get(p, [])]
-        if borrowed or len(mine) < 2 or not last.keys().isdisjoint(mine[1:]):
-            order = dict.fromkeys(mine + borrowed)
+    borrowed = [[b for p in seg.segment.borrowed for b in owner.get(p, [])] for seg in own]
+    lent = sorted({b for theirs in borrowed for b in theirs})
+    # Where each bucket was last gathered (from 1), kept for those a later read may find
+    # gathered: those gathered one by one, those borrowed, and each segment's last,
+    # which the next segment may fill on.
+    last: dict[int, int] = {}
+    counts: Counter[float] = Counter()
+    gathered, first, latest = 0, 0.0, 0.0
+    for mine, theirs in zip(of_segment, borrowed, strict=True):
+        # `mine` is contiguous: the open bucket, then those the segment began, lo to hi.
+        lo, hi = (mine[1], mine[-1]) if len(mine) > 1 else (0, -1)
+        # Only a borrowing gathers a bucket before the segment that begins it.
+        if theirs or len(mine) < 2 or any(lo <= b <= hi and b in last for b in lent):
+            order = dict.fromkeys([*mine, *theirs])
         else:
             # Nothing gathered the buckets the segment began: each is gathered once, in
             # order (a 1T model's rank has thousands), after the open one.
             order = dict.fromkeys(mine[:1])
         for b in order:
-            if b not in last or len(out) - last[b] >= ZERO3_REGATHER_AFTER:
-                out.append(buckets[b])
-                last[b] = len(out)
+            if b not in last or gathered - last[b] >= ZERO3_REGATHER_AFTER:
+                latest = buckets[b]
+                first = latest if not gathered else first
+                counts[latest] += 1
+                gathered += 1
+                last[b] = gathered
         if len(order) < len(mine):
-            start = len(out)
-            out += buckets[mine[1] : mine[-1] + 1]
-            last.update(zip(mine[1:], range(start + 1, len(out) + 1), strict=True))
-    return out
+            # Whole buckets but the last, which a later segment may have filled on: a
+            # run of one size, counted at once.
+            run = buckets[lo:hi]
+            if run and run.count(run[0]) == len(run):
+                counts[run[0]] += len(run)
+            else:
+                counts.update(run)
+            latest = buckets[hi]
+            counts[latest] += 1
+            first = buckets[lo] if not gathered else first
+            last.update((b, gathered + 1 + b - lo) for b in lent if lo <= b <= hi)
+            last[hi] = gathered + 1 + hi - lo
+            gathered += hi - lo + 1
+    return counts, first, latest
 
 
 @dataclass(frozen=True, slots=True)
@@ -1159,9 +1178,7 @@ def _gather_tally(stage: _Stage, kind: _Zero3Kind, models: CostModels) -> _Gathe
 
 def _tally(own: list[SegmentWork], kind: _Zero3Kind) -> _GatherTally:
     buckets, of_segment = _buckets_of(own, kind.numel)
-    gathers = _gathers(own, buckets, of_segment)
-    first, last = (gathers[0], gathers[-1]) if gathers else (0.0, 0.0)
-    return _GatherTally(len(buckets), Counter(gathers), first, last)
+    return _GatherTally(len(buckets), *_gathers(own, buckets, of_segment))
 
 
 def _activations(own: list[SegmentWork], choices: Choices) -> Activations:
