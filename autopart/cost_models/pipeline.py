@@ -183,36 +183,62 @@ def _dependencies(schedule: str, p: int, m: int) -> tuple[tuple[int, int, int, i
     which time it takes: rank r's forward r, its backward p + r). Operation `at` of rank
     r is r · 2m + at; p · 2m stands for nothing to wait for. The search prices many
     pipelines of the same p and m: the order is worked out once for them all."""
-    orders = [_order(schedule, r, p, m) for r in range(p)]
-    position = [{op: at for at, op in enumerate(order)} for order in orders]
-    n, nothing = 2 * m, 2 * m * p
+    n = 2 * m
+    ranks = _awaited(schedule, p, m)
     steps: list[tuple[int, int, int, int]] = []
     placed = [0] * p
     waiting = list(range(p))  # ranks that may move on: at first all, then a neighbour's
+    queued = [True] * p
     while waiting:
         r = waiting.pop()
-        start = placed[r]
-        while placed[r] < n:
-            is_forward, k = orders[r][placed[r]]
-            if is_forward:
-                source = (r - 1, (True, k)) if r > 0 else None
-            else:
-                source = (r + 1, (False, k)) if r < p - 1 else (r, (True, k))
-            if source is None:
-                awaited = nothing
-            else:
-                at = position[source[0]][source[1]]
-                if at >= placed[source[0]]:
-                    break  # its input is not placed yet
-                awaited = source[0] * n + at
-            op = r * n + placed[r]
-            previous = op - 1 if placed[r] else nothing
-            steps.append((op, previous, awaited, r if is_forward else p + r))
-            placed[r] += 1
-        if placed[r] > start:
-            waiting += [q for q in (r - 1, r + 1) if 0 <= q < p]
+        queued[r] = False
+        start = at = placed[r]
+        sources, needed, operations = ranks[r]
+        while at < n:
+            source = sources[at]
+            if source >= 0 and needed[at] >= (at if source == r else placed[source]):
+                break  # its input is not placed yet
+            at += 1
+        if at > start:
+            steps += operations[start:at]
+            placed[r] = at
+            for q in (r - 1, r + 1):
+                if 0 <= q < p and not queued[q]:
+                    queued[q] = True
+                    waiting.append(q)
     assert all(at == n for at in placed), "a schedule deadlocked"
     return tuple(steps)
+
+
+def _awaited(
+    schedule: str, p: int, m: int
+) -> list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]]:
+    """Per rank, for each operation in its order: the rank whose output it waits for (-1
+    where none: the first rank's forwards), that output's place in the rank's order, and
+    the operation's entry in `_dependencies`. A forward waits for the rank before's, a
+    backward for the rank after's, the last rank's for its own forward."""
+    orders = [_order(schedule, r, p, m) for r in range(p)]
+    n, nothing = 2 * m, 2 * m * p
+    forward_at, backward_at = [], []
+    for order in orders:
+        places = ([0] * m, [0] * m)  # each microbatch's (backward's, forward's) place
+        for at, (is_forward, k) in enumerate(order):
+            places[is_forward][k] = at
+        backward_at.append(places[0])
+        forward_at.append(places[1])
+    out = []
+    for r, order in enumerate(orders):
+        before = (r - 1, forward_at[r - 1]) if r > 0 else (-1, [0] * m)
+        after = (r + 1, backward_at[r + 1]) if r < p - 1 else (r, forward_at[r])
+        sources = [(before if f else after)[0] for f, _ in order]
+        needed = [(before if f else after)[1][k] for f, k in order]
+        first = r * n
+        previous = [nothing, *range(first, first + n - 1)]
+        awaited = [nothing if s < 0 else s * n + at for s, at in zip(sources, needed)]
+        takes = [r if f else p + r for f, _ in order]
+        operations = list(zip(range(first, first + n), previous, awaited, takes))
+        out.append((sources, needed, operations))
+    return out
 
 
 def _order(schedule: str, rank: int, stages: int, microbatches: int) -> list[tuple[bool, int]]:
