@@ -33,6 +33,7 @@ from autopart.ops.meta import (
     TensorInfo,
 )
 from autopart.passes.causal_attention import runs_causal
+from autopart.passes.traffic import READS_OPERAND
 
 LOW_PRECISION_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
@@ -83,11 +84,13 @@ PER_INPUT_ELEMENT = frozenset({"cross_entropy_loss"})
 # arithmetic on the saved output (tanh' = 1 − y², softmax's Jacobian product, ...).
 # Flash attention recomputes the probabilities from the scores in backward.
 FUNCTION_IN_BACKWARD = frozenset({"silu", "gelu", "erf", "sin", "cos"})
-# Operators other than contractions whose backward moves more than their forward did
-# (operator -> backward over forward): cross-entropy's gradient fills a zero tensor of
-# the logits' size and scatters the targets' entries into it, then the log-softmax's
-# backward reads it and the saved log-probabilities and writes the logits' gradient.
-BACKWARD_PASSES = {"cross_entropy_loss": 2.0}
+# Operators other than contractions whose backward moves more or less than their
+# forward did (operator -> backward over forward): cross-entropy's gradient fills a
+# zero tensor of the logits' size and scatters the targets' entries into it, then the
+# log-softmax's backward sums each row of it, and reads it again with the saved
+# log-probabilities to write the logits' gradient: five passes over the logits'
+# size, against forward's four (`passes/traffic.py`).
+BACKWARD_PASSES = {"cross_entropy_loss": 5 / 4}
 
 
 class MissingDim(KeyError):
@@ -271,9 +274,9 @@ def cross_entropy_work(logits: TensorInfo, dims: Mapping[str, float]) -> NodeWor
     """A standard cross-entropy over `logits` that the runtime computes after the
     captured graph (the `loss_fn` the plan recognized, `ops/loss_match.py`), priced as
     the graph's own `cross_entropy_loss` would be: it reads the logits and the class
-    indices, writes the log-softmax, exponentiates every logit, and its backward makes
-    two passes. What it keeps for backward is counted with the output's gradients
-    (`MemoryModel`), so it saves nothing here."""
+    indices (the logits three times, `passes/traffic.py`), writes the log-softmax and
+    exponentiates every logit. What it keeps for backward is counted with the output's
+    gradients (`MemoryModel`), so it saves nothing here."""
     numel = evaluate(logits.numel, dims)
     nbytes = evaluate(logits.nbytes, dims)
     rows = numel / evaluate(logits.shape[-1], dims) if logits.shape else 1.0
@@ -281,7 +284,7 @@ def cross_entropy_work(logits: TensorInfo, dims: Mapping[str, float]) -> NodeWor
     return NodeWork(
         kind=OTHER,
         flops=numel,
-        read_bytes=nbytes + rows * torch.int64.itemsize,
+        read_bytes=READS_OPERAND[name][1] * nbytes + rows * torch.int64.itemsize,
         written_bytes=nbytes + torch.float32.itemsize,
         function=FUNCTIONS[name],
         evaluations=numel,

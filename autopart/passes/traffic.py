@@ -19,6 +19,10 @@ NONE = Traffic(sympy.Integer(0), sympy.Integer(0))
 # output (operator -> the operand, by position): cross-entropy writes the log-softmax
 # of its logits, then reads the targets' entries of it and reduces them to the loss.
 WRITES_OPERAND = {"cross_entropy_loss": 0}
+# Composite operators that read an operand more than once (operator -> (the operand,
+# its reads)): cross-entropy's log-softmax reads its logits for each row's maximum,
+# for the sum of their exponentials, and to write the log-probabilities.
+READS_OPERAND = {"cross_entropy_loss": (0, 3)}
 
 
 def traffic_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -31,8 +35,12 @@ def traffic_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         operands = tensor_operands(node, gm, ctx)
         read = sympy.Add(*(i.nbytes for i in operands))
         written = sympy.Add(*(o.nbytes for o in tensor_infos(node)))
-        kept = WRITES_OPERAND.get(op_name(node, gm))
+        name = op_name(node, gm)
+        kept = WRITES_OPERAND.get(name)
         if kept is not None and kept < len(operands):
             written += operands[kept].nbytes
+        operand, reads = READS_OPERAND.get(name, (0, 1))
+        if reads > 1 and operand < len(operands):
+            read += (reads - 1) * operands[operand].nbytes
         TRAFFIC.set(node, Traffic(read, written))
     return gm
