@@ -84,6 +84,9 @@ REDUCE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bf
 # (solver/search.py); `str(plan)` and `plan.explain()` state the rule beside the
 # alternatives it left.
 CHOICE_SLACK = 0.05
+# How many of the other plans that fit a plan lists (`Plan.alternatives`), fastest
+# first, one for each set of mechanisms switched on (solver/pins.py).
+MAX_ALTERNATIVES = 4
 
 # How long a collective waits for its peers before it fails the step (parallelize's
 # `timeout`): NCCL's own default, bounded where Gloo's is half an hour.

@@ -94,7 +94,7 @@ from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork
 from autopart.degrees import Axis
 from autopart.mesh import Mesh
 from autopart.plan import Predicted, StageFigures
-from autopart.policy import ZERO3_BUCKET_BYTES, ZERO3_REGATHER_AFTER
+from autopart.policy import ZERO3_BUCKET_BYTES, ZERO3_REGATHER_AFTER, Schedule
 
 # The step's sums (runtime/step_sums.py): the loss, the squared gradient norm and the
 # inputs' checksums, a few float64 values.
@@ -194,6 +194,7 @@ def step_time_lower_bound(
     models: CostModels,
     cache: dict | None = None,
     cp_layout: bool = True,
+    last_rank: bool = False,
 ) -> float:
     """A floor under `predict(...).step_time_s`, whatever the stage cuts: the pipeline
     ranks' summed work for a microbatch (the compute, the tensor-parallel collectives,
@@ -208,6 +209,13 @@ def step_time_lower_bound(
     (`context.ring_floor`): a lower floor that needs no cp layout, which is dear to
     make; it leaves ZeRO-3 out, as that compute, counted apart, could hide its
     collectives.
+    With `last_rank`, a GPipe or 1F1B pipeline cut where blocks begin (as `predict`
+    cuts one without stage cuts) spans at least that work and m − 1 more microbatches
+    of its last rank (`span_floor`'s bound for it), which holds a block at least, the
+    segments after the last block, its own sends and ZeRO-3's unhidden collectives
+    (`_zero3_least`): deeper than a few ranks, the geometric split `span_floor`
+    assumes leaves the last rank less than a block. The step's own work then follows
+    (`_once_per_step_floor`).
     The search does not price a plan whose floor is slower than a plan it has. `cache`:
     a dict kept across calls on one graph and mesh, for a microbatch's work (the search
     asks for thousands of plans)."""
@@ -225,14 +233,18 @@ def step_time_lower_bound(
         choices.sequence_parallel,
     )
     kept = cache.get(key) if cache is not None else None
-    if kept is None:
+
+    def rank_work() -> tuple[Sequence[SegmentWork], list[PhaseCost]]:
         at = {**dims, BATCH: choices.microbatch_size}
         segments = (
             rank_segments(summary, at, choices)
             if cp_layout
             else summary.sharded({**at, BATCH: at[BATCH] / cp}, choices.tp)
         )
-        times = _segment_times(segments, choices, models.compute)
+        return segments, _segment_times(segments, choices, models.compute)
+
+    if kept is None:
+        segments, times = rank_work()
         work: float = sum(t.total for t in times)
         work += _tp_comm(segments, choices, models.comm)
         if cp > 1:  # the rings, conversions and logits' gather it makes
@@ -243,7 +255,7 @@ def step_time_lower_bound(
                 work += ring_comm(segments, cp, tp, precision, again, comm, compute)
                 work += conversion_comm(segments, cp, tp, precision, again, comm)
             else:  # each attention's ring, or its whole sequence
-                whole = summary.sharded(at, tp)
+                whole = summary.sharded({**dims, BATCH: choices.microbatch_size}, tp)
                 work += ring_floor(segments, whole, cp, tp, precision, again, comm, compute)
             work += output_gather(segments[-1].output_bytes, cp, tp, comm)
         # All stages' parameters: spread over pp below, which only lowers the floor.
@@ -272,7 +284,152 @@ def step_time_lower_bound(
         if cache is not None:
             cache[sends] = transfers
     work += transfers
-    return work * span_floor(choices.schedule, pp, choices.microbatches, choices.virtual_stages)
+    floor = work * span_floor(choices.schedule, pp, choices.microbatches, choices.virtual_stages)
+    cut_at_blocks = blocks >= choices.chunks and not choices.stage_cuts
+    if last_rank and cut_at_blocks and pp > 1 and choices.schedule in _SPANNED:
+        # Rank p − 1 starts after the others' first forwards, runs its m microbatches,
+        # then the others run the last backward: its constraint of `span_floor`.
+        ends = cache.get(("last", key)) if cache is not None else None
+        if ends is None:
+            segments, times = rank_work()
+            tail = _last_chunk_floor(segments, times, choices, models.comm)
+            ends = (tail, _least_first_bucket(segments, choices.tp))
+            if cache is not None:
+                cache["last", key] = ends
+        tail, least = ends
+        last = tail + p2p_comm(boundary, choices, models.comm, pp - 1)
+        last += _zero3_least(least, choices, models)
+        floor = max(floor, work + (choices.microbatches - 1) * last)
+        if choices.ep == 1:
+            floor += _once_per_step_floor(params, choices, models)
+    return floor
+
+
+def balanced_pipeline_floors(
+    summary: GraphSummary, choices: Choices, dims: Mapping[str, int], models: CostModels
+) -> tuple[float, int]:
+    """Floors under `predict`'s step time and peak memory of a GPipe or 1F1B pipeline
+    that recomputes nothing and has no stage cuts, cut as `predict` cuts it
+    (`balanced_chunks`); (0, 0) for any other plan. Rank r's microbatch takes at least
+    t_r, its segments' compute and tensor-parallel collectives, its sends and ZeRO-3's
+    unhidden collectives (`_zero3_least`); the span at least m · t_k + Σ_{i<k} t_i for
+    every rank k (`span_floor`), then the step's own work (`_once_per_step_floor`).
+    The first rank holds at least its states and its microbatches in flight, with the
+    allocator's share: `MemoryModel.breakdown` without its buffers and output."""
+    pp, m = choices.pp, choices.microbatches
+    plain = not choices.recompute and not choices.recompute_attention
+    if pp == 1 or choices.stage_cuts or choices.schedule not in _SPANNED or not plain:
+        return 0.0, 0
+    segments = rank_segments(summary, {**dims, BATCH: choices.microbatch_size}, choices)
+    if sum(s.is_block for s in segments) < choices.chunks:
+        return 0.0, 0
+    times = _segment_times(segments, choices, models.compute)
+    chunk_of = balanced_chunks(segments, [t.total for t in times], choices.chunks)
+    spans = _rank_spans(chunk_of, pp)
+    columns = _Columns.of(segments, choices, models)
+    least = _least_first_bucket(segments, choices.tp) if choices.ep == 1 else 0.0
+    unhidden = _zero3_least(least, choices, models)
+    ranks = []
+    for r, own in enumerate(spans):
+        busy = sum(t.total for t in _in_spans(times, own)) + sum(_in_spans(columns.tp, own))
+        boundary = max(_in_spans(columns.block_outputs, own), default=0.0)
+        ranks.append(busy + _sends(boundary, choices, models, r) + unhidden)
+    span = max(m * t + before for t, before in zip(ranks, itertools.accumulate([0.0, *ranks])))
+    params = sum(columns.params)
+    if choices.ep == 1:
+        span += _once_per_step_floor(params, choices, models)
+    first = spans[0]
+    in_flight = in_flight_microbatches(choices.schedule, m, pp, 0)
+    memory = models.memory.breakdown(
+        sum(_in_spans(columns.params, first)),
+        choices.dp,
+        choices.zero,
+        activations=in_flight * sum(_in_spans(columns.saved, first)),
+        offload=choices.offload,
+        experts=sum(_in_spans(columns.experts, first)),
+        ep=choices.ep,
+        master_weights=choices.master_weights,
+    )
+    return span * (1 - 1e-9), total(memory)  # less a margin for the sums' order
+
+
+# The schedules `pipeline.schedule_span` simulates rank by rank.
+_SPANNED = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+
+
+def _last_chunk_floor(
+    segments: Sequence[SegmentWork], times: Sequence[PhaseCost], choices: Choices, comm: CommModel
+) -> float:
+    """The least the last chunk of a pipeline cut where blocks begin computes and
+    spends on tensor-parallel collectives for a microbatch: the cheapest block and
+    every segment after the last block (the head and the loss), which it holds."""
+    ends = [i for i, s in enumerate(segments) if s.is_block]
+    if not ends:
+        return 0.0
+    blocks: dict[tuple, float] = {}  # copies of a block cost alike (`segment_times`)
+    for seg, t in zip(segments, times):
+        again = choices.recomputes(seg)
+        kind = (seg.segment.block_id or seg.key, again, choices.recomputes_attention(seg))
+        if seg.is_block and kind not in blocks:
+            blocks[kind] = t.total + tp_comm(seg, choices, comm, again)
+    after = zip(segments[ends[-1] + 1 :], times[ends[-1] + 1 :])
+    return min(blocks.values()) + sum(
+        t.total + tp_comm(s, choices, comm, choices.recomputes(s)) for s, t in after
+    )
+
+
+def _least_first_bucket(segments: Sequence[SegmentWork], tp: int) -> float:
+    """The fewest parameters a pipeline rank's first ZeRO-3 bucket can hold, the chunks
+    beginning at blocks: a block's first bucket, or on the first rank the first
+    segment's holding parameters, each capped at the pass's bucket; 0 where a block
+    holds none (a rank could then gather nothing)."""
+    held = [s.param_numel(tp) for s in segments]
+    firsts = [p for s, p in zip(segments, held) if s.is_block]
+    firsts += [p for p in held if p > 0][:1]
+    return min(min(firsts), ZERO3_BUCKET_BYTES / FP32_WEIGHTS[0]) if firsts else 0.0
+
+
+def _zero3_least(least: float, choices: Choices, models: CostModels) -> float:
+    """ZeRO-3's collectives a pipeline rank leaves unhidden per microbatch at least
+    (`_zero3_comm`), its first bucket holding at least `least` parameters: that bucket's
+    gather before its forward and its gradients' reduce-scatter after its backward (a
+    collective takes no less for more bytes). Under expert parallelism, none."""
+    comm = models.comm
+    if choices.zero != 3 or choices.ep > 1 or choices.dp == 1 or not least:
+        return 0.0
+    if comm.measures_zero3_buckets:
+        return 0.0
+    group = (choices.dp, choices.degrees.stride(Axis.DP))
+    param_bytes, grad_bytes = choices.state_bytes[0], choices.reduced_grad_bytes
+    return comm.time(ALL_GATHER, least * param_bytes, *group) + comm.time(
+        REDUCE_SCATTER, least * grad_bytes, *group
+    )
+
+
+def _once_per_step_floor(params: float, choices: Choices, models: CostModels) -> float:
+    """What a step adds at least once its microbatches are done, `params` the
+    parameters one rank of tp × ep holds over all stages: on the pipeline rank holding
+    the most, at least the mean share, the optimizer step over its shard
+    (`_optimizer_time`: the norm's read, the step's sums, Adam's pass over the bytes,
+    and under ZeRO-3 one flat shard per bucket, each holding at most the cap), the
+    gradients' memory traffic (`_gradient_traffic`) and under ZeRO-1/2 the parameters'
+    all-gathers after the step (`_dp_sync`), each growing with the parameters; the rest
+    at 0."""
+    zero, split = choices.zero, choices.degrees.batch_split
+    params /= choices.pp
+    shard = params / split
+    step = _step_sums_time(shard, choices, models)
+    if not choices.offload:
+        state = (shard if zero and split > 1 else params) * sum(choices.state_bytes)
+        buckets = params / (ZERO3_BUCKET_BYTES / FP32_WEIGHTS[0]) if zero == 3 else 0.0
+        step += models.compute.optimizer_step_time(state, buckets if split > 1 else 0.0)
+    step += _gradient_traffic(params, choices, models)
+    if zero in (1, 2) and split > 1 and choices.ep == 1 and choices.sync_every is None:
+        size, stride = _sync_group(choices)
+        if size > 1:
+            param_bytes = choices.state_bytes[0]
+            step += _bucketed(ALL_GATHER, params * param_bytes, size, stride, models)[0]
+    return step
 
 
 def _zero3_floor(

@@ -34,6 +34,7 @@ from autopart.passes.context_parallel import sequence_length
 from autopart.plan import Alternative, MeshSpec, Plan, PlanError
 from autopart.plan_format import format_bytes
 from autopart.policy import (
+    MAX_ALTERNATIVES,
     PARAM_DTYPES,
     PRECISION_ALIASES,
     PRECISION_CHOICES,
@@ -51,7 +52,6 @@ from autopart.policy import (
 from autopart.solver.pipeline import choose_pipeline
 from autopart.solver.search import SLACK, Candidate, NoPlanFits, TpLayouts, search
 
-MAX_ALTERNATIVES = 4
 # A recomputation pin's words for "every block" and "none".
 RECOMPUTE_WORDS = {"all": True, "none": False}
 

@@ -66,6 +66,7 @@ from autopart.cost_models import (
     step_time_lower_bound,
 )
 from autopart.cost_models.pipeline import bubble_fraction
+from autopart.cost_models.predict import balanced_pipeline_floors
 from autopart.cost_models.stage_costs import StageProblem, stage_problem_of
 from autopart.cost_models.summary import TpLayout
 from autopart.cost_models.tp_costs import TpCosts
@@ -81,6 +82,7 @@ from autopart.plan_format import format_bytes
 from autopart.policy import (
     CHOICE_SLACK,
     LOW_DTYPES,
+    MAX_ALTERNATIVES,
     MasterWeights,
     Precision,
     Schedule,
@@ -184,13 +186,15 @@ def search(
         # there are many, and a pipeline's best plan is often found only once the
         # inner model fits it, after which the floor prunes most of them.
         choices = list(_choices(layouts, mesh, pins, global_batch, blocks, offload))
-        found = _price(layouts, mesh, dims, [c for c in choices if c.cp == 1], recomputable)
+        listed = _Listed()
+        without = [c for c in choices if c.cp == 1]
+        found = _price(layouts, mesh, dims, without, recomputable, listed=listed)
         best = min(
             (c.predicted.step_time_s for c in found if c.predicted.peak_memory_bytes <= memory),
             default=math.inf,
         )
         with_cp = [c for c in choices if c.cp > 1]
-        return found + _price(layouts, mesh, dims, with_cp, recomputable, best)
+        return found + _price(layouts, mesh, dims, with_cp, recomputable, best, listed)
 
     memory = mesh.device.memory_bytes
 
@@ -354,6 +358,7 @@ def _price(
     choices: list[Choices],
     recomputable: bool,
     best: float = math.inf,
+    listed: _Listed | None = None,
 ) -> list[Candidate]:
     """The choices priced best first. Each is priced by `predict` (a pipeline cut where
     blocks balance its compute, nothing recomputed) and, where it does not fit, fitted
@@ -365,7 +370,10 @@ def _price(
     (1 + SLACK) × the fastest fitting plan found (or `best`, a step time already
     found), what is left can be neither chosen nor within the slack of the choice: a
     plan is left unpriced, or unfitted. A plan whose fitted floor (`_fitted_floor`) is
-    beyond the slack is left unfitted too.
+    beyond the slack is left unfitted too. A pipeline is left unpriced by tighter floors
+    (`_unpriced`) only where it could not be listed among the alternatives either
+    (`_Listed`): the search order, and so what is chosen and listed, stays what the
+    first floors make it.
 
     A plan whose parameters, gradients and optimizer state alone exceed the device's
     memory (`_states_overflow`) fits whatever the inner model does: it is priced only
@@ -374,6 +382,7 @@ def _price(
     start, memory = time.perf_counter(), mesh.device.memory_bytes
     if not choices:
         return []
+    listed = listed if listed is not None else _Listed()
     models = CostModels.of(mesh, choices[0].precision, choices[0].compiled)
     floors: dict = {}  # step_time_lower_bound's cache
     held: dict = {}  # _states_overflow's
@@ -399,9 +408,10 @@ def _price(
         _, fit, i = heapq.heappop(queue)
         c = choices[i]
         summary = layouts.summary(c.tp, c.sequence_parallel)
+        line = (1 + SLACK) * best
         if fit:
             problem = stage_problem_of(summary, c, dims, models, memory, recomputable)
-            if _fitted_floor(problem, c) > (1 + SLACK) * best:
+            if _fitted_floor(problem, c) > line:
                 continue
             inner += 1
             priced[i] = Candidate(
@@ -409,9 +419,13 @@ def _price(
             )
         else:
             progress.update(len(priced))
+            # Under context parallelism, the floors without its layout first: it is dear.
             if c.cp > 1 and (
-                step_time_lower_bound(summary, c, dims, models, floors) > (1 + SLACK) * best
+                _unpriced(summary, c, dims, models, floors, line, listed, memory, False)
+                or step_time_lower_bound(summary, c, dims, models, floors) > line
             ):
+                continue
+            if _unpriced(summary, c, dims, models, floors, line, listed, memory):
                 continue
             priced[i] = Candidate(c, predict(summary, mesh, c, dims, models))
             if priced[i].predicted.peak_memory_bytes > memory and (c.pp > 1 or recomputable):
@@ -419,6 +433,7 @@ def _price(
                 heapq.heappush(queue, (bound, 1, i))
         if priced[i].predicted.peak_memory_bytes <= memory:
             best = min(best, priced[i].predicted.step_time_s)
+            listed.add(priced[i])
     out = [priced[i] for i in sorted(priced)]  # in the choices' order
     if hopeless and all(cand.predicted.peak_memory_bytes > memory for cand in out):
         out += [
@@ -433,6 +448,58 @@ def _price(
         time.perf_counter() - start,
     )
     return out
+
+
+class _Listed:
+    """The plans that fit priced so far, for whether a slower plan could still be one of
+    the alternatives a plan lists (`pins._alternatives`, the fastest of each set of
+    mechanisms but the plan's own): not where MAX_ALTERNATIVES + 1 plans faster than it
+    differ in their degrees, ZeRO stage, microbatches or schedule, since those
+    differ in what they switch on. The plan that runs is one of them or slower, so at
+    least MAX_ALTERNATIVES are listed before it."""
+
+    def __init__(self) -> None:
+        self.fitting: list[tuple[float, tuple]] = []
+
+    def add(self, candidate: Candidate) -> None:
+        c = candidate.choices
+        kind = (c.degrees, c.zero, c.microbatches, c.schedule, c.virtual_stages)
+        self.fitting.append((candidate.predicted.step_time_s, kind))
+
+    def full_below(self, step_time: float) -> bool:
+        """Whether no plan as slow as `step_time` or slower can be listed."""
+        kinds = {kind for t, kind in self.fitting if t < step_time}
+        return len(kinds) > MAX_ALTERNATIVES
+
+
+def _unpriced(
+    summary: GraphSummary,
+    c: Choices,
+    dims: Mapping[str, int],
+    models: CostModels,
+    floors: dict,
+    line: float,
+    listed: _Listed,
+    memory: int,
+    cp_layout: bool = True,
+) -> bool:
+    """Whether a pipeline cut where its compute balances is left unpriced: where a floor
+    of its step less the most the inner model's cuts could gain is beyond `line` (it
+    could neither be chosen nor fitted), and it could not be among the alternatives,
+    being slower than enough plans that fit or, by its memory's floor, not fitting. The
+    floors: with its last rank's bound (`step_time_lower_bound`, without the cp layout
+    where not `cp_layout`), then with the ranks `predict` cuts
+    (`balanced_pipeline_floors`)."""
+    if c.pp == 1 or c.stage_cuts:
+        return False
+    floor = step_time_lower_bound(summary, c, dims, models, floors, cp_layout, last_rank=True)
+    if floor * (1 - REBALANCE_GAIN) > line and listed.full_below(floor):
+        return True
+    if not cp_layout:
+        return False
+    step, peak = balanced_pipeline_floors(summary, c, dims, models)
+    step = max(step, floor)
+    return step * (1 - REBALANCE_GAIN) > line and (peak > memory or listed.full_below(step))
 
 
 def _states_overflow(

@@ -4,12 +4,14 @@ cache: a floor above its plan's price would drop a plan the search should weigh.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
 
 from autopart.api import captured_for_planning
 from autopart.cost_models import Choices, CostModels, predict, step_time_lower_bound
+from autopart.cost_models.predict import balanced_pipeline_floors
 from autopart.cost_models.summary import GraphSummary
 from autopart.degrees import Degrees
 from autopart.mesh import Mesh
@@ -79,3 +81,45 @@ def test_the_floor_counts_zero3s_gathers_where_they_outlast_the_compute(summary,
     floors = [step_time_lower_bound(summary, c, {"seq": SEQ}, models) for c in (plain, sharded)]
     price = predict(summary, mesh, sharded, {"seq": SEQ}, models).step_time_s
     assert floors[0] < floors[1] <= price
+
+
+def _pipelines(batch: int, blocks: int):
+    """GPipe and 1F1B plans of a model of `blocks` blocks, from 2 ranks to one a block,
+    with and without ZeRO-3 and tensor parallelism."""
+    for pp, tp, cp, zero, schedule in itertools.product(
+        (2, 4, blocks), (1, 2), (1, 2), (0, 3), ("1f1b", "gpipe")
+    ):
+        for m in (pp, 4 * pp, 16 * pp):
+            if batch % (2 * m) == 0:
+                yield Choices(batch, Degrees(pp=pp, tp=tp, dp=2, cp=cp), zero, m, schedule)
+
+
+@pytest.mark.parametrize("graph", ["gpt_graph", "llama3_8b_graph"])
+def test_the_last_ranks_floor_is_at_most_the_price(graph, request):
+    """A GPipe or 1F1B pipeline cut where blocks begin spans at least its ranks' summed
+    work and m − 1 more microbatches of its last rank, which holds a block and the
+    head, and the step's own work after them: never above the price (under context
+    parallelism without its layout too), and above the geometric split's floor where
+    the pipeline is as deep as the model (its last rank would hold less than a
+    block). Cut where `predict` cuts it, its ranks' own work floors it closer, and
+    its first rank's states and microbatches in flight its memory."""
+    summary = GraphSummary(request.getfixturevalue(graph))
+    blocks = sum(s.is_block for s in summary.evaluate({"batch": 1}))
+    deeper = closer = 0
+    for choices in _pipelines(256, blocks):
+        world = choices.degrees.world_size
+        mesh = Mesh.cluster("a100-80g", nodes=max(1, world // 8), per_node=min(8, world))
+        models = CostModels.of(mesh, "bf16-mixed")
+        c = replace(choices, precision="bf16-mixed")
+        cache: dict = {}
+        plain = step_time_lower_bound(summary, c, {}, models, cache)
+        last = step_time_lower_bound(summary, c, {}, models, cache, last_rank=True)
+        cheap = step_time_lower_bound(summary, c, {}, models, cache, False, last_rank=True)
+        predicted = predict(summary, mesh, c, {}, models)
+        price = predicted.step_time_s
+        assert plain <= last <= price and cheap <= price, c
+        deeper += c.pp == blocks and last > plain
+        step, peak = balanced_pipeline_floors(summary, c, {}, models)
+        assert 0 < step <= price and 0 < peak <= predicted.peak_memory_bytes, c
+        closer += step > 0.9 * price
+    assert deeper and closer
