@@ -215,7 +215,7 @@ def step_time_lower_bound(
     segments after the last block, its own sends and ZeRO-3's unhidden collectives
     (`_zero3_least`): deeper than a few ranks, the geometric split `span_floor`
     assumes leaves the last rank less than a block. The step's own work then follows
-    (`_once_per_step_floor`).
+    (`once_per_step_floor`).
     The search does not price a plan whose floor is slower than a plan it has. `cache`:
     a dict kept across calls on one graph and mesh, for a microbatch's work (the search
     asks for thousands of plans)."""
@@ -301,7 +301,7 @@ def step_time_lower_bound(
         last += _zero3_least(least, choices, models)
         floor = max(floor, work + (choices.microbatches - 1) * last)
         if choices.ep == 1:
-            floor += _once_per_step_floor(params, choices, models)
+            floor += once_per_step_floor(params, choices, models)
     return floor
 
 
@@ -313,7 +313,7 @@ def balanced_pipeline_floors(
     (`balanced_chunks`); (0, 0) for any other plan. Rank r's microbatch takes at least
     t_r, its segments' compute and tensor-parallel collectives, its sends and ZeRO-3's
     unhidden collectives (`_zero3_least`); the span at least m · t_k + Σ_{i<k} t_i for
-    every rank k (`span_floor`), then the step's own work (`_once_per_step_floor`).
+    every rank k (`span_floor`), then the step's own work (`once_per_step_floor`).
     The first rank holds at least its states and its microbatches in flight, with the
     allocator's share: `MemoryModel.breakdown` without its buffers and output."""
     pp, m = choices.pp, choices.microbatches
@@ -337,7 +337,7 @@ def balanced_pipeline_floors(
     span = max(m * t + before for t, before in zip(ranks, itertools.accumulate([0.0, *ranks])))
     params = sum(columns.params)
     if choices.ep == 1:
-        span += _once_per_step_floor(params, choices, models)
+        span += once_per_step_floor(params, choices, models)
     first = spans[0]
     in_flight = in_flight_microbatches(choices.schedule, m, pp, 0)
     memory = models.memory.breakdown(
@@ -378,6 +378,34 @@ def _last_chunk_floor(
     )
 
 
+def unhidden_gathers(
+    segments: Sequence[SegmentWork], choices: Choices, models: CostModels
+) -> list[float] | None:
+    """Per segment of the plan's list (`rank_segments`), seconds that ZeRO-3's gathers
+    add at least to a pipeline rank's microbatch beyond its compute, whatever the stage
+    cuts and recomputation: a rank's forward gathers its parameters bucket by bucket,
+    behind its forward compute at most (`_zero3_comm`), so its forward takes at least
+    the sum over its segments of their parameters' gather at the collective's least
+    seconds per byte (`_per_byte`) less their forward (recomputation adds only to
+    backward). None where the collectives are priced otherwise (experts, measured
+    buckets, compiled regions) or where a block's gather hides behind its forward."""
+    comm, dp = models.comm, choices.dp
+    if choices.zero != 3 or choices.ep > 1 or dp == 1 or choices.compiled:
+        return None
+    if comm.measures_zero3_buckets:
+        return None
+    stride, param_bytes = choices.degrees.stride(Axis.DP), choices.state_bytes[0]
+    per_byte = _per_byte(lambda b: comm.time(ALL_GATHER, b, dp, stride))
+    times = _segment_times(segments, choices, models.compute)
+    extra = [
+        s.param_numel(choices.tp) * param_bytes * per_byte - t.forward
+        for s, t in zip(segments, times)
+    ]
+    if min(e for e, s in zip(extra, segments) if s.is_block) <= 0:
+        return None
+    return extra
+
+
 def _least_first_bucket(segments: Sequence[SegmentWork], tp: int) -> float:
     """The fewest parameters a pipeline rank's first ZeRO-3 bucket can hold, the chunks
     beginning at blocks: a block's first bucket, or on the first rank the first
@@ -406,7 +434,7 @@ def _zero3_least(least: float, choices: Choices, models: CostModels) -> float:
     )
 
 
-def _once_per_step_floor(params: float, choices: Choices, models: CostModels) -> float:
+def once_per_step_floor(params: float, choices: Choices, models: CostModels) -> float:
     """What a step adds at least once its microbatches are done, `params` the
     parameters one rank of tp × ep holds over all stages: on the pipeline rank holding
     the most, at least the mean share, the optimizer step over its shard

@@ -49,7 +49,7 @@ import heapq
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -66,7 +66,12 @@ from autopart.cost_models import (
     step_time_lower_bound,
 )
 from autopart.cost_models.pipeline import bubble_fraction
-from autopart.cost_models.predict import balanced_pipeline_floors
+from autopart.cost_models.predict import (
+    balanced_pipeline_floors,
+    once_per_step_floor,
+    rank_segments,
+    unhidden_gathers,
+)
 from autopart.cost_models.stage_costs import StageProblem, stage_problem_of
 from autopart.cost_models.summary import TpLayout
 from autopart.cost_models.tp_costs import TpCosts
@@ -370,10 +375,10 @@ def _price(
     (1 + SLACK) × the fastest fitting plan found (or `best`, a step time already
     found), what is left can be neither chosen nor within the slack of the choice: a
     plan is left unpriced, or unfitted. A plan whose fitted floor (`_fitted_floor`) is
-    beyond the slack is left unfitted too. A pipeline is left unpriced by tighter floors
-    (`_unpriced`) only where it could not be listed among the alternatives either
-    (`_Listed`): the search order, and so what is chosen and listed, stays what the
-    first floors make it.
+    beyond the slack is left unfitted too. A plan is left unpriced or unfitted by
+    tighter floors (`_unpriced`, `_unfitted`) only where it could not be listed among
+    the alternatives either (`_Listed`): the search order, and so what is chosen and
+    listed, stays what the first floors make it.
 
     A plan whose parameters, gradients and optimizer state alone exceed the device's
     memory (`_states_overflow`) fits whatever the inner model does: it is priced only
@@ -411,7 +416,7 @@ def _price(
         line = (1 + SLACK) * best
         if fit:
             problem = stage_problem_of(summary, c, dims, models, memory, recomputable)
-            if _fitted_floor(problem, c) > line:
+            if _unfitted(problem, summary, c, dims, models, line, listed):
                 continue
             inner += 1
             priced[i] = Candidate(
@@ -470,6 +475,33 @@ class _Listed:
         """Whether no plan as slow as `step_time` or slower can be listed."""
         kinds = {kind for t, kind in self.fitting if t < step_time}
         return len(kinds) > MAX_ALTERNATIVES
+
+
+def _unfitted(
+    problem: StageProblem,
+    summary: GraphSummary,
+    c: Choices,
+    dims: Mapping[str, int],
+    models: CostModels,
+    line: float,
+    listed: _Listed,
+) -> bool:
+    """Whether a plan that does not fit is left unfitted: where no cuts the inner model
+    could make bring it within `line` (`_fitted_floor`); or where, with the gathers
+    ZeRO-3 cannot hide on each rank (`unhidden_gathers`) and the step's own work
+    (`once_per_step_floor`), neither within `line` nor among the alternatives."""
+    floor = _fitted_floor(problem, c)
+    if floor > line:
+        return True
+    segments = rank_segments(summary, {**dims, BATCH: c.microbatch_size}, c)
+    unhidden = unhidden_gathers(segments, c, models)
+    if unhidden is None:
+        return False
+    tick = problem.time_unit_s
+    extra = [math.floor(seconds / tick) for seconds in unhidden]
+    params = sum(s.param_numel(c.tp) for s in segments)
+    floor = _fitted_floor(problem, c, extra) + once_per_step_floor(params, c, models)
+    return floor > line and listed.full_below(floor)
 
 
 def _unpriced(
@@ -547,11 +579,12 @@ def _with_inner_cuts(
     return replace(chosen, choices=choices, predicted=predicted)
 
 
-def _fitted_floor(problem: StageProblem, c: Choices) -> float:
+def _fitted_floor(problem: StageProblem, c: Choices, extra: Sequence[int] = ()) -> float:
     """A step time the inner model cannot beat on `problem`: the pipeline's microbatches
     and bubble at the least pace any stage cuts and recomputation could reach
-    (`stage_model.pace_lower_bound`), less a margin for the rounding of its units."""
-    pace = pace_lower_bound(problem) * problem.time_unit_s * (1 - 1e-4)
+    (`stage_model.pace_lower_bound`, with `extra` time on each unit), less a margin
+    for the rounding of its units."""
+    pace = pace_lower_bound(problem, extra) * problem.time_unit_s * (1 - 1e-4)
     bubble = bubble_fraction(c.schedule, c.pp, c.microbatches, c.virtual_stages)
     return c.microbatches * (1 + bubble) * pace
 

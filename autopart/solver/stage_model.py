@@ -33,6 +33,7 @@ deterministic.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from fractions import Fraction
 from itertools import accumulate
 
@@ -234,10 +235,12 @@ class _Model:
         return frozenset(whole), frozenset(attention)
 
 
-def pace_lower_bound(problem: StageProblem) -> float:
+def pace_lower_bound(problem: StageProblem, extra: Sequence[int] = ()) -> float:
     """A pace no assignment of `problem` can beat, in its time units (inf when none
     fits), cheap enough to refuse a candidate before its CP-SAT model is built: 0 but
     where the units between the embedding and the head are copies of one block.
+    `extra`: time per unit that a rank spends beyond the problem's, at least, whatever
+    it recomputes (ZeRO-3's gathers its forward cannot hide), added to its units'.
 
     A relaxation of the model, rank by rank. At pace P, rank r can hold at most cap_r(P)
     blocks: each costs its time t and brings its states and what it keeps in flight,
@@ -255,6 +258,8 @@ def pace_lower_bound(problem: StageProblem) -> float:
     a, b = run
     block = p.units[a]
     last = (p.chunks - 1) % p.pp
+    extra = extra or [0] * len(p.units)
+    block_time = block.time + min(extra[a:b])
     options = []  # (what recomputing frees, what it costs): whole, or the core alone
     if block.kind is not None:
         options.append((block.saved - block.recompute_keeps, block.recompute_time))
@@ -275,7 +280,8 @@ def pace_lower_bound(problem: StageProblem) -> float:
         flight = float(p.in_flight[r])
         held = sum(u.states + flight * least_kept(u) for u in around)
         room = p.memory / scale - p.fixed[r] - held
-        busy = p.comm[r] + sum(u.time for u in around)
+        ends = [*range(a)] * (r == 0) + [*range(b, len(p.units))] * (r == last)
+        busy = p.comm[r] + sum(u.time for u in around) + sum(extra[i] for i in ends)
         ranks.append((flight, room, busy, block.states + flight * block.saved))
 
     def cap(pace: int, flight: float, room: float, busy: int, each: float) -> float:
@@ -283,12 +289,12 @@ def pace_lower_bound(problem: StageProblem) -> float:
         if spare < 0 or room < 0:
             return -1.0
         by_room = room / each if each else math.inf
-        plain = min(by_room, spare / block.time) if block.time else by_room
+        plain = min(by_room, spare / block_time) if block_time else by_room
         if rho is None or not flight or plain < by_room:  # nothing to free, or time binds
             return plain
         # Beyond room / each blocks, the excess is freed at ρ time per byte, Δ per block.
         rate = rho / flight
-        by_time = (spare + room * rate) / (block.time + each * rate)
+        by_time = (spare + room * rate) / (block_time + each * rate)
         shrunk = each - flight * freeable
         return max(plain, min(by_time, room / shrunk)) if shrunk > 0 else by_time
 
@@ -301,6 +307,7 @@ def pace_lower_bound(problem: StageProblem) -> float:
         return sum(math.floor(c + 1e-9) if c < math.inf else blocks for c in caps) >= blocks
 
     high = sum(u.time + max(u.recompute_time, u.attention_time) for u in p.units) + max(p.comm)
+    high += sum(max(0, e) for e in extra)
     if not feasible(high):
         return math.inf
     low = 0

@@ -4,6 +4,7 @@ how much and what would fit; the same question gets the same answer."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -343,3 +344,59 @@ def test_offload_is_chosen_only_where_nothing_fits_on_the_device():
     assert not make_plan(captured, mesh, Pins.of(**pins)).offload  # room on the device
     with pytest.raises(ValueError, match="no plan fits"):
         make_plan(captured, tight, Pins.of(offload=False, **pins))
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_the_gathers_zero3_cannot_hide_are_charged(model):
+    """What a plan's fitted floor adds under ZeRO-3 (`unhidden_gathers`: the gathers
+    each rank's forward cannot hide, and the step's own work) `predict` charges at
+    least, for the plan the inner model makes at memory limits from roomy to where
+    blocks are recomputed, on links slow enough that the gathers outlast the compute:
+    the slowest rank's microbatch is at least the least pace with the former, the step
+    at least its microbatches, its bubble and the latter."""
+    from autopart.cost_models import CostModels
+    from autopart.cost_models.predict import (
+        once_per_step_floor,
+        rank_segments,
+        unhidden_gathers,
+    )
+    from autopart.cost_models.stage_costs import stage_problem_of
+    from autopart.cost_models.summary import GraphSummary
+    from autopart.solver.search import _inner
+    from autopart.solver.stage_model import pace_lower_bound
+
+    captured = capture(LM_FACTORIES[model](layers=8), (token_batch(32)[0],))
+    analyze(captured.gm, captured.context())
+    summary = GraphSummary(captured.gm)
+    slow = replace(Mesh.cluster("a100-80g", nodes=8, per_node=1).device, inter_node_bandwidth=1e8)
+    fitted = 0
+    for pp, schedule, m in itertools.product((2, 4), ("1f1b", "interleaved-1f1b"), (4, 8)):
+        virtual = 2 if schedule == "interleaved-1f1b" else 1
+        choices = Choices(32, Degrees(pp=pp, dp=8 // pp), 3, m, schedule, virtual)
+        mesh = Mesh.cluster(slow, nodes=8, per_node=1)
+        models = CostModels.of(mesh, choices.precision)
+        plain = predict(summary, mesh, choices, models=models)
+        segments = rank_segments(summary, {"batch": choices.microbatch_size}, choices)
+        unhidden = unhidden_gathers(segments, choices, models)
+        assert unhidden is not None
+        params = sum(s.param_numel() for s in segments)
+        per_step = once_per_step_floor(params, choices, models)
+        for fraction in (2.0, 1.0, 0.9, 0.8, 0.7):
+            memory = int(plain.peak_memory_bytes * fraction)
+            small = Mesh.cluster(replace(slow, memory_bytes=memory), nodes=8, per_node=1)
+            problem = stage_problem_of(summary, choices, {}, models, memory, recomputable=True)
+            c, price = _inner(problem, summary, small, choices, plain, {}, models)
+            if not c.stage_cuts or price.peak_memory_bytes > memory:
+                continue
+            fitted += 1
+            tick = problem.time_unit_s
+            extra = [int(seconds // tick) for seconds in unhidden]
+            pace = pace_lower_bound(problem, extra) * tick * (1 - 1e-4)
+            slowest = max(s.microbatch_s for s in price.stages)
+            assert pace_lower_bound(problem) * tick < pace <= slowest, (
+                choices,
+                fraction,
+            )
+            once = price.step_time_s - m * slowest - price.bubble_s
+            assert 0 < per_step <= once * (1 + 1e-9), (choices, fraction)
+    assert fitted
