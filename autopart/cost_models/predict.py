@@ -366,16 +366,10 @@ def _last_chunk_floor(
     ends = [i for i, s in enumerate(segments) if s.is_block]
     if not ends:
         return 0.0
-    blocks: dict[tuple, float] = {}  # copies of a block cost alike (`segment_times`)
-    for seg, t in zip(segments, times):
-        again = choices.recomputes(seg)
-        kind = (seg.segment.block_id or seg.key, again, choices.recomputes_attention(seg))
-        if seg.is_block and kind not in blocks:
-            blocks[kind] = t.total + tp_comm(seg, choices, comm, again)
-    after = zip(segments[ends[-1] + 1 :], times[ends[-1] + 1 :])
-    return min(blocks.values()) + sum(
-        t.total + tp_comm(s, choices, comm, choices.recomputes(s)) for s, t in after
-    )
+    each = [
+        t.total + tp_comm(s, choices, comm, choices.recomputes(s)) for s, t in zip(segments, times)
+    ]
+    return min(each[i] for i in ends) + sum(each[ends[-1] + 1 :])
 
 
 def unhidden_gathers(
@@ -1320,13 +1314,8 @@ def _gathers(
                 gathered += 1
                 last[b] = gathered
         if len(order) < len(mine):
-            # Whole buckets but the last, which a later segment may have filled on: a
-            # run of one size, counted at once.
-            run = buckets[lo:hi]
-            if run and run.count(run[0]) == len(run):
-                counts[run[0]] += len(run)
-            else:
-                counts.update(run)
+            # Whole buckets but the last, which a later segment may have filled on.
+            counts.update(buckets[lo:hi])
             latest = buckets[hi]
             counts[latest] += 1
             first = buckets[lo] if not gathered else first
