@@ -118,7 +118,8 @@ def format_plan(plan: Plan) -> str:
 CHOICE_RULE = (
     f"the simplest plan within {CHOICE_SLACK:.0%} of the fastest that fits, by the "
     "search's prices; simplest: the fewest mechanisms switched on (axes besides dp, "
-    "ZeRO, recomputation, interleaving, gradient accumulation, sequence parallelism), "
+    "ZeRO, recomputation, interleaving, gradient accumulation outside a pipeline, "
+    "sequence parallelism), "
     "the fastest among equally simple"
 )
 STALE = (

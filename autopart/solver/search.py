@@ -36,9 +36,9 @@ its rank r_c among the N candidates by step time:
 The second solve keeps the simplest of the plans within `slack` (5%) of the fastest, so
 plain data parallelism stays when nothing is measurably faster: correct first, then
 fast. Simplicity counts mechanisms (an axis switched on, the ZeRO stage, recomputation,
-interleaving, gradient accumulation, sequence parallelism), not degrees; among equally
-simple plans, the fastest, so the choice does not depend on the order in which
-candidates are enumerated. The solver runs on one worker with a fixed
+interleaving, gradient accumulation outside a pipeline, sequence parallelism), not
+degrees; among equally simple plans, the fastest, so the choice does not depend on the
+order in which candidates are enumerated. The solver runs on one worker with a fixed
 seed, so it is deterministic, and logs the problem size and solve time.
 """
 
@@ -164,7 +164,10 @@ class Candidate:
     def simplicity(self) -> int:
         """How many mechanisms the plan switches on. Degrees do not count: between
         plans that use the same mechanisms (pp=8 and pp=16, both with tp and
-        recomputation), the cost model's figures decide, not a preference."""
+        recomputation), the cost model's figures decide, not a preference. A
+        pipeline's microbatches are the pipeline's own, not gradient accumulation
+        besides it: counted, every pipeline would rank below a tp plan of the same
+        degrees within the slack, however much faster it was priced."""
         c = self.choices
         axes = sum(AXIS_COMPLEXITY.get(a, 3) for a, n in c.degrees.items() if n > 1)
         return (
@@ -173,7 +176,7 @@ class Candidate:
             + 2 * bool(c.recompute)
             + bool(c.recompute_attention)
             + (c.virtual_stages > 1)
-            + (c.microbatches > 1)
+            + (c.microbatches > 1 and c.degrees[Axis.PP] == 1)
             + c.sequence_parallel
         )
 
