@@ -18,8 +18,9 @@ from autopart.cost_models import Choices, predict
 from autopart.degrees import Degrees
 from autopart.mesh import Mesh
 from autopart.passes import analyze
+from autopart.plan import Predicted
 from autopart.solver import Pins, make_plan
-from autopart.solver.search import SLACK
+from autopart.solver.search import SLACK, Candidate, _solve
 from tests.models import LM_FACTORIES, tiny_gpt2, token_batch
 
 GiB = 1024**3
@@ -400,3 +401,24 @@ def test_the_gathers_zero3_cannot_hide_are_charged(model):
             once = price.step_time_s - m * slowest - price.bubble_s
             assert 0 < per_step <= once * (1 + 1e-9), (choices, fraction)
     assert fitted
+
+
+def _candidate(step_ms: float, **choices) -> Candidate:
+    predicted = Predicted(step_ms / 1e3, step_ms / 1e3, 0.0, 0.0, peak_memory_bytes=GiB)
+    return Candidate(Choices(global_batch=8, **choices), predicted)
+
+
+def test_a_pipeline_and_tensor_parallelism_count_alike_within_the_slack():
+    """A pipeline's microbatches are its own: priced 2% faster than tp2, the pipeline is
+    chosen, where counting them as gradient accumulation would keep tp2."""
+    tp = _candidate(100, degrees=Degrees(tp=2))
+    pp = _candidate(98, degrees=Degrees(pp=2), microbatches=2, schedule="1f1b")
+    assert pp.simplicity == tp.simplicity
+    assert _solve([tp, pp], 2 * GiB) is pp
+
+
+def test_gradient_accumulation_without_a_pipeline_still_counts():
+    plain = _candidate(100, degrees=Degrees(dp=2))
+    accumulated = _candidate(98, degrees=Degrees(dp=2), microbatches=2)
+    assert accumulated.simplicity == plain.simplicity + 1
+    assert _solve([accumulated, plain], 2 * GiB) is plain
