@@ -28,9 +28,9 @@ which
                   of the steps of every plan before the calibration and half after it;
                   a step is as slow as its slowest rank.
 
-The processes reuse freed memory (glibc's mmap and trim thresholds raised, unless
-`--fresh-pages`), as a caching allocator would: the cost models do not price the page
-faults of large outputs written to fresh pages.
+The processes reuse freed memory, as autopart's CPU runtime keeps it
+(`runtime/host_memory.py`) unless `--fresh-pages` opts out: the cost models do not
+price the page faults of large outputs written to fresh pages.
 
 Pairing each epoch's prediction with the steps measured around its calibration keeps
 the two under the same load: on a shared machine other jobs come and go within
@@ -82,6 +82,7 @@ from autopart.calibrate import calibrate  # noqa: E402
 from autopart.capture import BATCH, Captured  # noqa: E402
 from autopart.cost_models import Choices, predict  # noqa: E402
 from autopart.policy import PARAM_DTYPES  # noqa: E402
+from autopart.runtime.host_memory import ENVIRONMENT  # noqa: E402
 from autopart.testing import run_world  # noqa: E402
 from tests.models import LM_FACTORIES, lm_loss, make_optimizer, token_batch  # noqa: E402
 
@@ -387,14 +388,10 @@ def main() -> None:
         help="leave glibc's allocator as it is (large outputs on fresh, faulting pages)",
     )
     args = parser.parse_args()
-    if not args.fresh_pages:
-        # The worlds' processes (which inherit this environment) keep freed tensors in
-        # the heap for reuse, as a caching allocator does, instead of handing large ones
-        # back to the kernel and faulting in fresh pages for the next: 600-1,600 page
-        # faults a step of tiny GPT-2, 10-25% of its time, which the cost models do not
-        # price (PyTorch's CPU tuning guide recommends jemalloc or tcmalloc for this).
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
-        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+    if args.fresh_pages:
+        # The worlds' processes (which inherit this environment) leave glibc's allocator
+        # as it is, instead of keeping freed memory as autopart's CPU runtime does.
+        os.environ[ENVIRONMENT] = "0"
     testing.WORLD_TIMEOUT_S = args.world_timeout
     options = {
         "epochs": args.epochs,

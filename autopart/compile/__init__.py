@@ -61,6 +61,7 @@ from autopart.passes import analyze, total_flops
 from autopart.plan import PlanError
 from autopart.policy import COLLECTIVE_TIMEOUT_S
 from autopart.runtime.compiled import inductor
+from autopart.runtime.host_memory import keep_freed_memory
 
 log = logging.getLogger("autopart.compile")
 
@@ -199,6 +200,8 @@ class AutopartBackend:
             mesh = self.local_mesh
             device_mesh = mesh.device_mesh(self.degrees, self.timeout)
             self._groups = MeshGroups(device_mesh, mesh.group_options(self.timeout))
+            if self._groups.device_type == "cpu":
+                keep_freed_memory()  # as parallelize's runtime (runtime/host_memory.py)
         return self._groups
 
     def _sync_for(self, params: list[nn.Parameter]) -> ParameterGradients:

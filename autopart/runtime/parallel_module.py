@@ -26,6 +26,7 @@ from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.faults import peer_lost, register_process
 from autopart.runtime.full_state import full_state_dict
 from autopart.runtime.grad_norm import GradientNorm
+from autopart.runtime.host_memory import keep_freed_memory
 from autopart.runtime.loss import StepLoss, counted_tokens, shares_of, whole_output
 from autopart.runtime.modes import EvalPrograms, MakeProgram, filled
 from autopart.runtime.precision import Precision
@@ -65,6 +66,8 @@ class ParallelModule(nn.Module):
         clip, which batch each rank passes and what a non-finite step does
         (runtime/training.py); `example_batch`, the global batch of the example."""
         super().__init__()
+        if groups.device_type == "cpu":
+            keep_freed_memory()  # the step the cost models price (runtime/host_memory.py)
         self.stages = nn.ModuleList(program.stages)
         self.input_shapes = tuple(input_shapes)
         self.dim_ranges = dict(dim_ranges or {})
