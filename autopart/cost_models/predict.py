@@ -379,25 +379,46 @@ def unhidden_gathers(
     add at least to a pipeline rank's microbatch beyond its compute, whatever the stage
     cuts and recomputation: a rank's forward gathers its parameters bucket by bucket,
     behind its forward compute at most (`_zero3_comm`), so its forward takes at least
-    the sum over its segments of their parameters' gather at the collective's least
-    seconds per byte (`_per_byte`) less their forward (recomputation adds only to
-    backward). None where the collectives are priced otherwise (experts, measured
-    buckets, compiled regions) or where a block's gather hides behind its forward."""
+    the sum over its segments of their parameters' gathers (`_least_gathers`) less
+    their forward (recomputation adds only to backward). None where the collectives are
+    priced otherwise (experts, measured buckets, compiled regions) or where a block's
+    gathers hide behind its forward."""
     comm, dp = models.comm, choices.dp
     if choices.zero != 3 or choices.ep > 1 or dp == 1 or choices.compiled:
         return None
     if comm.measures_zero3_buckets:
         return None
-    stride, param_bytes = choices.degrees.stride(Axis.DP), choices.state_bytes[0]
-    per_byte = _per_byte(lambda b: comm.time(ALL_GATHER, b, dp, stride))
     times = _segment_times(segments, choices, models.compute)
-    extra = [
-        s.param_numel(choices.tp) * param_bytes * per_byte - t.forward
-        for s, t in zip(segments, times)
-    ]
+    gathers = _least_gathers(segments, choices, comm)
+    extra = [g - t.forward for g, t in zip(gathers, times)]
     if min(e for e, s in zip(extra, segments) if s.is_block) <= 0:
         return None
     return extra
+
+
+def _least_gathers(
+    segments: Sequence[SegmentWork], choices: Choices, comm: CommModel
+) -> list[float]:
+    """Per segment, the least seconds ZeRO-3's forward spends gathering its parameters,
+    whatever the stage cuts. A block's parameters fill buckets of their own
+    (`_buckets_of`: a block begins a bucket, and the segment after it another), so its
+    gathers take what `_zero3_comm` charges them; another segment's may share a bucket
+    with its neighbours', so they take at least the collective's least seconds per
+    byte (`_per_byte`: a collective's time is at least that times its bytes)."""
+    group, param_bytes = (choices.dp, choices.degrees.stride(Axis.DP)), choices.state_bytes[0]
+    per_byte = _per_byte(lambda b: comm.time(ALL_GATHER, b, *group))
+    blocks: dict[str | None, float] = {}  # copies of one block gather alike
+    out = []
+    for seg in segments:
+        if not seg.is_block:
+            out.append(seg.param_numel(choices.tp) * param_bytes * per_byte)
+            continue
+        if seg.segment.block_id not in blocks:
+            buckets, _ = _buckets_of([seg], lambda s: s.param_numel(choices.tp))
+            gathers = (comm.time(ALL_GATHER, b * param_bytes, *group) for b in buckets)
+            blocks[seg.segment.block_id] = sum(gathers)
+        out.append(blocks[seg.segment.block_id])
+    return out
 
 
 def _least_first_bucket(segments: Sequence[SegmentWork], tp: int) -> float:

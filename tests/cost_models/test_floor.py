@@ -1,17 +1,26 @@
 """The step-time floor the search refuses plans by (`step_time_lower_bound`) is never above
 what `predict` charges the plan, whatever plans were floored before it with the same
-cache: a floor above its plan's price would drop a plan the search should weigh."""
+cache: a floor above its plan's price would drop a plan the search should weigh. Nor
+are the gathers ZeRO-3 cannot hide (`unhidden_gathers`), which its floor of a fitted
+plan adds, above what a rank is charged."""
 
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import replace
 
 import pytest
 
 from autopart.api import captured_for_planning
 from autopart.cost_models import Choices, CostModels, predict, step_time_lower_bound
-from autopart.cost_models.predict import balanced_pipeline_floors
+from autopart.cost_models.predict import (
+    balanced_pipeline_floors,
+    rank_segments,
+    segment_times,
+    unhidden_gathers,
+)
+from autopart.cost_models.stages import chunks_at_cuts
 from autopart.cost_models.summary import GraphSummary
 from autopart.degrees import Degrees
 from autopart.mesh import Mesh
@@ -123,3 +132,57 @@ def test_the_last_ranks_floor_is_at_most_the_price(graph, request):
         assert 0 < step <= price and 0 < peak <= predicted.peak_memory_bytes, c
         closer += step > 0.9 * price
     assert deeper and closer
+
+
+def _zero3_pipelines(batch: int, blocks: int, tp: int):
+    """ZeRO-3 plans over 2 data-parallel ranks that recompute every block, without a
+    pipeline and with 1F1B and interleaved 1F1B ones cut at evenly spaced blocks."""
+    every = tuple(f"transformer.h.{k}" for k in range(blocks))
+    for pp, schedule, virtual in ((1, None, 1), (2, "1f1b", 1), (2, "interleaved-1f1b", 2)):
+        chunks = pp * virtual
+        cuts = every[blocks // chunks :: blocks // chunks][: chunks - 1]
+        for m in (pp, 4 * pp):
+            degrees = Degrees(pp=pp, dp=2, tp=tp)
+            yield Choices(batch, degrees, 3, m, schedule, virtual, recompute=every, stage_cuts=cuts)
+
+
+@pytest.mark.parametrize("bandwidth", [1e8, 1.2e9])
+def test_zero3s_least_gathers_are_at_most_what_each_rank_is_charged(
+    gpt_graph, monkeypatch, bandwidth
+):
+    """Each rank's microbatch takes at least its segments' compute and the gathers
+    ZeRO-3's forward cannot hide behind it (`unhidden_gathers`), whatever the stage
+    cuts and recomputation. A block's buckets are priced one by one, as `predict`
+    prices them: cut into buckets of a few MiB, every block is many gathers, each with
+    its latency, and the bound grows by them. On links slow enough that the gathers
+    outlast the forward: just so (recomputation hides them in backward), and far
+    slower (backward shows them too)."""
+    summary = GraphSummary(gpt_graph)
+    blocks = sum(s.is_block for s in summary.evaluate({"batch": 1}))
+    slow = replace(
+        Mesh.cluster("a100-80g", nodes=2, per_node=1).device, inter_node_bandwidth=bandwidth
+    )
+    for tp in (1, 2):
+        for c in _zero3_pipelines(16, blocks, tp):
+            mesh = Mesh.cluster(slow, nodes=c.degrees.world_size // tp, per_node=tp)
+            models = CostModels.of(mesh, "fp32")
+            segments = rank_segments(summary, {"batch": c.microbatch_size}, c)
+            again = [c.recomputes(s) for s in segments]
+            times = segment_times(segments, models.compute, again)
+            chunk_of = chunks_at_cuts(segments, c.stage_cuts)
+            floors = []
+            for bucket_mib in (128, 4):
+                monkeypatch.setattr(
+                    sys.modules["autopart.cost_models.predict"],
+                    "ZERO3_BUCKET_BYTES",
+                    bucket_mib * 2**20,
+                )
+                unhidden = unhidden_gathers(segments, c, models)
+                assert unhidden is not None, c
+                of_rank = [0.0] * c.pp
+                for chunk, t, e in zip(chunk_of, times, unhidden):
+                    of_rank[chunk % c.pp] += t.total + e
+                charged = [s.microbatch_s for s in predict(summary, mesh, c, {}, models).stages]
+                assert all(f <= s for f, s in zip(of_rank, charged)), (c, of_rank, charged)
+                floors.append(of_rank)
+            assert all(a < b for a, b in zip(*floors)), c
