@@ -220,18 +220,20 @@ def step_time_lower_bound(
     a dict kept across calls on one graph and mesh, for a microbatch's work (the search
     asks for thousands of plans)."""
     cp = choices.cp
-    key = (
+    # A microbatch's work, alike for plans that differ only in whether the sync sums
+    # cp's parts (ZeRO-0 or not): worked out once for them, cp's all-reduces apart.
+    shared = (
         id(summary),
         choices.tp,
         cp,
         cp > 1 and cp_layout,
-        cp > 1 and choices.cp_in_sync,
         choices.microbatch_size,
         choices.recompute,
         choices.recompute_attention,
         choices.precision,
         choices.sequence_parallel,
     )
+    key = (*shared, cp > 1 and choices.cp_in_sync)
     kept = cache.get(key) if cache is not None else None
 
     def rank_work() -> tuple[Sequence[SegmentWork], list[PhaseCost]]:
@@ -244,30 +246,17 @@ def step_time_lower_bound(
         return segments, _segment_times(segments, choices, models.compute)
 
     if kept is None:
-        segments, times = rank_work()
-        work: float = sum(t.total for t in times)
-        work += _tp_comm(segments, choices, models.comm)
-        if cp > 1:  # the rings, conversions and logits' gather it makes
-            again = [choices.recomputes(s) for s in segments]
-            tp, precision = choices.tp, choices.precision
-            comm, compute = models.comm, models.compute
-            if cp_layout:
-                work += ring_comm(segments, cp, tp, precision, again, comm, compute)
-                work += conversion_comm(segments, cp, tp, precision, again, comm)
-            else:  # each attention's ring, or its whole sequence
-                whole = summary.sharded({**dims, BATCH: choices.microbatch_size}, tp)
-                work += ring_floor(segments, whole, cp, tp, precision, again, comm, compute)
-            work += output_gather(segments[-1].output_bytes, cp, tp, comm)
-        # All stages' parameters: spread over pp below, which only lowers the floor.
-        params = sum(s.param_numel(choices.tp) for s in segments)
+        made = cache.get(("work", shared)) if cache is not None else None
+        if made is None:
+            made = _microbatch_work(*rank_work(), summary, choices, dims, models, cp_layout)
+            if cache is not None:
+                cache["work", shared] = made
+        work, boundary, blocks, forward, later, params = made
         if cp > 1 and not choices.cp_in_sync:
             grad_bytes = choices.state_bytes[1]
             comm = models.comm
             work += gradient_all_reduces(params, choices.cp, choices.tp, grad_bytes, comm)
-        outputs = [s.output_bytes for s in segments if s.is_block]
-        forward = sum(t.forward for t in times)
-        later = sum(t.backward + t.recompute for t in times)
-        kept = (work, min(outputs, default=0.0), len(outputs), forward, later, params)
+        kept = (work, boundary, blocks, forward, later, params)
         if cache is not None:
             cache[key] = kept
     work, boundary, blocks, forward, later, params = kept
@@ -303,6 +292,42 @@ def step_time_lower_bound(
         if choices.ep == 1:
             floor += once_per_step_floor(params, choices, models)
     return floor
+
+
+def _microbatch_work(
+    segments: Sequence[SegmentWork],
+    times: Sequence[PhaseCost],
+    summary: GraphSummary,
+    choices: Choices,
+    dims: Mapping[str, int],
+    models: CostModels,
+    cp_layout: bool,
+) -> tuple[float, float, int, float, float, float]:
+    """`step_time_lower_bound`'s figures of a microbatch on the ranks together, but for
+    cp's gradient all-reduces: its work (compute, tensor-parallel collectives, context
+    parallelism's rings, conversions and logits' gather), the smallest block's output,
+    the blocks, the compute in forward and after it, and the parameters one rank of
+    tp holds over all stages."""
+    work: float = sum(t.total for t in times)
+    work += _tp_comm(segments, choices, models.comm)
+    cp = choices.cp
+    if cp > 1:  # the rings, conversions and logits' gather it makes
+        again = [choices.recomputes(s) for s in segments]
+        tp, precision = choices.tp, choices.precision
+        comm, compute = models.comm, models.compute
+        if cp_layout:
+            work += ring_comm(segments, cp, tp, precision, again, comm, compute)
+            work += conversion_comm(segments, cp, tp, precision, again, comm)
+        else:  # each attention's ring, or its whole sequence
+            whole = summary.sharded({**dims, BATCH: choices.microbatch_size}, tp)
+            work += ring_floor(segments, whole, cp, tp, precision, again, comm, compute)
+        work += output_gather(segments[-1].output_bytes, cp, tp, comm)
+    # All stages' parameters: spread over pp below, which only lowers the floor.
+    params = sum(s.param_numel(choices.tp) for s in segments)
+    outputs = [s.output_bytes for s in segments if s.is_block]
+    forward = sum(t.forward for t in times)
+    later = sum(t.backward + t.recompute for t in times)
+    return work, min(outputs, default=0.0), len(outputs), forward, later, params
 
 
 def balanced_pipeline_floors(
@@ -1366,9 +1391,22 @@ def _gather_tally(stage: _Stage, kind: _Zero3Kind, models: CostModels) -> _Gathe
     """The stage's tally of `kind`, worked out once for the plans `models` price (a 1T
     model's rank has thousands of buckets). The entry keeps its segments, so that their
     ids are not reused while it lives."""
-    key = ("zero3", kind.part, kind.tp, kind.ep, stage.identity)
+    key = _tally_key(stage, kind)
     own = stage.own
     return models.remember(key, lambda: (tuple(s.segment for s in own), _tally(own, kind)))[1]
+
+
+def _tally_key(stage: _Stage, kind: _Zero3Kind) -> tuple:
+    """What a stage's tally of `kind` depends on. Where none of its segments borrows a
+    parameter (a tied weight read far from its owner), only on each segment's
+    parameters and whether it is a block (`_buckets_of`, `_gathers`): stages holding
+    alike segments share it, as the middle ranks of a deep model's pipelines do
+    whatever their cuts. Otherwise the stage's own segments."""
+    columns = stage.columns
+    if kind.part != "all" or any(s.segment.borrowed for s in stage.own):
+        return ("zero3", kind.part, kind.tp, kind.ep, stage.identity)
+    blocks = tuple(stage.column(columns.is_block))
+    return ("zero3", kind.tp, kind.ep, tuple(stage.column(columns.params)), blocks)
 
 
 def _tally(own: list[SegmentWork], kind: _Zero3Kind) -> _GatherTally:

@@ -180,6 +180,13 @@ def _cp_comm(seg: SegmentWork, choices: Choices, models: CostModels, recomputed:
     return rings + conversion_comm([seg], cp, tp, precision, again, comm)
 
 
+def _most_gathered(blocks: Sequence[SegmentWork], choices: Choices) -> float:
+    """The most parameters ZeRO-3 gathers whole for one block (`zero3_gathered`), over
+    one copy of each block: copies hold alike parameters."""
+    one_each = {s.segment.block_id: s for s in blocks}.values()
+    return max((zero3_gathered(s, choices) for s in one_each), default=0.0)
+
+
 def _memory(
     problem: StageProblem, rank: int, states: int, grads: int, kept: int, largest: int
 ) -> int:
@@ -280,8 +287,7 @@ def stage_problem(
     chunks, pp = choices.chunks, choices.pp
     blocks = [s for s in segments if s.is_block]
     boundary = max((s.output_bytes for s in blocks), default=0.0)
-    gathered = max((zero3_gathered(s, choices) for s in blocks), default=0.0)
-    zero3 = 2 * gathered * param_bytes if choices.zero == 3 else 0.0
+    zero3 = 2 * _most_gathered(blocks, choices) * param_bytes if choices.zero == 3 else 0.0
     pipeline = 2 * boundary if pp > 1 else 0.0
     loss = OUTPUT_GRADIENTS * segments[-1].output_bytes * choices.cp  # gathered over cp
     last_rank = (chunks - 1) % pp
