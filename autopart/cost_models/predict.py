@@ -333,38 +333,38 @@ def _microbatch_work(
 def balanced_pipeline_floors(
     summary: GraphSummary, choices: Choices, dims: Mapping[str, int], models: CostModels
 ) -> tuple[float, int]:
-    """Floors under `predict`'s step time and peak memory of a GPipe or 1F1B pipeline
-    that recomputes nothing and has no stage cuts, cut as `predict` cuts it
-    (`balanced_chunks`); (0, 0) for any other plan. Rank r's microbatch takes at least
-    t_r, its segments' compute and tensor-parallel collectives, its sends and ZeRO-3's
-    unhidden collectives (`_zero3_least`); the span at least m · t_k + Σ_{i<k} t_i for
-    every rank k (`span_floor`), then the step's own work (`once_per_step_floor`).
+    """Floors under `predict`'s step time and peak memory of a GPipe, 1F1B or
+    interleaved 1F1B pipeline that recomputes nothing and has no stage cuts, cut as
+    `predict` cuts it (`balanced_chunks`); (0, 0) for any other plan. Rank r's
+    microbatch takes at least t_r, its segments' compute and tensor-parallel
+    collectives, its sends and ZeRO-3's unhidden collectives (`_zero3_least`). GPipe
+    and 1F1B span at least m · t_k + Σ_{i<k} t_i for every rank k (`span_floor`);
+    interleaved 1F1B is priced m · t_s + Σ_{r≠s} t_r / v at its slowest rank s
+    (`pipeline_step`), which grows with every rank's time, so it spans at least that
+    of the t_r. Then the step's own work (`once_per_step_floor`).
     The first rank holds at least its states and its microbatches in flight, with the
     allocator's share: `MemoryModel.breakdown` without its buffers and output."""
     pp, m = choices.pp, choices.microbatches
     plain = not choices.recompute and not choices.recompute_attention
-    if pp == 1 or choices.stage_cuts or choices.schedule not in _SPANNED or not plain:
+    if pp == 1 or choices.stage_cuts or choices.schedule not in _BALANCED or not plain:
         return 0.0, 0
     segments = rank_segments(summary, {**dims, BATCH: choices.microbatch_size}, choices)
-    if sum(s.is_block for s in segments) < choices.chunks:
-        return 0.0, 0
-    times = _segment_times(segments, choices, models.compute)
-    chunk_of = balanced_chunks(segments, [t.total for t in times], choices.chunks)
-    spans = _rank_spans(chunk_of, pp)
     columns = _Columns.of(segments, choices, models)
-    least = _least_first_bucket(segments, choices.tp) if choices.ep == 1 else 0.0
-    unhidden = _zero3_least(least, choices, models)
-    ranks = []
-    for r, own in enumerate(spans):
-        busy = sum(t.total for t in _in_spans(times, own)) + sum(_in_spans(columns.tp, own))
-        boundary = max(_in_spans(columns.block_outputs, own), default=0.0)
-        ranks.append(busy + _sends(boundary, choices, models, r) + unhidden)
-    span = max(m * t + before for t, before in zip(ranks, itertools.accumulate([0.0, *ranks])))
+    if sum(columns.is_block) < choices.chunks:
+        return 0.0, 0
+    busy, spans, least = _balanced_ranks(segments, columns, choices, models)
+    unhidden = _zero3_least(least, choices, models) if choices.ep == 1 else 0.0
+    ranks = [t + unhidden for t in busy]
+    if choices.schedule == Schedule.INTERLEAVED_1F1B:
+        slowest = max(ranks)
+        span = m * slowest + (sum(ranks) - slowest) / choices.virtual_stages
+    else:
+        span = max(m * t + before for t, before in zip(ranks, itertools.accumulate([0.0, *ranks])))
     params = sum(columns.params)
     if choices.ep == 1:
         span += once_per_step_floor(params, choices, models)
     first = spans[0]
-    in_flight = in_flight_microbatches(choices.schedule, m, pp, 0)
+    in_flight = in_flight_microbatches(choices.schedule, m, pp, 0, choices.virtual_stages)
     memory = models.memory.breakdown(
         sum(_in_spans(columns.params, first)),
         choices.dp,
@@ -378,8 +378,45 @@ def balanced_pipeline_floors(
     return span * (1 - 1e-9), total(memory)  # less a margin for the sums' order
 
 
+def _balanced_ranks(
+    segments: tuple[SegmentWork, ...], columns: _Columns, choices: Choices, models: CostModels
+) -> tuple[list[float], list[tuple[tuple[int, int], ...]], float]:
+    """`balanced_pipeline_floors`'s ranks, worked out once for the plans that cut
+    `segments` alike (they differ in the ZeRO stage, or in dp and microbatches by the
+    same factor): per rank, its segments' compute and tensor-parallel collectives and
+    its sends; its spans; and the fewest parameters its first ZeRO-3 bucket holds."""
+    key = (
+        "balanced",
+        id(segments),
+        choices.chunks,
+        choices.pp,
+        choices.degrees.stride(Axis.PP),
+        choices.tp,
+        choices.ep,
+        choices.precision,
+        choices.compiled,
+    )
+
+    def made() -> tuple[tuple[SegmentWork, ...], list[float], list, float]:
+        times = _segment_times(segments, choices, models.compute)
+        chunk_of = balanced_chunks(segments, [t.total for t in times], choices.chunks)
+        spans = _rank_spans(chunk_of, choices.pp)
+        ranks = []
+        for r, own in enumerate(spans):
+            busy = sum(t.total for t in _in_spans(times, own)) + sum(_in_spans(columns.tp, own))
+            boundary = max(_in_spans(columns.block_outputs, own), default=0.0)
+            ranks.append(busy + _sends(boundary, choices, models, r))
+        least = _least_first_bucket(segments, choices.tp) if choices.ep == 1 else 0.0
+        return segments, ranks, spans, least
+
+    _, ranks, spans, least = models.remember(key, made)
+    return ranks, spans, least
+
+
 # The schedules `pipeline.schedule_span` simulates rank by rank.
 _SPANNED = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+# Those `balanced_pipeline_floors` floors.
+_BALANCED = (*_SPANNED, Schedule.INTERLEAVED_1F1B)
 
 
 def _last_chunk_floor(

@@ -134,6 +134,29 @@ def test_the_last_ranks_floor_is_at_most_the_price(graph, request):
     assert deeper and closer
 
 
+@pytest.mark.parametrize("graph", ["gpt_graph", "llama3_8b_graph"])
+def test_an_interleaved_pipelines_balanced_floors_are_at_most_the_price(graph, request):
+    """Interleaved 1F1B, cut where `predict` cuts it: m · t_s + Σ_{r≠s} t_r / v over
+    its ranks' own work floors the step, and its first rank's states and microbatches
+    in flight its memory; never above the price, and close to it."""
+    summary = GraphSummary(request.getfixturevalue(graph))
+    blocks = sum(s.is_block for s in summary.evaluate({"batch": 1}))
+    closer = 0
+    for pp, tp, cp, zero in itertools.product((2, 4), (1, 2), (1, 2), (0, 3)):
+        for virtual, m in itertools.product((2, blocks // pp), (pp, 4 * pp, 16 * pp)):
+            degrees = Degrees(pp=pp, tp=tp, dp=2, cp=cp)
+            c = Choices(256, degrees, zero, m, "interleaved-1f1b", virtual, "bf16-mixed")
+            world = degrees.world_size
+            mesh = Mesh.cluster("a100-80g", nodes=max(1, world // 8), per_node=min(8, world))
+            models = CostModels.of(mesh, "bf16-mixed")
+            predicted = predict(summary, mesh, c, {}, models)
+            step, peak = balanced_pipeline_floors(summary, c, {}, models)
+            assert 0 < step <= predicted.step_time_s, c
+            assert 0 < peak <= predicted.peak_memory_bytes, c
+            closer += step > 0.9 * predicted.step_time_s
+    assert closer
+
+
 def _zero3_pipelines(batch: int, blocks: int, tp: int):
     """ZeRO-3 plans over 2 data-parallel ranks that recompute every block, without a
     pipeline and with 1F1B and interleaved 1F1B ones cut at evenly spaced blocks."""
