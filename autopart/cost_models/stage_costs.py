@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 
 from autopart.cost_models.batch_mixing import segment_mixing_sync
@@ -54,6 +54,7 @@ from autopart.cost_models.predict import (
     zero3_gathered,
 )
 from autopart.cost_models.summary import BATCH, GraphSummary, SegmentWork
+from autopart.degrees import Axis
 
 # The device's memory is counted in about MEMORY_STEPS units, a microbatch's time on
 # the slowest-possible rank (all of it) in about TIME_STEPS: fine enough that rounding
@@ -187,38 +188,43 @@ def _most_gathered(blocks: Sequence[SegmentWork], choices: Choices) -> float:
     return max((zero3_gathered(s, choices) for s in one_each), default=0.0)
 
 
-def _memory(
-    problem: StageProblem, rank: int, states: int, grads: int, kept: int, largest: int
-) -> int:
-    bucket = min(problem.bucket, grads)
-    body = states + problem.in_flight[rank] * kept + largest + bucket + problem.fixed[rank]
-    return math.ceil((1 + problem.allocator) * body)  # fits iff the exact amount fits
+# What a plan's units depend on, of its choices: all but how its pipeline runs them.
+_UNIT_CHOICES = tuple(
+    f.name for f in fields(Choices) if f.name not in ("schedule", "virtual_stages", "stage_cuts")
+)
 
 
-def stage_problem_of(
-    summary: GraphSummary,
-    choices: Choices,
-    dims: Mapping[str, int],
-    models: CostModels,
-    memory: int,
-    recomputable: bool,
-) -> StageProblem:
-    """`stage_problem` of a graph's summary at the plan's microbatch size (`dims`: the
-    other named dims), on one rank's share of it (`predict.rank_segments`)."""
-    segments = rank_segments(summary, {**dims, BATCH: choices.microbatch_size}, choices)
-    return stage_problem(segments, choices, models, memory, recomputable)
-
-
-def stage_problem(
+def _units(
     segments: Sequence[SegmentWork],
     choices: Choices,
     models: CostModels,
-    memory: int,
+    byte: float,
     recomputable: bool,
-) -> StageProblem:
-    """The inner problem of `choices` (whose `recompute` blocks are taken as recomputed
-    whatever the solver decides) over `segments`, sharded at the microbatch's size.
-    With `recomputable`, every other block may be recomputed."""
+) -> tuple[tuple[Unit, ...], float]:
+    """The problem's units and the seconds a unit of time stands for, worked out once
+    for the plans that differ only in their schedule, virtual stages or cuts (the
+    search fits many of them): `_made_units`."""
+    key = (
+        "units",
+        id(segments),
+        byte,
+        recomputable,
+        *(getattr(choices, name) for name in _UNIT_CHOICES),
+    )
+    made = models.remember(
+        key, lambda: (segments, *_made_units(segments, choices, models, byte, recomputable))
+    )
+    return made[1], made[2]
+
+
+def _made_units(
+    segments: Sequence[SegmentWork],
+    choices: Choices,
+    models: CostModels,
+    byte: float,
+    recomputable: bool,
+) -> tuple[tuple[Unit, ...], float]:
+    """Each segment as a `Unit`, in units of `byte` bytes and of the time returned."""
     plain = segment_times(segments, models.compute, [False] * len(segments))
     again = segment_times(segments, models.compute, [s.is_block for s in segments])
 
@@ -231,8 +237,7 @@ def stage_problem(
         )
         return sum(parts.values())
 
-    param_bytes, grad_bytes, _ = choices.state_bytes
-    byte = max(1.0, memory / MEMORY_STEPS)
+    grad_bytes = choices.state_bytes[1]
     tick = max(t.total for t in again) * len(segments) / TIME_STEPS  # seconds a unit
 
     def up(nbytes: float) -> int:
@@ -284,6 +289,75 @@ def stage_problem(
         )
         if seg.is_block:
             alike[same] = units[-1]
+    return tuple(units), tick
+
+
+def _in_flight(choices: Choices, models: CostModels) -> tuple[Fraction, ...]:
+    """Per rank, the microbatches in flight (`in_flight_microbatches`), as fractions:
+    alike for every plan of one pipeline shape."""
+    schedule, m, pp, v = choices.schedule, choices.microbatches, choices.pp, choices.virtual_stages
+
+    def made() -> tuple[Fraction, ...]:
+        return tuple(
+            Fraction(in_flight_microbatches(schedule, m, pp, r, v)).limit_denominator(64)
+            for r in range(pp)
+        )
+
+    return models.remember(("in flight", schedule, m, pp, v), made)
+
+
+def _rank_sends(
+    boundary: float, choices: Choices, models: CostModels, tick: float
+) -> tuple[int, ...]:
+    """Per rank, its sends in units of `tick` (`predict.p2p_comm`): alike for every plan
+    of one pipeline shape that sends alike."""
+    pp, chunks, stride = choices.pp, choices.chunks, choices.degrees.stride(Axis.PP)
+
+    def made() -> tuple[int, ...]:
+        return tuple(round(p2p_comm(boundary, choices, models.comm, r) / tick) for r in range(pp))
+
+    return models.remember(("rank sends", boundary, pp, chunks, stride, tick), made)
+
+
+def _memory(
+    problem: StageProblem, rank: int, states: int, grads: int, kept: int, largest: int
+) -> int:
+    bucket = min(problem.bucket, grads)
+    body = states + problem.in_flight[rank] * kept + largest + bucket + problem.fixed[rank]
+    return math.ceil((1 + problem.allocator) * body)  # fits iff the exact amount fits
+
+
+def stage_problem_of(
+    summary: GraphSummary,
+    choices: Choices,
+    dims: Mapping[str, int],
+    models: CostModels,
+    memory: int,
+    recomputable: bool,
+) -> StageProblem:
+    """`stage_problem` of a graph's summary at the plan's microbatch size (`dims`: the
+    other named dims), on one rank's share of it (`predict.rank_segments`)."""
+    segments = rank_segments(summary, {**dims, BATCH: choices.microbatch_size}, choices)
+    return stage_problem(segments, choices, models, memory, recomputable)
+
+
+def stage_problem(
+    segments: Sequence[SegmentWork],
+    choices: Choices,
+    models: CostModels,
+    memory: int,
+    recomputable: bool,
+) -> StageProblem:
+    """The inner problem of `choices` (whose `recompute` blocks are taken as recomputed
+    whatever the solver decides) over `segments`, sharded at the microbatch's size.
+    With `recomputable`, every other block may be recomputed."""
+    param_bytes = choices.state_bytes[0]
+    byte = max(1.0, memory / MEMORY_STEPS)
+    units, tick = _units(segments, choices, models, byte, recomputable)
+
+    def up(nbytes: float) -> int:
+        return math.ceil(nbytes / byte)
+
     chunks, pp = choices.chunks, choices.pp
     blocks = [s for s in segments if s.is_block]
     boundary = max((s.output_bytes for s in blocks), default=0.0)
@@ -293,23 +367,16 @@ def stage_problem(
     last_rank = (chunks - 1) % pp
     starts = [i for i, s in enumerate(segments) if s.is_block][1:]
     return StageProblem(
-        units=tuple(units),
+        units=units,
         pp=pp,
         chunks=chunks,
         cut_positions=tuple(starts),
-        in_flight=tuple(
-            Fraction(
-                in_flight_microbatches(
-                    choices.schedule, choices.microbatches, pp, r, choices.virtual_stages
-                )
-            ).limit_denominator(64)
-            for r in range(pp)
-        ),
+        in_flight=_in_flight(choices, models),
         bucket=up(models.memory.bucket_bytes)
         if choices.degrees.batch_split > 1 and choices.zero
         else 0,
         fixed=tuple(up(zero3 + pipeline + (loss if r == last_rank else 0.0)) for r in range(pp)),
-        comm=tuple(round(p2p_comm(boundary, choices, models.comm, r) / tick) for r in range(pp)),
+        comm=_rank_sends(boundary, choices, models, tick),
         allocator=Fraction(models.memory.allocator_fraction).limit_denominator(1000),
         memory=math.floor(memory / byte),
         time_unit_s=tick,

@@ -245,3 +245,25 @@ def test_the_inner_memory_agrees_with_predict(tiny_summary, degrees, zero):
     byte = memory / problem.memory
     for inner, stage in zip(chosen.peaks, priced.stages):
         assert inner * byte == pytest.approx(stage.peak_memory_bytes, rel=0.02)
+
+
+def test_problems_made_with_shared_models_are_those_made_alone(tiny_summary):
+    """The search builds thousands of problems with one `CostModels`, which keeps what
+    plans share (their units, ranks in flight and sends): each problem is the one its
+    plan gets from models of its own, whatever was built before it."""
+    mesh = Mesh.cluster("h100-80g", nodes=1, per_node=4)
+    shared = CostModels.of(mesh, "fp32")
+    plans = [
+        Choices(8, Degrees(dp=2, pp=2), zero, m, schedule, virtual, recompute=recompute)
+        for zero in (0, 3)
+        for m, schedule, virtual in ((2, "1f1b", 1), (4, "1f1b", 1), (4, "interleaved-1f1b", 2))
+        for recompute in ((), ("model.layers.0",))
+    ]
+    plans += [Choices(8, Degrees(dp=1, pp=4), 0, 4, "1f1b"), Choices(8, Degrees(dp=4), 2, 2)]
+    for choices in plans:
+        for memory, recomputable in ((10**12, True), (10**9, False)):
+            alone = CostModels.of(mesh, "fp32")
+            made = stage_problem_of(tiny_summary, choices, {}, shared, memory, recomputable)
+            own = stage_problem_of(tiny_summary, choices, {}, alone, memory, recomputable)
+            assert made == own, choices
+            assert [u.key for u in made.units] == [u.key for u in own.units]
