@@ -193,7 +193,8 @@ def search(
         # Plans with context parallelism go last, against the best plan without it:
         # there are many, and a pipeline's best plan is often found only once the
         # inner model fits it, after which the floor prunes most of them.
-        choices = list(_choices(layouts, mesh, pins, global_batch, blocks, offload))
+        fit = _StatesFit(layouts, mesh, pins, dims, offload)
+        choices = list(_choices(layouts, mesh, pins, global_batch, blocks, offload, fit))
         listed = _Listed()
         without = [c for c in choices if c.cp == 1]
         found = _price(layouts, mesh, dims, without, recomputable, listed=listed)
@@ -567,6 +568,43 @@ def _states_overflow(
     return cache[answer]
 
 
+class _StatesFit:
+    """Whether a rank's parameters, gradients and optimizer state fit the device
+    (`_states_overflow`), by degrees, ZeRO stage and sequence parallelism: asked before
+    a plan with context parallelism is made, as a large mesh has tens of thousands of
+    them, most of whose states overflow, which `_price` would leave unpriced."""
+
+    def __init__(
+        self, layouts: TpLayouts, mesh: Mesh, pins: Pins, dims: Mapping[str, int], offload: bool
+    ) -> None:
+        self.layouts, self.pins, self.dims, self.offload = layouts, pins, dims, offload
+        self.memory = mesh.device.memory_bytes
+        self.models = CostModels.of(mesh, pins.precision, pins.compile)
+        self.held: dict = {}  # _states_overflow's
+        self.answers: dict[tuple[Degrees, int, bool], bool] = {}
+
+    def __call__(self, degrees: Degrees, zero: int, sp: bool) -> bool:
+        if (degrees, zero, sp) not in self.answers:
+            # What `_states_overflow` reads of a plan: its degrees, ZeRO stage and where
+            # its optimizer state and master weights live.
+            schedule = Schedule.ONE_F_ONE_B.value if degrees[Axis.PP] > 1 else None
+            probe = Choices(
+                1,
+                degrees,
+                zero,
+                schedule=schedule,
+                precision=self.pins.precision,
+                offload=self.offload,
+                master_weights=self.pins.master_weights,
+            )
+            summary = self.layouts.summary(degrees[Axis.TP], sp)
+            overflows = _states_overflow(
+                summary, probe, self.dims, self.models, self.memory, self.held
+            )
+            self.answers[degrees, zero, sp] = not overflows
+        return self.answers[degrees, zero, sp]
+
+
 def _with_inner_cuts(
     layouts: TpLayouts, mesh: Mesh, chosen: Candidate, dims: Mapping[str, int]
 ) -> Candidate:
@@ -735,9 +773,11 @@ def _choices(
     batch: int,
     blocks: tuple[str, ...],
     offload: bool = False,
+    fit: _StatesFit | None = None,
 ) -> Iterator[Choices]:
     """Every combination the pins allow; with `offload`, only those that can keep the
-    optimizer state on the host (`policy.offload_refusal`)."""
+    optimizer state on the host (`policy.offload_refusal`); with `fit`, only the plans
+    with context parallelism whose states fit (the search prices none of the others)."""
     sequence, experts = layouts.ring_sequence(), layouts.experts
     for degrees in Degrees.factorizations(mesh.world_size, pins.degrees):
         if not _admissible(degrees, mesh, pins, batch, len(blocks), sequence, experts):
@@ -760,6 +800,8 @@ def _choices(
             # Under ep, ZeRO shards over dp x ep (the experts' part over dp).
             for zero in _zero_stages(dp * ep, pins):
                 if offload and offload_refusal(zero, dp, cp, ep):
+                    continue
+                if cp > 1 and fit is not None and not fit(degrees, zero, sp):
                     continue
                 if _refused_precision(pins, dp * ep, cp, zero, offload):
                     continue

@@ -422,3 +422,37 @@ def test_gradient_accumulation_without_a_pipeline_still_counts():
     accumulated = _candidate(98, degrees=Degrees(dp=2), microbatches=2)
     assert accumulated.simplicity == plain.simplicity + 1
     assert _solve([accumulated, plain], 2 * GiB) is plain
+
+
+def test_context_parallel_plans_whose_states_overflow_are_not_made():
+    """On a large mesh most plans with context parallelism hold more parameters,
+    gradients and optimizer state than a device has (`_states_overflow`), which the
+    search would leave unpriced: `_choices` does not make them, and makes every other
+    plan, in the same order. Llama-3-8B's shape at 128k tokens on 8 nodes of 8 H100s."""
+    from autopart.api import captured_for_planning
+    from autopart.cost_models import CostModels
+    from autopart.solver.search import TpLayouts, _choices, _states_overflow, _StatesFit
+    from tests.models import llama3_8b_on_meta
+
+    tokens = 131072
+    ids = torch.zeros(2, tokens, dtype=torch.long, device="meta")
+    captured = captured_for_planning(llama3_8b_on_meta(positions=tokens), (ids,))
+    mesh = Mesh.cluster("h100-80g", nodes=8, per_node=8)
+    dims = {k: v for k, v in captured.dim_sizes.items() if k != "batch"}
+    pins = Pins.of(precision="bf16-mixed")
+    layouts = TpLayouts(captured.gm, captured.parameter_names, mesh, dims, pins.precision)
+    first = layouts.summary(1).evaluate({**dims, "batch": 1})
+    blocks = tuple(s.key for s in first if s.is_block)
+    every = list(_choices(layouts, mesh, pins, 2, blocks))
+    fit = _StatesFit(layouts, mesh, pins, dims, offload=False)
+    made = list(_choices(layouts, mesh, pins, 2, blocks, fit=fit))
+    models = CostModels.of(mesh, pins.precision)
+    memory = mesh.device.memory_bytes
+
+    def overflows(c: Choices) -> bool:
+        summary = layouts.summary(c.tp, c.sequence_parallel)
+        return _states_overflow(summary, c, dims, models, memory, {})
+
+    kept = [c for c in every if c.cp == 1 or not overflows(c)]
+    assert made == kept
+    assert any(c.cp > 1 for c in made) and len(made) < len(every)
