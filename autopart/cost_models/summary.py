@@ -33,7 +33,7 @@ collectives of the rewrite's conversions (`cp_traffic`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import sympy
@@ -339,6 +339,7 @@ class GraphSummary:
         self.captured_batch = _static_batch(gm)
         self.example_dims = EXAMPLE_DIMS.get(gm, {})
         self._cache: dict[tuple, tuple[SegmentWork, ...]] = {}
+        self._node_works: _NodeWorks = like._node_works if like is not None else _NodeWorks(gm)
         self._sharded: dict[tuple, tuple[SegmentWork, ...]] = {}
         self.cp_layouts: CpLayouts = like.cp_layouts if like is not None else CpLayouts(gm)
         self._cp_sharded: dict[tuple, tuple[SegmentWork, ...]] = {}
@@ -421,7 +422,7 @@ class GraphSummary:
         dims = {**self.example_dims, **dims}
         key = tuple(sorted(dims.items()))
         if key not in self._cache:
-            self._cache[key] = self._evaluate(dims)
+            self._cache[key] = self._evaluate(dims, key)
         return self._cache[key]
 
     def collective_sites(
@@ -449,7 +450,7 @@ class GraphSummary:
             return dims[BATCH] / self.captured_batch
         return 1.0
 
-    def _evaluate(self, dims: Mapping[str, float]) -> tuple[SegmentWork, ...]:
+    def _evaluate(self, dims: Mapping[str, float], key: tuple) -> tuple[SegmentWork, ...]:
         scale = self._scale(dims)
         size = self._collective_bytes(dims)
         # Each block's first instance and its collectives: its copies take its work.
@@ -459,9 +460,7 @@ class GraphSummary:
             first = by_block.get(seg.block_id) if seg.block_id is not None else None
             if first is None:
                 works = tuple(
-                    replace(
-                        node_work(n, self.gm, dims, self.param_bytes, s), tp_saves_replicated=r
-                    ).scaled(scale)
+                    self._node_work(n, dims, key, s, r, scale)
                     for n, s, r in zip(seg.nodes, seg.sharded, seg.saves_replicated)
                 )
                 output = _output_bytes(seg.nodes, dims) * scale
@@ -490,6 +489,79 @@ class GraphSummary:
             loss = replace(loss, tp_sharded=self._loss_split)
             out[-1] = replace(out[-1], nodes=(*out[-1].nodes, loss), totals=None)
         return tuple(out)
+
+    def _node_work(
+        self,
+        node: fx.Node,
+        dims: Mapping[str, float],
+        key: tuple,
+        sharded: bool,
+        saves_replicated: bool,
+        scale: float,
+    ) -> NodeWork:
+        """`node`'s work at `dims` (whose sorted items are `key`), scaled to the batch,
+        with the layout's flags; kept for every summary of the graph."""
+        shared = (key, node, sharded, saves_replicated)
+        work = self._node_works.flagged.get(shared)
+        if work is None:
+            made = self._node_works.at(node, dims)
+            work = replace(made, tp_sharded=sharded, tp_saves_replicated=saves_replicated)
+            work = self._node_works.flagged[shared] = work.scaled(scale)
+        return work
+
+
+_ABSENT = object()  # a dim that the sizes given do not name
+
+
+class _ReadDims(Mapping[str, float]):
+    """Sizes of named dims that note which names are read (iterated: all of them)."""
+
+    def __init__(self, dims: Mapping[str, float]) -> None:
+        self.dims, self.read = dims, set[str]()
+
+    def __getitem__(self, name: str) -> float:
+        self.read.add(name)
+        return self.dims[name]
+
+    def __iter__(self) -> Iterator[str]:
+        self.read.update(self.dims)
+        return iter(self.dims)
+
+    def __len__(self) -> int:
+        self.read.update(self.dims)
+        return len(self.dims)
+
+
+class _NodeWorks:
+    """The operators' work (`node_work`) of one graph, shared by its summaries under
+    every tp layout. An operator's work is kept by the sizes of the dims it read,
+    noted as it was made: made again where those agree, it would read the same and
+    come out the same. So a graph captured with a static batch, which reads no batch
+    (scaled to it after), is worked out once for every microbatch the search asks
+    for; `flagged` keeps it scaled and with a layout's flags, by all the sizes."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.param_bytes = {k: p.numel() * p.element_size() for k, p in gm.named_parameters()}
+        # operator -> (the names it read, their sizes -> its work), per set of names
+        self.kept: dict[fx.Node, list[tuple[tuple[str, ...], dict[tuple, NodeWork]]]] = {}
+        self.flagged: dict[tuple, NodeWork] = {}
+
+    def at(self, node: fx.Node, dims: Mapping[str, float]) -> NodeWork:
+        kept = self.kept.setdefault(node, [])
+        for names, works in kept:
+            work = works.get(tuple(dims.get(name, _ABSENT) for name in names))
+            if work is not None:
+                return work
+        reading = _ReadDims(dims)
+        work = node_work(node, self.gm, reading, self.param_bytes)
+        names = tuple(sorted(reading.read))
+        by_sizes = dict(kept).get(names)
+        if by_sizes is None:
+            by_sizes = {}
+            kept.append((names, by_sizes))
+        by_sizes[tuple(dims.get(name, _ABSENT) for name in names)] = work
+        return work
 
 
 def _shares(works: Iterable[SegmentWork], tp: int) -> tuple[SegmentWork, ...]:

@@ -36,3 +36,17 @@ def test_replaced_operators_are_summed_again(summary):
     assert halved.totals is not block.totals
     assert halved.flops == pytest.approx(block.flops / 2)
     assert halved.saved_bytes("bf16-mixed") == pytest.approx(block.saved_bytes("bf16-mixed") / 2)
+
+
+def test_work_kept_across_sizes_and_summaries_is_what_a_fresh_summary_makes(summary):
+    # The operators' work is kept by the sizes each reads (`_NodeWorks`), for every
+    # summary of the graph: asked after other sizes, and by another summary, it must
+    # come out as a summary that never saw them makes it.
+    sizes = [{BATCH: b, "seq": s} for b, s in ((4, SEQ), (2, SEQ // 2), (0.5, SEQ), (1, SEQ))]
+    for dims in sizes:
+        summary.evaluate(dims)
+    sharing = GraphSummary(summary.gm, like=summary)
+    for dims in sizes:
+        fresh = GraphSummary(summary.gm).evaluate(dims)
+        for kept in (summary.evaluate(dims), sharing.evaluate(dims)):
+            assert [s.nodes for s in kept] == [s.nodes for s in fresh]
