@@ -375,12 +375,15 @@ def _price(
     memory. Both are done least bound first: a plan's step floor before it is priced
     (`step_time_lower_bound`: the ranks' summed work in the least span any split of it
     allows), its price before it is fitted (the inner model only adds
-    time, its cuts but for `REBALANCE_GAIN`). Once the least bound left is slower than
+    time, its cuts but for `REBALANCE_GAIN`). A pipeline whose memory floor
+    (`_price_floors`) says it cannot fit as `predict` cuts it goes to be fitted
+    unpriced, bound by its step's floor: most such plans the inner model cannot bring
+    within the slack, and a price would only say so. Once the least bound left is slower than
     (1 + SLACK) × the fastest fitting plan found (or `best`, a step time already
     found), what is left can be neither chosen nor within the slack of the choice: a
     plan is left unpriced, or unfitted. A plan whose fitted floor (`_fitted_floor`) is
     beyond the slack is left unfitted too. A plan is left unpriced or unfitted by
-    tighter floors (`_unpriced`, `_unfitted`) only where it could not be listed among
+    tighter floors (`_price_floors`, `_unfitted`) only where it could not be listed among
     the alternatives either (`_Listed`): the search order, and so what is chosen and
     listed, stays what the first floors make it.
 
@@ -422,6 +425,13 @@ def _price(
             problem = stage_problem_of(summary, c, dims, models, memory, recomputable)
             if _unfitted(problem, summary, c, dims, models, line, listed):
                 continue
+            if i not in priced:
+                # Within reach at its floor: priced, to be fitted when its price's bound
+                # comes, as a plan priced first would be.
+                priced[i] = Candidate(c, predict(summary, mesh, c, dims, models))
+                bound = priced[i].predicted.step_time_s * (1 - REBALANCE_GAIN)
+                heapq.heappush(queue, (bound, 1, i))
+                continue
             inner += 1
             priced[i] = Candidate(
                 *_inner(problem, summary, mesh, c, priced[i].predicted, dims, models)
@@ -430,11 +440,17 @@ def _price(
             progress.update(len(priced))
             # Under context parallelism, the floors without its layout first: it is dear.
             if c.cp > 1 and (
-                _unpriced(summary, c, dims, models, floors, line, listed, memory, False)
+                _price_floors(summary, c, dims, models, floors, line, listed, memory, False) is None
                 or step_time_lower_bound(summary, c, dims, models, floors) > line
             ):
                 continue
-            if _unpriced(summary, c, dims, models, floors, line, listed, memory):
+            bounds = _price_floors(summary, c, dims, models, floors, line, listed, memory)
+            if bounds is None:
+                continue
+            if bounds[1] > memory:
+                # As `predict` cuts it, it cannot fit: it goes to the inner model's
+                # queue as it is, priced only where that fits it.
+                heapq.heappush(queue, (bounds[0] * (1 - REBALANCE_GAIN), 1, i))
                 continue
             priced[i] = Candidate(c, predict(summary, mesh, c, dims, models))
             if priced[i].predicted.peak_memory_bytes > memory and (c.pp > 1 or recomputable):
@@ -508,7 +524,7 @@ def _unfitted(
     return floor > line and listed.full_below(floor)
 
 
-def _unpriced(
+def _price_floors(
     summary: GraphSummary,
     c: Choices,
     dims: Mapping[str, int],
@@ -518,24 +534,27 @@ def _unpriced(
     listed: _Listed,
     memory: int,
     cp_layout: bool = True,
-) -> bool:
-    """Whether a pipeline cut where its compute balances is left unpriced: where a floor
-    of its step less the most the inner model's cuts could gain is beyond `line` (it
-    could neither be chosen nor fitted), and it could not be among the alternatives,
-    being slower than enough plans that fit or, by its memory's floor, not fitting. The
-    floors: with its last rank's bound (`step_time_lower_bound`, without the cp layout
-    where not `cp_layout`), then with the ranks `predict` cuts
-    (`balanced_pipeline_floors`)."""
+) -> tuple[float, int] | None:
+    """Floors of the step time and peak memory `predict` gives a pipeline cut where its
+    compute balances ((0, 0) for any other plan, or without `cp_layout`); None where
+    they leave it unpriced: where its step less the most the inner model's cuts could
+    gain is beyond `line` (it could neither be chosen nor fitted), and it could not be
+    among the alternatives, being slower than enough plans that fit or, by its memory's
+    floor, not fitting. The floors: with its last rank's bound
+    (`step_time_lower_bound`, without the cp layout where not `cp_layout`), then with
+    the ranks `predict` cuts (`balanced_pipeline_floors`)."""
     if c.pp == 1 or c.stage_cuts:
-        return False
+        return 0.0, 0
     floor = step_time_lower_bound(summary, c, dims, models, floors, cp_layout, last_rank=True)
     if floor * (1 - REBALANCE_GAIN) > line and listed.full_below(floor):
-        return True
+        return None
     if not cp_layout:
-        return False
+        return 0.0, 0
     step, peak = balanced_pipeline_floors(summary, c, dims, models)
     step = max(step, floor)
-    return step * (1 - REBALANCE_GAIN) > line and (peak > memory or listed.full_below(step))
+    if step * (1 - REBALANCE_GAIN) > line and (peak > memory or listed.full_below(step)):
+        return None
+    return step, peak
 
 
 def _states_overflow(
