@@ -96,7 +96,7 @@ from autopart.policy import (
     zero_refusal,
 )
 from autopart.solver.pipeline import microbatches_problem
-from autopart.solver.stage_model import pace_lower_bound, solve_stages
+from autopart.solver.stage_model import pace_lower_bound, pace_within, solve_stages
 from autopart.solver.tensor_parallel import choose_tp_placements
 from autopart.solver.tp_model import (
     GraphVariables,
@@ -510,8 +510,7 @@ def _unfitted(
     could make bring it within `line` (`_fitted_floor`); or where, with the gathers
     ZeRO-3 cannot hide on each rank (`unhidden_gathers`) and the step's own work
     (`once_per_step_floor`), neither within `line` nor among the alternatives."""
-    floor = _fitted_floor(problem, c)
-    if floor > line:
+    if _fitted_beyond(problem, c, line):
         return True
     segments = rank_segments(summary, {**dims, BATCH: c.microbatch_size}, c)
     unhidden = unhidden_gathers(segments, c, models)
@@ -644,9 +643,29 @@ def _fitted_floor(problem: StageProblem, c: Choices, extra: Sequence[int] = ()) 
     and bubble at the least pace any stage cuts and recomputation could reach
     (`stage_model.pace_lower_bound`, with `extra` time on each unit), less a margin
     for the rounding of its units."""
-    pace = pace_lower_bound(problem, extra) * problem.time_unit_s * (1 - 1e-4)
+    return _step_at_pace(problem, c, pace_lower_bound(problem, extra))
+
+
+def _fitted_beyond(problem: StageProblem, c: Choices, line: float) -> bool:
+    """Whether `_fitted_floor(problem, c)` is beyond `line`: whether the least pace is
+    beyond the most whose step is within it (`stage_model.pace_within`, one test of
+    what the floor bisects)."""
+    per_unit = _step_at_pace(problem, c, 1.0)
+    if line == math.inf or per_unit <= 0:
+        return False
+    most = math.floor(line / per_unit)
+    while most > 0 and _step_at_pace(problem, c, most) > line:
+        most -= 1
+    while _step_at_pace(problem, c, most + 1) <= line:
+        most += 1
+    return not pace_within(problem, most)
+
+
+def _step_at_pace(problem: StageProblem, c: Choices, pace: float) -> float:
+    """`_fitted_floor` at a pace of `pace` time units."""
+    seconds = pace * problem.time_unit_s * (1 - 1e-4)
     bubble = bubble_fraction(c.schedule, c.pp, c.microbatches, c.virtual_stages)
-    return c.microbatches * (1 + bubble) * pace
+    return c.microbatches * (1 + bubble) * seconds
 
 
 def _inner(

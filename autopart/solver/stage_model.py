@@ -33,7 +33,7 @@ deterministic.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from itertools import accumulate
 
@@ -241,6 +241,38 @@ def pace_lower_bound(problem: StageProblem, extra: Sequence[int] = ()) -> float:
     where the units between the embedding and the head are copies of one block.
     `extra`: time per unit that a rank spends beyond the problem's, at least, whatever
     it recomputes (ZeRO-3's gathers its forward cannot hide), added to its units'.
+    The least pace the relaxation (`_pace_relaxation`) allows, found by bisection."""
+    relaxation = _pace_relaxation(problem, extra)
+    if relaxation is None:
+        return 0.0
+    feasible, high = relaxation
+    if not feasible(high):
+        return math.inf
+    low = 0
+    while low < high:
+        middle = (low + high) // 2
+        if feasible(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return float(low)
+
+
+def pace_within(problem: StageProblem, pace: int, extra: Sequence[int] = ()) -> bool:
+    """Whether `pace_lower_bound(problem, extra)` is at most `pace`: one test of the
+    relaxation where the bound takes a bisection of them."""
+    relaxation = _pace_relaxation(problem, extra)
+    if relaxation is None:
+        return pace >= 0
+    feasible, high = relaxation
+    return pace >= 0 and feasible(min(pace, high))
+
+
+def _pace_relaxation(
+    problem: StageProblem, extra: Sequence[int]
+) -> tuple[Callable[[int], bool], int] | None:
+    """Whether the relaxation below admits a pace, and a pace it admits where any is
+    (else none fits); None where the problem has no uniform run of blocks.
 
     A relaxation of the model, rank by rank. At pace P, rank r can hold at most cap_r(P)
     blocks: each costs its time t and brings its states and what it keeps in flight,
@@ -250,10 +282,10 @@ def pace_lower_bound(problem: StageProblem, extra: Sequence[int] = ()) -> float:
     least (recomputed where they may be), and the largest recomputed block and the ZeRO
     bucket at 0. The ranks must hold every block, at least one per chunk: P is feasible
     only if Σ_r floor(cap_r(P)) ≥ the blocks and each cap_r ≥ its chunks. The least
-    such P, found by bisection, is at most the model's optimum."""
+    such P is at most the model's optimum; feasibility only grows with P."""
     run = _uniform_run(problem)
     if run is None or len(problem.cut_positions) < problem.chunks - 1:
-        return 0.0
+        return None
     p = problem
     a, b = run
     block = p.units[a]
@@ -308,16 +340,7 @@ def pace_lower_bound(problem: StageProblem, extra: Sequence[int] = ()) -> float:
 
     high = sum(u.time + max(u.recompute_time, u.attention_time) for u in p.units) + max(p.comm)
     high += sum(max(0, e) for e in extra)
-    if not feasible(high):
-        return math.inf
-    low = 0
-    while low < high:
-        middle = (low + high) // 2
-        if feasible(middle):
-            high = middle
-        else:
-            low = middle + 1
-    return float(low)
+    return feasible, high
 
 
 def _uniform_run(problem: StageProblem) -> tuple[int, int] | None:

@@ -363,7 +363,7 @@ def test_the_gathers_zero3_cannot_hide_are_charged(model):
     )
     from autopart.cost_models.stage_costs import stage_problem_of
     from autopart.cost_models.summary import GraphSummary
-    from autopart.solver.search import _inner
+    from autopart.solver.search import _fitted_beyond, _fitted_floor, _inner
     from autopart.solver.stage_model import pace_lower_bound
 
     captured = capture(LM_FACTORIES[model](layers=8), (token_batch(32)[0],))
@@ -386,6 +386,10 @@ def test_the_gathers_zero3_cannot_hide_are_charged(model):
             memory = int(plain.peak_memory_bytes * fraction)
             small = Mesh.cluster(replace(slow, memory_bytes=memory), nodes=8, per_node=1)
             problem = stage_problem_of(summary, choices, {}, models, memory, recomputable=True)
+            floor = _fitted_floor(problem, choices)
+            for line in (floor / 2, floor * (1 - 1e-12), floor, floor * (1 + 1e-12), 2 * floor):
+                # The search's one test of the bound, as the bound itself tells.
+                assert _fitted_beyond(problem, choices, line) == (floor > line), (choices, line)
             c, price = _inner(problem, summary, small, choices, plain, {}, models)
             if not c.stage_cuts or price.peak_memory_bytes > memory:
                 continue

@@ -24,7 +24,7 @@ from autopart.cost_models.summary import GraphSummary
 from autopart.degrees import Degrees
 from autopart.mesh import Mesh
 from autopart.passes import analyze
-from autopart.solver.stage_model import pace_lower_bound, solve_stages
+from autopart.solver.stage_model import pace_lower_bound, pace_within, solve_stages
 from tests.models import LM_FACTORIES, token_batch
 
 
@@ -124,6 +124,17 @@ def test_the_pace_bound_prices_the_recomputation_memory_forces():
 def test_the_pace_bound_is_infinite_where_no_block_fits():
     assert brute_force(_synthetic(1_500)) is None
     assert pace_lower_bound(_synthetic(1_500)) == float("inf")
+
+
+@pytest.mark.parametrize("memory", [10**9, 1_700, 1_500])
+def test_one_test_of_the_relaxation_tells_a_pace_from_the_bound(memory):
+    """`pace_within` answers whether the bound is at most a pace, at every pace around
+    it, as the search asks it in place of the bound."""
+    problem = _synthetic(memory)
+    bound = pace_lower_bound(problem)
+    finite = int(bound) if bound < float("inf") else 10**6
+    for pace in [-1, 0, finite - 2, finite - 1, finite, finite + 1, 10**7]:
+        assert pace_within(problem, pace) == (bound <= pace), pace
 
 
 def _encoder_decoder(memory: int, pp: int, chunks: int) -> StageProblem:
