@@ -50,7 +50,14 @@ from autopart.policy import (
     zero_refusal,
 )
 from autopart.solver.pipeline import choose_pipeline
-from autopart.solver.search import SLACK, Candidate, NoPlanFits, TpLayouts, search
+from autopart.solver.search import (
+    SLACK,
+    Candidate,
+    NoPlanFits,
+    TpLayouts,
+    memory_may_bind,
+    search,
+)
 
 # A recomputation pin's words for "every block" and "none".
 RECOMPUTE_WORDS = {"all": True, "none": False}
@@ -233,6 +240,9 @@ def _make_plan(captured: Captured, mesh: Mesh, pins: Pins, captured_in: Recaptur
     dims = {k: v for k, v in captured.dim_sizes.items() if k != BATCH}
     layouts = TpLayouts(
         captured.gm, captured.parameter_names, mesh, dims, pins.precision, pins.sharded_logits
+    )
+    layouts.memory_priced = pins.degree(Axis.TP) is not None or memory_may_bind(
+        layouts, mesh, pins, batch, dims
     )
     _check_context_pin(pins, layouts)
     _check_expert_pin(pins, layouts)

@@ -134,6 +134,9 @@ SLACK = CHOICE_SLACK
 # by compute that the search prices first: measured on Llama-3-8B's candidates, at most
 # 1e-4; a margin, so that no plan the inner model could make the fastest is skipped.
 REBALANCE_GAIN = 0.02
+# The share of a device's memory one device's plan of a model must fit in for no plan
+# to need what a tensor-parallel layout's shards save (`memory_may_bind`).
+MEMORY_ROOM = 0.5
 SEED = 0
 # The most virtual stages per rank the search tries for interleaved 1F1B: Llama 3's
 # 405B run cut 126 blocks into 16 × 8 chunks (Llama Team, 2024, section 3.3.2); beyond
@@ -189,12 +192,12 @@ def search(
     blocks = tuple(s.key for s in first if s.is_block)
     recomputable = pins.recompute is None and pins.recompute_attention is None
 
-    def priced(offload: bool) -> list[Candidate]:
+    def priced(offload: bool, replicas: bool = False) -> list[Candidate]:
         # Plans with context parallelism go last, against the best plan without it:
         # there are many, and a pipeline's best plan is often found only once the
         # inner model fits it, after which the floor prunes most of them.
         fit = _StatesFit(layouts, mesh, pins, dims, offload)
-        choices = list(_choices(layouts, mesh, pins, global_batch, blocks, offload, fit))
+        choices = list(_choices(layouts, mesh, pins, global_batch, blocks, offload, fit, replicas))
         listed = _Listed()
         without = [c for c in choices if c.cp == 1]
         found = _price(layouts, mesh, dims, without, recomputable, listed=listed)
@@ -208,6 +211,10 @@ def search(
     memory = mesh.device.memory_bytes
 
     candidates = priced(offload=bool(pins.offload))
+    if not candidates:
+        # Where nothing else divides the batch and the mesh (a batch kept whole on a
+        # mesh as small as tp), a tp that shards nothing: every rank runs the step.
+        candidates = priced(offload=bool(pins.offload), replicas=True)
     if not candidates:
         raise NoPlanFits("the pins leave no plan that divides the batch and the mesh")
     try:
@@ -246,7 +253,13 @@ class TpLayouts:
     The layout with sequence parallelism must shard every parameter the one without it
     shards (on any dim): solved freely, it can trade whole weights for fewer collectives
     (an MLP replicated on sequence shards), a memory cost the layout model's price of
-    memory does not bound but the device's memory would."""
+    memory does not bound but the device's memory would.
+
+    `memory_priced`: whether the layout model prices memory (`tp_model.build_problem`),
+    set before any layout is made. `make_plan` leaves it off where tp is free and no
+    plan could need the memory a layout saves (`memory_may_bind`): there a layout that
+    gathers a weight at every use to hold a shard of it only adds time, and tp is
+    chosen only where it saves time."""
 
     def __init__(
         self,
@@ -262,6 +275,7 @@ class TpLayouts:
         self._solutions: dict[tuple[int, bool], TpSolution] = {}
         self._summaries: dict[tuple[int, bool], GraphSummary] = {}
         self._splits_experts: dict[tuple[int, bool], bool] = {}
+        self.memory_priced = True
 
     def placements(self, tp: int, sp: bool = False) -> dict[str, Placement]:
         """The layout at `tp` ranks, with sequence parallelism where `sp`."""
@@ -280,7 +294,14 @@ class TpLayouts:
         if (tp, sp) not in self._solutions:
             costs = TpCosts(self.gm, CostModels.of(self.mesh, self.precision), self.dims, tp)
             problem = build_problem(
-                self.gm, self.param_names, tp, costs, sp, self.sharded_logits, self._variables
+                self.gm,
+                self.param_names,
+                tp,
+                costs,
+                sp,
+                self.sharded_logits,
+                self._variables,
+                self.memory_priced,
             )
             pattern = functools.partial(choose_tp_placements, self.gm, self.param_names, tp)
             sharded = self.placements(tp) if sp else {}
@@ -358,6 +379,35 @@ class TpLayouts:
             like = self.summary(1) if tp > 1 else None  # its layout-free analysis, shared
             self._summaries[key] = GraphSummary(self.gm, layout, like, self.sharded_logits)
         return self._summaries[key]
+
+
+def memory_may_bind(
+    layouts: TpLayouts, mesh: Mesh, pins: Pins, global_batch: int, dims: Mapping[str, int]
+) -> bool:
+    """Whether some plan could need the memory a tensor-parallel layout saves: unless
+    one device's plan (every parameter with its gradient and optimizer state, the whole
+    batch in one microbatch, nothing recomputed) fits in `MEMORY_ROOM` of the device's
+    memory. Any other plan holds at most that on a rank (a pipeline's microbatches in
+    flight are within the whole batch), but for its collectives' buffers, which the
+    room leaves space for."""
+    room = MEMORY_ROOM * mesh.device.memory_bytes
+    summary = layouts.summary(1)
+    models = CostModels.of(mesh, pins.precision, pins.compile)
+    params = sum(s.param_numel() for s in summary.evaluate({**dims, BATCH: 1}))
+    states = models.memory.breakdown(params, 1, 0, master_weights=pins.master_weights)
+    if sum(states.values()) > room:
+        return True  # a large model: known without pricing its activations
+    # Priced on every rank of the mesh as data parallelism, each rank holding the
+    # whole batch: what one device's plan holds, with the sync's buffers besides.
+    world = mesh.world_size
+    one = Choices(
+        global_batch * world,
+        Degrees(dp=world),
+        precision=pins.precision,
+        master_weights=pins.master_weights,
+        compiled=pins.compile,
+    )
+    return predict(summary, mesh, one, dims, models).peak_memory_bytes > room
 
 
 def _price(
@@ -812,10 +862,13 @@ def _choices(
     blocks: tuple[str, ...],
     offload: bool = False,
     fit: _StatesFit | None = None,
+    replicas: bool = False,
 ) -> Iterator[Choices]:
     """Every combination the pins allow; with `offload`, only those that can keep the
     optimizer state on the host (`policy.offload_refusal`); with `fit`, only the plans
-    with context parallelism whose states fit (the search prices none of the others)."""
+    with context parallelism whose states fit (the search prices none of the others).
+    A free tp whose layout shards nothing, every rank running the whole step, only
+    with `replicas`."""
     sequence, experts = layouts.ring_sequence(), layouts.experts
     for degrees in Degrees.factorizations(mesh.world_size, pins.degrees):
         if not _admissible(degrees, mesh, pins, batch, len(blocks), sequence, experts):
@@ -823,7 +876,8 @@ def _choices(
         tp, pp, dp = degrees[Axis.TP], degrees[Axis.PP], degrees[Axis.DP]
         ep = degrees[Axis.EP]
         sp = layouts.sequence_parallel(tp, pins.sequence_parallel)
-        if tp > 1 and not layouts.placements(tp) and pins.degree(Axis.TP) is None:
+        free_tp = pins.degree(Axis.TP) is None
+        if tp > 1 and free_tp and not replicas and not layouts.placements(tp):
             continue  # no layout shards anything at this tp (a pinned tp may replicate all)
         if ep > 1 and tp > 1 and not layouts.splits_experts(tp, sp):
             continue  # the layout gathers an expert weight: ep cannot cut its experts

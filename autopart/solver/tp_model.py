@@ -28,7 +28,8 @@ consumers share a key, weighted by their number).
     minimize  Σ n_g cost(g, c) b[g, c]  +  Σ n_k cost(k) y[k]  +  Σ λ · state(v, p) x[v, p]
 
 where cost(g, c) is the operator's time plus λ × the activations it saves, and λ the
-memory price (`TpCosts.memory_price`). The costs are `cost_models.tp_costs`; the layout
+memory price (`TpCosts.memory_price`; 0 where no plan could need the memory, as the
+search says: `build_problem`'s `price_memory`). The costs are `cost_models.tp_costs`; the layout
 the rewrite gives a choice is `tp_propagate.propagate` from the parameters' placements,
 which the links above encode exactly (tests compare with a brute force over every
 parameter placement). The pattern rule (`tensor_parallel.choose_tp_placements`) is
@@ -157,14 +158,16 @@ def build_problem(
     sequence_parallel: bool = False,
     sharded_logits: int | None = None,
     variables: GraphVariables | None = None,
+    price_memory: bool = True,
 ) -> TpProblem:
     """Every operator's strategies and their costs. `param_names`: get_attr target ->
     the parameter's FQN (one name per tensor); `sharded_logits`: the output leaf a
     vocabulary-parallel cross-entropy reads (`tp_propagate.decide_node`); `variables`:
-    `GraphVariables.of(gm, param_names)`, where the caller keeps it."""
+    `GraphVariables.of(gm, param_names)`, where the caller keeps it. Without
+    `price_memory`, memory costs nothing: the layout takes the least time."""
     shared = GraphVariables.of(gm, param_names) if variables is None else variables
     var_of, param_var, grads = shared.var_of, shared.param_var, shared.grads
-    price = costs.memory_price()
+    price = costs.memory_price() if price_memory else 0.0
     candidates: dict[Var, list[NodePlacement]] = {}
     state_cost = {}
     for var in set(param_var.values()):

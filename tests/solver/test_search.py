@@ -460,3 +460,31 @@ def test_context_parallel_plans_whose_states_overflow_are_not_made():
     kept = [c for c in every if c.cp == 1 or not overflows(c)]
     assert made == kept
     assert any(c.cp > 1 for c in made) and len(made) < len(every)
+
+
+def test_memory_costs_a_layout_nothing_where_the_model_fits_many_times_over():
+    """The tp layout model prices memory at what recomputation takes to free it, so on
+    a slow device it holds the head's shard and gathers it at every use. Where one
+    device's plan fits in half the device's memory (`memory_may_bind`), no plan needs
+    that: the free search's layouts take the least time and gather no weight at its
+    use. Pinned, tp shards as the layout model prices it."""
+    from autopart.solver.search import TpLayouts, memory_may_bind
+    from tests import random_models
+
+    torch.manual_seed(0)
+    model = random_models.RandomLM(random_models.Case(64, 8192, ("mlp",) * 4, False, (), 0, 16))
+    ids = torch.randint(0, 8192, (4, 16))
+    cpu = Mesh.cluster("cpu", nodes=1, per_node=2).device
+    slow = replace(cpu, peak_flops={"fp32": 1e9}, memory_bandwidth=1e9)
+    captured = capture(model, (ids,))
+    analyze(captured.gm, captured.context())
+    dims = {k: v for k, v in captured.dim_sizes.items() if k != "batch"}
+    for memory, binds in ((slow.memory_bytes, False), (32 * 2**20, True)):
+        mesh = Mesh.cluster(replace(slow, memory_bytes=memory), nodes=1, per_node=2)
+        layouts = TpLayouts(captured.gm, captured.parameter_names, mesh, dims)
+        assert memory_may_bind(layouts, mesh, Pins(), 4, dims) is binds
+    mesh = Mesh.cluster(slow, nodes=1, per_node=2)
+    pinned = autopart.plan(model, mesh, (ids,), loss_fn=random_models.loss, tp=2)
+    free = autopart.plan(model, mesh, (ids,), loss_fn=random_models.loss)
+    assert "gathered when used" in pinned.tp_roles.values()
+    assert free.tp == 2 and "gathered when used" not in free.tp_roles.values()
