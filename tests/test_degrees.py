@@ -16,7 +16,8 @@ from autopart.ops.groups import MeshGroups
 from autopart.passes import analyze
 from autopart.plan import Plan
 from autopart.solver import Pins, make_plan
-from autopart.solver.search import TpLayouts, _choices
+from autopart.solver.search import _choices
+from autopart.solver.tp_layouts import TpLayouts
 from tests.models import tiny_gpt2, token_batch
 
 

@@ -50,14 +50,8 @@ from autopart.policy import (
     zero_refusal,
 )
 from autopart.solver.pipeline import choose_pipeline
-from autopart.solver.search import (
-    SLACK,
-    Candidate,
-    NoPlanFits,
-    TpLayouts,
-    memory_may_bind,
-    search,
-)
+from autopart.solver.search import SLACK, Candidate, NoPlanFits, search
+from autopart.solver.tp_layouts import TpLayouts, memory_may_bind
 
 # A recomputation pin's words for "every block" and "none".
 RECOMPUTE_WORDS = {"all": True, "none": False}

@@ -435,7 +435,8 @@ def test_context_parallel_plans_whose_states_overflow_are_not_made():
     plan, in the same order. Llama-3-8B's shape at 128k tokens on 8 nodes of 8 H100s."""
     from autopart.api import captured_for_planning
     from autopart.cost_models import CostModels
-    from autopart.solver.search import TpLayouts, _choices, _states_overflow, _StatesFit
+    from autopart.solver.search import _choices, _states_overflow, _StatesFit
+    from autopart.solver.tp_layouts import TpLayouts
     from tests.models import llama3_8b_on_meta
 
     tokens = 131072
@@ -468,7 +469,7 @@ def test_memory_costs_a_layout_nothing_where_the_model_fits_many_times_over():
     device's plan fits in half the device's memory (`memory_may_bind`), no plan needs
     that: the free search's layouts take the least time and gather no weight at its
     use. Pinned, tp shards as the layout model prices it."""
-    from autopart.solver.search import TpLayouts, memory_may_bind
+    from autopart.solver.tp_layouts import TpLayouts, memory_may_bind
     from tests import random_models
 
     torch.manual_seed(0)

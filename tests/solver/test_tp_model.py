@@ -252,7 +252,7 @@ def test_sequence_parallelism_comes_out_of_the_costs():
     Megatron layout (row-parallel products reduce-scattered, the norms on sequence
     shards) costs less than all-reducing, so it is chosen; on a CPU mesh, where each
     collective's latency dominates a tiny model's, it is not."""
-    from autopart.solver.search import TpLayouts
+    from autopart.solver.tp_layouts import TpLayouts
 
     ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
     captured = capture(_llama(32000, hidden=4096), (ids,))
