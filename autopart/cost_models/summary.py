@@ -339,7 +339,9 @@ class GraphSummary:
         self.captured_batch = _static_batch(gm)
         self.example_dims = EXAMPLE_DIMS.get(gm, {})
         self._cache: dict[tuple, tuple[SegmentWork, ...]] = {}
-        self._node_works: _NodeWorks = like._node_works if like is not None else _NodeWorks(gm)
+        self._node_works: _NodeWorks = (
+            like._node_works if like is not None else _NodeWorks(gm, self.param_bytes)
+        )
         self._sharded: dict[tuple, tuple[SegmentWork, ...]] = {}
         self.cp_layouts: CpLayouts = like.cp_layouts if like is not None else CpLayouts(gm)
         self._cp_sharded: dict[tuple, tuple[SegmentWork, ...]] = {}
@@ -540,9 +542,8 @@ class _NodeWorks:
     (scaled to it after), is worked out once for every microbatch the search asks
     for; `flagged` keeps it scaled and with a layout's flags, by all the sizes."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
-        self.gm = gm
-        self.param_bytes = {k: p.numel() * p.element_size() for k, p in gm.named_parameters()}
+    def __init__(self, gm: fx.GraphModule, param_bytes: Mapping[str, int]) -> None:
+        self.gm, self.param_bytes = gm, param_bytes
         # operator -> (the names it read, their sizes -> its work), per set of names
         self.kept: dict[fx.Node, list[tuple[tuple[str, ...], dict[tuple, NodeWork]]]] = {}
         self.flagged: dict[tuple, NodeWork] = {}
