@@ -765,7 +765,9 @@ def _admissible(
         # equal runs of every layer's experts; not with cp
         or (ep > 1 and (not experts or experts % ep or cp > 1))
         or batch % degrees.batch_split  # each rank of dp × ep takes an equal share
-        or (free(Axis.TP) and tp > mesh.per_node)  # tensor parallelism on a node's links
+        # tensor parallelism on a node's links: consecutive ranks, so a group that does
+        # not divide the node straddles two and runs at the network's pace
+        or (free(Axis.TP) and mesh.per_node % tp)
         or (pins.sequence_parallel and tp == 1)
         or (free(Axis.PP) and pp > max(1, blocks))  # a stage holds a block at least
     )

@@ -20,7 +20,7 @@ from autopart.mesh import Mesh
 from autopart.passes import analyze
 from autopart.plan import Predicted
 from autopart.solver import Pins, make_plan
-from autopart.solver.search import SLACK, Candidate, _solve
+from autopart.solver.search import SLACK, Candidate, _admissible, _solve
 from tests.models import LM_FACTORIES, tiny_gpt2, token_batch
 
 GiB = 1024**3
@@ -405,6 +405,23 @@ def test_the_gathers_zero3_cannot_hide_are_charged(model):
             once = price.step_time_s - m * slowest - price.bubble_s
             assert 0 < per_step <= once * (1 + 1e-9), (choices, fraction)
     assert fitted
+
+
+def test_free_tensor_parallelism_keeps_its_groups_inside_a_node():
+    """tp groups are consecutive ranks: on nodes of 8, tp 3 or 6 (which divide a world of
+    24) would put a group across two nodes, its collectives on the network. Free, tp
+    takes only the degrees that divide the node; pinned, it is the user's to choose."""
+    mesh = Mesh.cluster("a100-80g", nodes=3, per_node=8)
+
+    def tp_degrees(pins: Pins) -> set[int]:
+        return {
+            d["tp"]
+            for d in Degrees.factorizations(mesh.world_size, pins.degrees)
+            if _admissible(d, mesh, pins, batch=48, blocks=4, sequence=None)
+        }
+
+    assert tp_degrees(Pins.of()) == {1, 2, 4, 8}
+    assert tp_degrees(Pins.of(tp=3)) == {3}
 
 
 def _candidate(step_ms: float, **choices) -> Candidate:
