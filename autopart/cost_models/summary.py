@@ -390,6 +390,9 @@ class GraphSummary:
 
         out = []
         mixed: dict[tuple, SegmentWork] = {}  # a block's copies mix their operators alike
+        # A segment's tp traffic is its collectives' (`_signature`), each whole or not:
+        # counted once for a block's copies.
+        traffics: dict[tuple, Traffic | None] = {}
         for seg, mine, all_of, found in zip(self.segments, local, full, conversions):
             whole = tuple(n in layout.whole for n in seg.nodes)
             whole += (True,) * (len(mine.nodes) - len(whole))  # the loss after the graph
@@ -406,10 +409,17 @@ class GraphSummary:
                 )
             )
             cp_traffic = _alike(((c, None) for c in found), full_bytes)
+            wholes = tuple(
+                (c.source if c.source is not None else site) in layout.whole
+                for c, site in zip(seg.tp_collectives or (), seg.tp_collective_sites)
+            )
+            traffic_key = (seg.tp_collectives is None, _signature(seg), wholes)
+            if traffic_key not in traffics:
+                traffics[traffic_key] = _traffic(seg, size)
             work = replace(
                 mine,
                 nodes=nodes,
-                tp_traffic=_traffic(seg, size),
+                tp_traffic=traffics[traffic_key],
                 cp_traffic=cp_traffic,
                 totals=twin.totals if twin else None,
             )
