@@ -36,8 +36,10 @@ Algorithms (the cheapest the backends run is taken; `algorithms` prices them all
 
 Mapping an axis onto the topology. The mesh orders axes pp, dp, tp (tp innermost), so
 a step along an axis spans `stride` consecutive ranks (tp: 1, dp: tp, pp: dp·tp). A
-group of n ranks with that stride stays inside a node when n·stride ≤ per_node; then
-every step uses the intra-node links. Otherwise it spans k nodes with g = n/k members in
+group of n ranks with that stride stays inside a node when n·stride divides per_node;
+then every step uses the intra-node links (where n·stride is less but does not divide
+it, the groups' runs do not tile the nodes, and one straddles two: its steps cross
+through one NIC). Otherwise it spans k nodes with g = n/k members in
 each. A node's NICs carry per_node × `inter_node_bandwidth`, shared by the per_node/g
 groups of the axis that touch the node. NCCL runs a ring per channel, each channel
 through another NIC, so a group's rings use all the NICs of its g members: each ring
@@ -179,8 +181,13 @@ class CommModel:
 
     def placement(self, size: int, stride: int = 1) -> AxisPlacement:
         per_node = self.mesh.per_node
-        if size * stride <= per_node:
+        if size * stride <= per_node and per_node % (size * stride) == 0:
             return AxisPlacement(size, size, 1)
+        if size * stride <= per_node:
+            # The groups lie in runs of size·stride consecutive ranks that do not tile a
+            # node: a run straddles two nodes, and its group, through one NIC each way,
+            # sets the axis's pace.
+            return AxisPlacement(size, 1, size)
         members = max(1, min(size, per_node // stride))
         return AxisPlacement(size, members, math.ceil(size / members))
 

@@ -55,6 +55,18 @@ def test_axis_placement_on_the_topology():
     assert (mixed.per_node, mixed.nodes) == (4, 2)
 
 
+def test_a_group_whose_runs_do_not_tile_the_node_is_priced_across_nodes():
+    """tp 3 on nodes of 8: ranks 6, 7 and 8 form a group across two nodes, whose ring
+    sets the pace of every tp collective."""
+    comm = CommModel(Mesh.cluster(H100, nodes=3, per_node=8))
+    straddling = comm.placement(3, stride=1)
+    assert straddling.spans_nodes and straddling.per_node == 1
+    nbytes = 1e8
+    ring = 4 * H100.inter_node_latency + 2 * 2 / 3 * nbytes / H100.inter_node_bandwidth
+    assert comm.algorithms("all_reduce", nbytes, 3)["ring"] == pytest.approx(ring, rel=0.01)
+    assert comm.time("all_reduce", nbytes, 3) > comm.time("all_reduce", nbytes, 4)
+
+
 def test_spanning_nodes_shares_the_nics():
     mesh = Mesh.cluster(H100, nodes=2, per_node=8)
     comm = CommModel(mesh)
