@@ -48,25 +48,49 @@ def balanced_chunks(
     return [unit_chunk[u] for u in range(len(unit_costs)) for _ in range(bounds[u], bounds[u + 1])]
 
 
-@functools.lru_cache(maxsize=4096)  # the search partitions the same costs many times
 def _linear_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]:
-    """Contiguous non-empty parts minimizing the largest sum: best[j][i] is the best
-    largest sum for the first i items in j parts, the last part starting at cut[j][i],
-    the first start that achieves it. With finite costs ≥ 0, best[j − 1][t] never falls and
-    the last part's sum never rises as t grows: the best start is where they cross,
-    found walking forward, since the crossing never moves back as i grows."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for j in range(1, parts + 1):
-        before, row, cuts, lo = best[j - 1], best[j], cut[j], j - 1
+    """Contiguous non-empty parts of `costs` minimizing the largest sum: each item's part."""
+    return _partitions(costs).assignment(parts)
+
+
+class _Partitions:
+    """The linear-partition dynamic programme of one list of costs, for every number of
+    parts asked: best[j][i] is the best largest sum for the first i items in j parts,
+    the last part starting at cut[j][i], the first start that achieves it. With finite
+    costs ≥ 0, best[j − 1][t] never falls and the last part's sum never rises as t
+    grows: the best start is where they cross, found walking forward, since the
+    crossing never moves back as i grows. Row j is made for every i ≥ j, whatever the
+    parts asked, so one table serves them all (a row depends only on the one before):
+    the search cuts the same costs into many numbers of parts, one per pipeline depth."""
+
+    def __init__(self, costs: tuple[float, ...]) -> None:
+        self.n = len(costs)
+        self.prefix = [0.0]
+        for c in costs:
+            self.prefix.append(self.prefix[-1] + c)
+        inf = float("inf")
+        self.best = [[0.0] + [inf] * self.n]
+        self.cut = [[0] * (self.n + 1)]
+        self._assignments: dict[int, tuple[int, ...]] = {}
+
+    def assignment(self, parts: int) -> tuple[int, ...]:
+        if parts not in self._assignments:
+            while len(self.best) <= parts:
+                self._add_row()
+            assignment, i = [0] * self.n, self.n
+            for j in range(parts, 0, -1):
+                t = self.cut[j][i]
+                assignment[t:i] = [j - 1] * (i - t)
+                i = t
+            self._assignments[parts] = tuple(assignment)
+        return self._assignments[parts]
+
+    def _add_row(self) -> None:
+        j, prefix = len(self.best), self.prefix
+        before, lo = self.best[j - 1], j - 1
+        row, cuts = [float("inf")] * (self.n + 1), [0] * (self.n + 1)
         c = lo  # the first t where before[t] ≥ prefix[i] − prefix[t]: never falls as i grows
-        for i in range(j, n - parts + j + 1):
+        for i in range(j, self.n + 1):
             end = prefix[i]
             while c < i and before[c] < end - prefix[c]:
                 c += 1
@@ -76,12 +100,13 @@ def _linear_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]:
             else:
                 t = _first_smallest_last(prefix, lo, c - 1, end)
             row[i], cuts[i] = max(before[t], end - prefix[t]), t
-    assignment, i = [0] * n, n
-    for j in range(parts, 0, -1):
-        t = cut[j][i]
-        assignment[t:i] = [j - 1] * (i - t)
-        i = t
-    return tuple(assignment)
+        self.best.append(row)
+        self.cut.append(cuts)
+
+
+@functools.lru_cache(maxsize=256)  # the search partitions the same costs many times
+def _partitions(costs: tuple[float, ...]) -> _Partitions:
+    return _Partitions(costs)
 
 
 def _first_smallest_last(prefix: list[float], lo: int, c: int, end: float) -> int:

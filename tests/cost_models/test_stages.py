@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 
 from autopart.cost_models.choices import Choices
-from autopart.cost_models.stages import balanced_chunks, chunks_at_cuts
+from autopart.cost_models.stages import (
+    _linear_partition,
+    _partitions,
+    balanced_chunks,
+    chunks_at_cuts,
+)
 from autopart.cost_models.summary import Segment, SegmentWork
 from autopart.degrees import Degrees
 
@@ -41,3 +49,31 @@ def test_chunks_at_cuts():
 def test_a_pipeline_needs_a_schedule():
     with pytest.raises(ValueError, match="needs a schedule"):
         Choices(global_batch=8, degrees=Degrees(pp=2))
+
+
+def _least_largest_part(costs, parts):
+    """Brute force: the least largest sum over every way to cut `costs` into `parts`."""
+    n = len(costs)
+    return min(
+        max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
+        for cuts in itertools.combinations(range(1, n), parts - 1)
+    )
+
+
+def test_a_partition_is_optimal_whatever_was_cut_before():
+    """One table serves every number of parts of the same costs: each is as the brute
+    force finds, and the same whether fewer or more parts were asked for first."""
+    rng = random.Random(0)
+    for _ in range(200):
+        costs = tuple(
+            rng.choice([0.0, 1.0, 2.0, rng.random() * 5]) for _ in range(rng.randint(1, 9))
+        )
+        counts = list(range(1, len(costs) + 1))
+        rng.shuffle(counts)
+        for parts in counts:
+            chunk = _linear_partition(costs, parts)
+            assert sorted(set(chunk)) == list(range(parts)) and list(chunk) == sorted(chunk)
+            largest = max(sum(c for c, k in zip(costs, chunk) if k == j) for j in range(parts))
+            assert largest == pytest.approx(_least_largest_part(costs, parts))
+            _partitions.cache_clear()
+            assert _linear_partition(costs, parts) == chunk  # made on a fresh table
