@@ -1,6 +1,7 @@
 """A CPU rank keeps freed memory for reuse (runtime/host_memory.py): a training step
-after the first ones faults in almost no fresh pages, where glibc's defaults fault in
-the large outputs and the optimizer's temporaries again every step."""
+after the first ones faults in almost no fresh pages, where glibc's defaults mostly
+fault in the large outputs and the optimizer's temporaries again every step (turned off,
+`AUTOPART_KEEP_FREED_MEMORY=0`, this test fails)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import statistics
 import torch
 
 import autopart
-from autopart.runtime.host_memory import ENVIRONMENT
 from autopart.testing import run_world
 from tests.models import lm_loss, make_optimizer, tiny_gpt2, token_batch
 
@@ -41,9 +41,12 @@ def _faults_per_step() -> float:
     return statistics.median(faults)
 
 
-def test_a_cpu_rank_reuses_freed_memory_instead_of_faulting_it_in(monkeypatch):
+# Pages a steady-state step may fault in with freed memory kept: a few, where glibc's
+# defaults fault in hundreds to thousands a step (in most runs: its dynamic thresholds
+# sometimes keep the blocks too, so the defaults are not asserted).
+KEPT_FAULTS_AT_MOST = 16
+
+
+def test_a_cpu_rank_reuses_freed_memory_instead_of_faulting_it_in():
     [kept] = run_world(_faults_per_step, 1)
-    monkeypatch.setenv(ENVIRONMENT, "0")
-    [fresh] = run_world(_faults_per_step, 1)
-    assert fresh > 100, f"{fresh:.0f} faults a step under glibc's defaults"
-    assert kept < fresh / 10, f"{kept:.0f} faults a step kept, {fresh:.0f} fresh"
+    assert kept <= KEPT_FAULTS_AT_MOST, f"{kept:.0f} faults a step with freed memory kept"
