@@ -208,19 +208,26 @@ class NodeWork:
 
 
 def evaluate(expr: sympy.Expr | int | float, dims: Mapping[str, float]) -> float:
-    """The value of an expression of named dims at the sizes `dims` ({name: size})."""
+    """The value of an expression of named dims at the sizes `dims` ({name: size}). A
+    size may be a fraction: a context-parallel rank's share of a microbatch below one
+    sequence (half of one on each of 2 ranks) is priced as that fraction of it."""
     if isinstance(expr, (int, float)):
         return float(expr)
     if expr.is_Number:
         return float(expr)
     try:
-        values = {s: sympy.Integer(dims[s.name]) for s in expr.free_symbols}
+        values = {s: _size(dims[s.name]) for s in expr.free_symbols}
     except KeyError as missing:
         raise MissingDim(
             f"the cost depends on the dim {missing.args[0]!r}: give its size, for example "
             f"dims={{{missing.args[0]!r}: ...}}"
         ) from None
     return float(expr.xreplace(values))
+
+
+def _size(value: float) -> sympy.Number:
+    """A dim's size as sympy takes it exactly: an integer, or the fraction it is."""
+    return sympy.Integer(int(value)) if float(value).is_integer() else sympy.Rational(value)
 
 
 def node_work(

@@ -114,6 +114,24 @@ def test_a_dense_mlp_halves_under_cp():
         assert two[node].saved_bytes == pytest.approx(one[node].saved_bytes / 2)
 
 
+def test_a_share_below_one_sequence_is_priced_as_that_fraction():
+    """A microbatch of one sequence over 2 cp ranks: each rank's dense layers take half
+    its tokens, half the work (the captured batch is symbolic: not rounded to none)."""
+    summary = _summary(tiny_llama())
+    assert summary.captured_batch is None
+    at = {BATCH: 1, "seq": SEQ}
+    one, two = (rank_segments(summary, at, Choices(1, Degrees(cp=cp))) for cp in (1, 2))
+    mlp = [
+        (w1, w2)
+        for s1, s2 in zip(one, two)
+        for n, w1, w2 in zip(s1.segment.nodes, s1.nodes, s2.nodes)
+        if ".mlp." in MODULE_PATH.get(n) and op_name(n) == "linear"
+    ]
+    assert len(mlp) == 6
+    for whole, half in mlp:
+        assert half.flops == pytest.approx(whole.flops / 2) and whole.flops > 0
+
+
 def test_a_routed_layer_gathers_the_sequence_over_cp():
     """Per layer: the router's input all-gathered in forward; the layer's output split
     again at the residual add, its gradient all-gathered in backward. Activations
