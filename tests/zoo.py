@@ -199,8 +199,10 @@ def reference(model_name: str) -> dict[str, Any]:
 
 def float32_noise(case: ZooCase, want: dict[str, Any]) -> dict[str, Any]:
     """How far one device's float32 run (`want`) lies from itself, per loss and tensor:
-    the larger of its distance from the float64 run and from the float32 run on the
-    batch in another order (the sums taken in another order, as a split takes them)."""
+    the largest of its distances from the float64 run, from the float32 run on the batch
+    in another order (the sums taken in another order, as a split takes them), and from
+    the float32 run on PyTorch's own CPU kernels instead of oneDNN's (another kernel's
+    rounding, as a replica's smaller batch may be given another kernel)."""
     inputs, target = case.batch()
     order = torch.randperm(len(target), generator=torch.Generator().manual_seed(0))
     wide = tuple(x.double() if x.is_floating_point() else x for x in inputs)
@@ -215,6 +217,8 @@ def float32_noise(case: ZooCase, want: dict[str, Any]) -> dict[str, Any]:
             case.loss_fn,
         ),
     ]
+    with torch.backends.mkldnn.flags(enabled=False):
+        runs.append(train_reference(case.model(), "adamw", STEPS, inputs, target, case.loss_fn))
     return {
         "losses": [
             max(abs(w - r["losses"][i]) for r in runs) for i, w in enumerate(want["losses"])
