@@ -217,7 +217,8 @@ def float32_noise(case: ZooCase, want: dict[str, Any]) -> dict[str, Any]:
             case.loss_fn,
         ),
     ]
-    with torch.backends.mkldnn.flags(enabled=False):
+    # oneDNN off, its other flags (TF32, which warns on a CPU) left as they are.
+    with torch.backends.mkldnn.flags(False, None, None, None):
         runs.append(train_reference(case.model(), "adamw", STEPS, inputs, target, case.loss_fn))
     return {
         "losses": [
