@@ -180,10 +180,10 @@ class CommModel:
         return not is_cpu(self.mesh.device)
 
     def placement(self, size: int, stride: int = 1) -> AxisPlacement:
-        per_node = self.mesh.per_node
-        if size * stride <= per_node and per_node % (size * stride) == 0:
-            return AxisPlacement(size, size, 1)
-        if size * stride <= per_node:
+        per_node, run = self.mesh.per_node, size * stride
+        if run <= per_node:
+            if per_node % run == 0:
+                return AxisPlacement(size, size, 1)
             # The groups lie in runs of size·stride consecutive ranks that do not tile a
             # node: a run straddles two nodes, and its group, through one NIC each way,
             # sets the axis's pace.
