@@ -277,6 +277,16 @@ class Plan(AxisAttributes):
         ps = self.placements.get(fqn)
         return ps[PLACEMENT_AXES.index(axis)] if ps else Replicate()
 
+    @property
+    def tp_shards_nothing(self) -> bool:
+        """tp > 1 with every parameter whole and no sequence split: each tp rank runs the
+        whole step on the same samples, with no collective between them."""
+        return (
+            self.tp > 1
+            and not self.sequence_parallel
+            and all(self.placement(fqn, Axis.TP).is_replicate() for fqn in self.placements)
+        )
+
     def with_changes(self, **changes: Any) -> Plan:
         """A copy with some fields changed (validated again): how a user edits a plan.
         Axes are changed by name: `plan.with_changes(dp=4, tp=2)`. The predictions stay

@@ -77,6 +77,11 @@ def format_plan(plan: Plan) -> str:
         f"{'  compiled' if plan.compiled else ''}  global batch={plan.global_batch}  "
         f"per-rank batch={plan.global_batch // plan.dp}",
     ]
+    if plan.tp_shards_nothing:
+        lines.append(
+            f"  tp={plan.tp} shards nothing: each of its ranks runs the whole step on the "
+            "same samples, with no collective between them"
+        )
     if plan.recompute:
         lines.append(f"  recompute: {', '.join(compact_paths(plan.recompute))}")
     if plan.recompute_attention:

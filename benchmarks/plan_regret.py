@@ -225,6 +225,7 @@ def label_of(p: Plan) -> str:
     words += [p.schedule] if p.schedule and p.degrees["pp"] > 1 else []
     words += [f"v{p.virtual_stages}"] if p.virtual_stages > 1 else []
     words += ["sp"] if p.sequence_parallel else []
+    words += ["shards-nothing"] if p.tp_shards_nothing else []
     words += [f"recompute{len(p.recompute)}"] if p.recompute else []
     words += ["offload"] if p.offload else []
     return " ".join(words)

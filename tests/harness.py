@@ -5,6 +5,7 @@ against the same model trained on one device (`tests.models.train_single_device`
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -12,12 +13,21 @@ from torch import nn
 
 import autopart
 from autopart.api import captured_for_planning
+from autopart.mesh import DeviceSpec, device_spec
 from autopart.ops.loss_match import match_cross_entropy
 from autopart.plan import Plan
 from autopart.solver import Pins, make_plan
 from tests.models import assert_matches, lm_loss, make_optimizer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def slow_links_cpu() -> DeviceSpec:
+    """The CPU preset with links slow enough (1 ms, 20 MB/s) that a tiny model's
+    gradient all-reduce costs more than half its step: every rank running the whole
+    step, with no collective, is then priced faster than splitting the batch."""
+    cpu = device_spec("cpu")
+    return replace(cpu, intra_node_latency=1e-3, intra_node_bandwidth=2e7, collectives={})
 
 
 def parallelize_lm(

@@ -4,8 +4,8 @@ Candidates, every combination the pins allow:
   every factorization of the mesh over the axes of `Degrees` (pp × dp × ep × cp × tp),
     less what `_admissible` rules out for an unpinned axis: dp × ep must divide the
     batch, ep the experts of every routed layer (with cp = 1), tp stays within a node
-    (tensor parallelism on the fast links) and, unless pinned, at
-    degrees where the model has a tensor-parallel layout; pp no more than the repeated
+    (tensor parallelism on the fast links; where its layout shards nothing, its ranks
+    each run the whole step, with no collective); pp no more than the repeated
     blocks; cp where the model attends over a sequence that splits into 2·cp chunks,
     and where a microbatch holds fewer sequences per replica than cp (otherwise dp·cp
     replicas of whole sequences do the same work for less). An axis with no rule is
@@ -171,12 +171,12 @@ def search(
     blocks = tuple(s.key for s in first if s.is_block)
     recomputable = pins.recompute is None and pins.recompute_attention is None
 
-    def priced(offload: bool, replicas: bool = False) -> list[Candidate]:
+    def priced(offload: bool) -> list[Candidate]:
         # Plans with context parallelism go last, against the best plan without it:
         # there are many, and a pipeline's best plan is often found only once the
         # inner model fits it, after which the floor prunes most of them.
         fit = _StatesFit(layouts, mesh, pins, dims, offload)
-        choices = list(_choices(layouts, mesh, pins, global_batch, blocks, offload, fit, replicas))
+        choices = list(_choices(layouts, mesh, pins, global_batch, blocks, offload, fit))
         listed = _Listed()
         without = [c for c in choices if c.cp == 1]
         found = _price(layouts, mesh, dims, without, recomputable, listed=listed)
@@ -190,10 +190,6 @@ def search(
     memory = mesh.device.memory_bytes
 
     candidates = priced(offload=bool(pins.offload))
-    if not candidates:
-        # Where nothing else divides the batch and the mesh (a batch kept whole on a
-        # mesh as small as tp), a tp that shards nothing: every rank runs the step.
-        candidates = priced(offload=bool(pins.offload), replicas=True)
     if not candidates:
         raise NoPlanFits("the pins leave no plan that divides the batch and the mesh")
     try:
@@ -673,13 +669,13 @@ def _choices(
     blocks: tuple[str, ...],
     offload: bool = False,
     fit: _StatesFit | None = None,
-    replicas: bool = False,
 ) -> Iterator[Choices]:
     """Every combination the pins allow; with `offload`, only those that can keep the
     optimizer state on the host (`policy.offload_refusal`); with `fit`, only the plans
     with context parallelism whose states fit (the search prices none of the others).
-    A free tp whose layout shards nothing, every rank running the whole step, only
-    with `replicas`."""
+    A tp whose layout shards nothing is one too: its ranks each run the whole step,
+    with no collective between them, which on a small model can beat splitting the
+    batch (`docs/tensor-parallel.md`)."""
     sequence, experts = layouts.ring_sequence(), layouts.experts
     for degrees in Degrees.factorizations(mesh.world_size, pins.degrees):
         if not _admissible(degrees, mesh, pins, batch, len(blocks), sequence, experts):
@@ -687,9 +683,6 @@ def _choices(
         tp, pp, dp = degrees[Axis.TP], degrees[Axis.PP], degrees[Axis.DP]
         ep = degrees[Axis.EP]
         sp = layouts.sequence_parallel(tp, pins.sequence_parallel)
-        free_tp = pins.degree(Axis.TP) is None
-        if tp > 1 and free_tp and not replicas and not layouts.placements(tp):
-            continue  # no layout shards anything at this tp (a pinned tp may replicate all)
         if ep > 1 and tp > 1 and not layouts.splits_experts(tp, sp):
             continue  # the layout gathers an expert weight: ep cannot cut its experts
         cp = degrees[Axis.CP]

@@ -11,10 +11,18 @@ from tests.harness import (
     assert_every_rank_matches,
     case_key,
     parallelize_lm,
+    slow_links_cpu,
     train_case,
     train_losses,
 )
-from tests.models import LM_FACTORIES, snapshot, token_batch, train_single_device
+from tests.models import (
+    LM_FACTORIES,
+    lm_loss,
+    make_optimizer,
+    snapshot,
+    token_batch,
+    train_single_device,
+)
 
 STEPS = 5
 # The quick suite runs each model with one optimizer; the slow, every pair on 4 ranks too.
@@ -47,6 +55,29 @@ def test_dp_matches_single_device(world, cases):
     per_rank = run_world(_train_dp, world, cases, batch)
     for case in cases:
         assert_every_rank_matches(per_rank, case, train_single_device(*case, STEPS, batch))
+
+
+def _train_free(batch, device) -> dict:
+    model = LM_FACTORIES["gpt2"]()
+    ids, _ = batch
+    mesh = autopart.Mesh.local(device=device)
+    pm = autopart.parallelize(model, mesh, (ids,), loss_fn=lm_loss, optimizer=make_optimizer("sgd"))
+    result = {"losses": train_losses(pm, batch, STEPS), "params": pm.full_state_dict()}
+    result["plan"] = (pm.plan.tp, pm.plan.dp, pm.plan.tp_shards_nothing)
+    pm.close()
+    return result
+
+
+def test_ranks_that_each_run_the_whole_step_match_single_device():
+    """Where links are slow, the free plan of a tiny GPT-2 on 2 ranks is a tp that
+    shards nothing: each rank runs the whole step on the whole batch, with no
+    collective. Each then trains its own copy of the weights as one device would, with
+    SGD, whose update shows any gradient scaled by a rank count."""
+    batch = token_batch(batch=8)
+    per_rank = run_world(_train_free, 2, batch, slow_links_cpu())
+    assert [r.pop("plan") for r in per_rank] == [(2, 1, True)] * 2
+    reference = train_single_device("gpt2", "sgd", STEPS, batch)
+    assert_every_rank_matches([{"free": r} for r in per_rank], "free", reference)
 
 
 ACCUMULATED = [("llama", {"dp": 2, "microbatches": 2, "zero": 2})]

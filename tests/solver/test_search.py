@@ -21,7 +21,8 @@ from autopart.passes import analyze
 from autopart.plan import Predicted
 from autopart.solver import Pins, make_plan
 from autopart.solver.search import SLACK, Candidate, _admissible, _solve
-from tests.models import LM_FACTORIES, tiny_gpt2, token_batch
+from tests.harness import slow_links_cpu
+from tests.models import LM_FACTORIES, lm_loss, tiny_gpt2, token_batch
 
 GiB = 1024**3
 
@@ -506,3 +507,17 @@ def test_memory_costs_a_layout_nothing_where_the_model_fits_many_times_over():
     free = autopart.plan(model, mesh, (ids,), loss_fn=random_models.loss)
     assert "gathered when used" in pinned.tp_roles.values()
     assert free.tp == 2 and "gathered when used" not in free.tp_roles.values()
+
+
+def test_ranks_each_run_the_whole_step_where_splitting_the_batch_costs_more():
+    """A tp whose layout shards nothing runs one device's step on every rank, with no
+    collective: on a tiny model over slow links, faster than dp2's gradient all-reduce,
+    and chosen; over the preset's links dp2 is faster and chosen. The plan says so."""
+    ids, _ = token_batch(batch=8)
+    slow = Mesh.cluster(slow_links_cpu(), nodes=1, per_node=2)
+    replicated = autopart.plan(tiny_gpt2(), slow, (ids,), loss_fn=lm_loss)
+    assert (replicated.tp, replicated.dp, replicated.tp_shards_nothing) == (2, 1, True)
+    assert replicated.predicted.exposed_comm_s == 0
+    assert "tp=2 shards nothing: each of its ranks runs the whole step" in str(replicated)
+    split = autopart.plan(tiny_gpt2(), TWO_CPUS, (ids,), loss_fn=lm_loss)
+    assert (split.tp, split.dp) == (1, 2)
