@@ -37,17 +37,11 @@
     optimizer     AdamW's step over a small transformer layer's parameters (width
                   128), timed right after that layer's forward and backward, as a
                   training step runs it: the backward has evicted the parameters, the
-                  state and the step's code from the caches. Less the step over one
-                  tensor of as many elements, over its tensors: `optimizer_tensor_s`.
-                  (On a 2-core x86 host, 35 µs a tensor; back to back on 16-element
+                  state and the step's code from the caches. Less its traffic at the
+                  measured bandwidth, over its tensors: `optimizer_tensor_s`. (On a
+                  2-core x86 host, 35 µs a tensor; back to back on 16-element
                   tensors it measured 16 µs, half of what the tiny GPT-2's and
-                  Llama's steps take after their backward.) And the rate at which its
-                  step over one tensor of 1 Mi elements moves its traffic, each step
-                  after a pass over a buffer larger than the caches (as a backward
-                  through a model that outgrows them leaves them):
-                  `optimizer_bandwidth`. On a 2-core AMD EPYC host, 17-19 GB/s
-                  against a copy's 38-50: the step's square roots and quotients run
-                  slower than memory there.
+                  Llama's steps take after their backward.)
     collectives   all_reduce, all_gather, reduce_scatter, broadcast and all_to_all
                   (each where the backend supports it) of 1 KiB to 64 MiB buffers,
                   each issued between compute as training issues it: what it adds to
@@ -124,13 +118,7 @@ import torch.distributed as dist
 
 from autopart.capture import BATCH, capture
 from autopart.cost_models.comm import ring_steps, ring_volume
-from autopart.cost_models.compute import (
-    ADAM_STATE_TENSORS,
-    ADAM_TRAFFIC,
-    LINEAR_PRODUCTS,
-    ComputeModel,
-    backward_factor,
-)
+from autopart.cost_models.compute import LINEAR_PRODUCTS, ComputeModel, backward_factor
 from autopart.cost_models.work import FUNCTIONS, node_work
 from autopart.mesh import PRESETS, DeviceSpec, Mesh, gpu_preset
 from autopart.ops.flat_buckets import REDUCE_DEPTH
@@ -302,7 +290,6 @@ def calibrate(
     rates = _function_rates(device, repeats) if device.type == "cpu" else {}
     progress.step("transcendental functions")
     optimizer = _optimizer_per_tensor(device, repeats)
-    optimizer_bandwidth = _optimizer_bandwidth(device, repeats)
     progress.step("optimizer")
     collectives = {}
     for op in ops:
@@ -322,7 +309,6 @@ def calibrate(
         attention_rates=attention_rates,
         function_rates=rates,
         optimizer_tensor_s=optimizer,
-        optimizer_bandwidth=optimizer_bandwidth,
         zero3_bucket=zero3_bucket,
     )
     spec = replace(spec, compute_scale=_compute_scale(spec, device, repeats))
@@ -709,30 +695,6 @@ def _optimizer_per_tensor(device: torch.device, repeats: int) -> float:
             times[name].append(_median_after(backward, step, device, 1))
     seconds = _world_mean({k: statistics.median(v) for k, v in times.items()}, device)
     return max(seconds["layer"] - seconds["one tensor"], 0.0) / (len(params) - 1)
-
-
-OPTIMIZER_ELEMENTS = 1 << 20  # a tensor whose state (16 MiB) outgrows a core's caches
-EVICTING_BYTES = 64 * 1024**2  # passed over before each step, larger than the caches
-
-
-def _optimizer_bandwidth(device: torch.device, repeats: int) -> float:
-    """Bytes per second at which AdamW's step (torch's default implementation for the
-    device) moves its traffic, `ADAM_TRAFFIC` × its state's bytes, over one tensor of
-    `OPTIMIZER_ELEMENTS`: each step timed after a pass over `EVICTING_BYTES` (read and
-    written: a write alone may bypass the caches), since a training step's backward
-    leaves the state out of the caches. Its per-tensor cost
-    (`_optimizer_per_tensor`, a few µs) is a fraction of a percent of that step."""
-    param = torch.nn.Parameter(torch.zeros(OPTIMIZER_ELEMENTS, device=device))
-    param.grad = torch.randn_like(param)  # nonzero moments, as a trained layer's
-    step = torch.optim.AdamW([param], lr=1e-3).step
-    step()  # the warm-up: the state's allocation
-    evicting = torch.zeros(EVICTING_BYTES // 4, device=device)
-    _together()
-    samples = max(repeats, OPTIMIZER_SAMPLES)
-    seconds = _median_after(lambda: evicting.add_(1.0), step, device, samples)
-    seconds = _world_mean({0: seconds}, device)[0]
-    state_bytes = ADAM_STATE_TENSORS * param.numel() * param.element_size()
-    return ADAM_TRAFFIC * state_bytes / seconds
 
 
 def _operator_floor(device: torch.device, repeats: int) -> float:
@@ -1143,7 +1105,6 @@ def _memory_bytes(device: torch.device) -> int:
 
 def _report(spec: DeviceSpec, path: str | os.PathLike) -> None:
     assert spec.optimizer_tensor_s is not None, "calibrate measures it"
-    assert spec.optimizer_bandwidth is not None, "calibrate measures it"
     rates = ", ".join(f"{fn} {rate / 1e9:.2f}" for fn, rate in spec.function_rates.items())
     peaks = "; ".join(
         f"{dtype} "
@@ -1156,8 +1117,7 @@ def _report(spec: DeviceSpec, path: str | os.PathLike) -> None:
     sys.stderr.write(
         f"{spec.name}: {peaks}; memory {spec.memory_bandwidth / 1e9:.1f} GB/s; "
         f"operator floor {spec.kernel_launch_s * 1e6:.1f} µs; "
-        f"Adam {spec.optimizer_tensor_s * 1e6:.1f} µs a tensor, its traffic at "
-        f"{spec.optimizer_bandwidth / 1e9:.1f} GB/s; "
+        f"Adam {spec.optimizer_tensor_s * 1e6:.1f} µs a tensor; "
         f"compute scale {spec.compute_scale:.2f}; "
         f"functions (G/s) {rates or 'none'}; collectives {sorted(spec.collectives)}\n"
         + "".join(f"warning: {w}\n" for w in spec.calibration.get("warnings", ()))

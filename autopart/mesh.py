@@ -83,9 +83,6 @@ class DeviceSpec:
     # Measured seconds of an Adam step per parameter tensor beyond its memory traffic;
     # None: `cost_models.compute.ADAM_OPERATORS_PER_TENSOR` operator floors.
     optimizer_tensor_s: float | None = None
-    # Measured bytes/s at which an Adam step moves its traffic (`ADAM_TRAFFIC` × its
-    # state's bytes); None: `memory_bandwidth`.
-    optimizer_bandwidth: float | None = None
     # Measured / modeled compute time of a reference transformer layer (`autopart
     # calibrate`); the compute model multiplies its operator times by it.
     compute_scale: float = 1.0

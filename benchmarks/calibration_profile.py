@@ -26,7 +26,6 @@ PLAUSIBLE = {
     "kernel_launch_s": (0.0, 1e-2),
     "tanh_per_s": (1e6, 1e12),
     "optimizer_tensor_s": (0.0, 1e-2),
-    "optimizer_bandwidth": (1e8, 1e12),
     "compute_scale": (0.2, 5.0),  # measured / modeled time of a reference layer
 }
 # Each of a linear layer's products per dtype (fp32, bf16): a 16-bit product on a CPU
@@ -52,7 +51,6 @@ def main() -> None:
         "kernel_launch_s": spec.kernel_launch_s,
         "tanh_per_s": spec.function_rates.get("tanh", 0.0),
         "optimizer_tensor_s": spec.optimizer_tensor_s or 0.0,
-        "optimizer_bandwidth": spec.optimizer_bandwidth or 0.0,
         "compute_scale": spec.compute_scale,
     }
     ranges = dict(PLAUSIBLE)

@@ -93,10 +93,7 @@ the first moment is read and written by its update and read by the step, the sec
 read and written by its decay and again by its update and read for its square root,
 and the square root, its quotient and its sum each write a temporary the next reads.
 That is 21 passes of a parameter's size, over the 4 such tensors of its state:
-`ADAM_TRAFFIC` × the state's bytes, at the memory bandwidth; a calibrated profile
-measures the rate an AdamW step moves them (`DeviceSpec.optimizer_bandwidth`), which on
-a CPU is below a copy's (about half on a 2-core AMD EPYC host: its square roots and
-quotients are slower than memory there). It also dispatches
+`ADAM_TRAFFIC` × the state's bytes. It also dispatches
 `ADAM_OPERATORS_PER_TENSOR` operators per parameter tensor, as torch's single-tensor
 implementation does (its default on CPU: the step counter, weight decay, the two moment
 updates, the bias-corrected denominator in three operators, the update and the step's
@@ -128,8 +125,7 @@ DEFAULT_HALF_DIM = 64.0
 BACKWARD_CONTRACTION = 2.0  # backward / forward for matmuls, attention, convolutions
 BACKWARD_OTHER = 1.0  # backward / forward for everything else
 ADAM_OPERATORS_PER_TENSOR = 10  # torch.optim.adam._single_tensor_adam, AdamW included
-ADAM_STATE_TENSORS = 4  # a parameter, its gradient and its two moments
-ADAM_TRAFFIC = 21 / ADAM_STATE_TENSORS  # Adam's bytes moved over its state's (module docstring)
+ADAM_TRAFFIC = 21 / 4  # Adam's bytes moved over its state's bytes (module docstring)
 # A linear layer's three products (y = x @ Wᵀ), each timed by `autopart calibrate` in
 # its own operand layout (`DeviceSpec.matmul_products`): forward x @ Wᵀ (the second
 # operand transposed), grad_input g @ W (both as stored), grad_weight gᵀ @ x (the first
@@ -403,14 +399,13 @@ class ComputeModel:
 
     def optimizer_step_time(self, state_bytes: float, tensors: float = 0.0) -> float:
         """Adam over `tensors` parameter tensors holding `state_bytes` of parameters,
-        gradients and state: `ADAM_TRAFFIC` × the bytes over the rate its step moves
-        them (measured, or the memory bandwidth), plus the per-tensor cost: measured,
-        or `ADAM_OPERATORS_PER_TENSOR` launch floors (module docstring)."""
+        gradients and state: `ADAM_TRAFFIC` × the bytes over the memory bandwidth, plus
+        the per-tensor cost: measured, or `ADAM_OPERATORS_PER_TENSOR` launch floors
+        (module docstring)."""
         per_tensor = self.device.optimizer_tensor_s
         if per_tensor is None:
             per_tensor = ADAM_OPERATORS_PER_TENSOR * self.device.kernel_launch_s
-        bandwidth = self.device.optimizer_bandwidth or self.device.memory_bandwidth
-        return ADAM_TRAFFIC * state_bytes / bandwidth + tensors * per_tensor
+        return ADAM_TRAFFIC * state_bytes / self.device.memory_bandwidth + tensors * per_tensor
 
 
 def backward_factor(work: NodeWork) -> float:

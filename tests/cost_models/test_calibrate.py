@@ -33,7 +33,6 @@ def test_quick_calibration_in_one_process_writes_a_loadable_profile(tmp_path, ca
         spec.kernel_launch_s,
         spec.function_rates["tanh"],
         spec.optimizer_tensor_s,
-        spec.optimizer_bandwidth,
         spec.compute_scale,
     ]
     assert all(x is not None and 0 < x < math.inf for x in measured), measured
@@ -213,7 +212,6 @@ def test_the_profile_records_the_hosts_load_and_the_warnings(tmp_path, monkeypat
     monkeypatch.setattr(cal, "_copy_bandwidth", lambda nbytes, device, repeats: 1e10)
     monkeypatch.setattr(cal, "_function_rates", functions)
     monkeypatch.setattr(cal, "_optimizer_per_tensor", lambda device, repeats: 3e-5)
-    monkeypatch.setattr(cal, "_optimizer_bandwidth", lambda device, repeats: 2e10)
     monkeypatch.setattr(cal, "_compute_scale", lambda spec, device, repeats: 1.2)
     path = tmp_path / "profile.json"
     cal.calibrate(path, sizes=(64, 128), dtypes=("fp32",))

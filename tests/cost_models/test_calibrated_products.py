@@ -42,7 +42,6 @@ def _fake_calibration(monkeypatch, tmp_path, attention: dict | None = None):
     monkeypatch.setattr(cal, "_copy_bandwidth", lambda nbytes, device, repeats: 1e10)
     monkeypatch.setattr(cal, "_function_rates", lambda device, repeats: {"exp": 1e9})
     monkeypatch.setattr(cal, "_optimizer_per_tensor", lambda device, repeats: 3e-5)
-    monkeypatch.setattr(cal, "_optimizer_bandwidth", lambda device, repeats: 2e10)
     monkeypatch.setattr(cal, "_compute_scale", lambda spec, device, repeats: 1.0)
     path = tmp_path / "profile.json"
     cal.calibrate(path, sizes=(128, 256, 512), dtypes=("fp32", "bf16"))
