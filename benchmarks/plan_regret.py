@@ -145,7 +145,9 @@ def calibrated_profile(world: int, directory: Path) -> Path:
         "--quick",
         f"--out={path}",
     ]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"calibration at world {world} failed:\n{done.stderr[-4000:]}")
     return path
 
 
