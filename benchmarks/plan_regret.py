@@ -59,7 +59,7 @@ from autopart.degrees import Degrees  # noqa: E402
 from autopart.plan import Alternative, Plan  # noqa: E402
 from autopart.testing import run_world  # noqa: E402
 from tests import random_models, zoo  # noqa: E402
-from tests.models import lm_loss, make_optimizer, tiny_gpt2, token_batch  # noqa: E402
+from tests.models import lm_loss, make_optimizer, tiny_gpt2, tiny_llama, token_batch  # noqa: E402
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 TARGETS = {"max_regret": 1.10, "median_regret": 1.0}
@@ -85,7 +85,7 @@ def _zoo(name: str) -> Model:
     return Model(case.build, case.batch, case.loss_fn, "zoo")
 
 
-def _gpt2_batch(batch: int, seq: int) -> Batch:
+def _lm_batch(batch: int, seq: int) -> Batch:
     ids, target = token_batch(batch, seq)
     return (ids,), target
 
@@ -113,15 +113,16 @@ def _random(width: int, vocab: int, blocks: tuple[str, ...], batch: int, seq: in
 
 
 # The zoo's decoders, an encoder and a mixture of experts at the zoo's batch (8 × 16);
-# tiny GPT-2 on longer sequences, two per batch (on 4 ranks, cp against dp); random
-# models with a large vocabulary (tp), with wide layers and a small batch (pp), and
-# attention between MLPs.
+# tiny GPT-2 on longer sequences, two per batch; tiny Llama on one sequence of 1024
+# tokens (tp on 2 ranks, cp × tp on 4); random models with a large vocabulary, with
+# wide layers and a small batch (pp), and attention between MLPs.
 MODELS: dict[str, Model] = {
     "gpt2": _zoo("gpt2"),
     "llama": _zoo("llama"),
     "bert": _zoo("bert"),
     "mixtral": _zoo("mixtral"),
-    "gpt2_seq64": Model(tiny_gpt2, functools.partial(_gpt2_batch, 2, 64), lm_loss, "zoo"),
+    "gpt2_seq64": Model(tiny_gpt2, functools.partial(_lm_batch, 2, 64), lm_loss, "zoo"),
+    "llama_seq1024": Model(tiny_llama, functools.partial(_lm_batch, 1, 1024), lm_loss, "zoo"),
     "random_vocab": _random(64, 8192, ("mlp",) * 4, 4, 16),
     "random_wide": _random(512, 128, ("mlp",) * 8, 8, 4),
     "random_attention": _random(128, 4096, ("attention", "mlp") * 2, 4, 16),
