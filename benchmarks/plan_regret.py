@@ -122,7 +122,12 @@ MODELS: dict[str, Model] = {
     "bert": _zoo("bert"),
     "mixtral": _zoo("mixtral"),
     "gpt2_seq64": Model(tiny_gpt2, functools.partial(_lm_batch, 2, 64), lm_loss, "zoo"),
-    "llama_seq1024": Model(tiny_llama, functools.partial(_lm_batch, 1, 1024), lm_loss, "zoo"),
+    "llama_seq1024": Model(
+        functools.partial(tiny_llama, positions=1024),
+        functools.partial(_lm_batch, 1, 1024),
+        lm_loss,
+        "zoo",
+    ),
     "random_vocab": _random(64, 8192, ("mlp",) * 4, 4, 16),
     "random_wide": _random(512, 128, ("mlp",) * 8, 8, 4),
     "random_attention": _random(128, 4096, ("attention", "mlp") * 2, 4, 16),

@@ -34,7 +34,9 @@ def tiny_gpt2(seed: int = 0, layers: int = 2, dropout: float = 0.0) -> nn.Module
     return GPT2LMHeadModel(config)
 
 
-def tiny_llama(seed: int = 0, layers: int = 2, pad_token_id: int | None = None) -> nn.Module:
+def tiny_llama(
+    seed: int = 0, layers: int = 2, pad_token_id: int | None = None, positions: int = 64
+) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -46,7 +48,7 @@ def tiny_llama(seed: int = 0, layers: int = 2, pad_token_id: int | None = None) 
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=VOCAB,
-        max_position_embeddings=64,
+        max_position_embeddings=positions,
         use_cache=False,
         bos_token_id=0,
         eos_token_id=0,
