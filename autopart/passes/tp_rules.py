@@ -340,7 +340,10 @@ def _size_leaves(ops: Operands) -> list[int]:
 def _reshape(ops: Operands) -> Decision:
     """Map the sharded dim through the reshape. Input and output dims group into runs
     of equal product; the shard must sit on the outermost dim of its run on both sides
-    (a split [h] -> [heads, hd] shards heads; a merge [heads, hd] -> [h] needs heads)."""
+    (a split [h] -> [heads, hd] shards heads; a merge [heads, hd] -> [h] needs heads).
+    Dims of size 1 hold nothing, so a run's leading ones do not count: a batch of one
+    sequence merged with it ([1, seq, h] -> [seq, h], as GPT-2's Conv1D does) keeps
+    the sequence's shard, and the reshape back gives it to the sequence again."""
     x = ops.places[0]
     if not isinstance(x, Shard):
         return fallback(ops, "expected a sharded input")
@@ -350,7 +353,11 @@ def _reshape(ops: Operands) -> Decision:
     run = _run_of(in_shape, out_shape, d)
     if run is None:
         return fallback(ops, "reshape mixes the sharded dim with others")
-    (in_first, _), (out_first, _) = run
+    (in_first, _), (out_first, out_end) = run
+    while in_first < d and in_shape[in_first] == 1:
+        in_first += 1
+    while out_first < out_end - 1 and out_shape[out_first] == 1:
+        out_first += 1
     if in_first != d or not _splits(ops, out_shape[out_first]):
         return fallback(ops, "reshape splits the sharded dim unevenly")
     decision = Decision(output=Shard(out_first))

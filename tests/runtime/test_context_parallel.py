@@ -85,6 +85,23 @@ def test_context_parallel_trains_like_one_device(world):
             assert in_backward == 0 and summed == PARAMETERS * world
 
 
+def _train_gpt2(batch) -> dict:
+    return train_case(tiny_gpt2(), batch, STEPS, inspect=_graph_of, cp=2, dp=1, tp=1, pp=1)
+
+
+def test_one_sequence_through_gpt2s_flattening_projections_stays_sharded():
+    """GPT-2's Conv1D flattens [batch, seq, h] into rows for its product and back. With
+    one sequence a batch dim of 1 holds nothing, so the rows stay this rank's tokens:
+    no gather around the projections, the logits' gather for the loss alone."""
+    batch = token_batch(1, SEQ)
+    reference = train_reference(tiny_gpt2(), "adamw", STEPS, (batch[0],), batch[1])
+    per_rank = run_world(_train_gpt2, 2, batch)
+    assert_every_rank_matches([{"gpt2": r} for r in per_rank], "gpt2", reference)
+    for graph in per_rank:
+        assert graph["rings"] == 2
+        assert graph["kinds"][("cp", "all_gather")] == 1
+
+
 def _resume(batch, directory) -> list[float]:
     pm = parallelize_lm(tiny_llama(), batch, "adamw", cp=2, dp=2, tp=1, pp=1, zero=0)
     losses = train_losses(pm, batch, STEPS - 1)
