@@ -31,14 +31,19 @@ def slow_links_cpu() -> DeviceSpec:
 
 
 def parallelize_lm(
-    model: nn.Module, batch: Batch, optimizer: str = "adamw", **pins: Any
+    model: nn.Module,
+    batch: Batch,
+    optimizer: str = "adamw",
+    device: DeviceSpec | None = None,
+    **pins: Any,
 ) -> autopart.ParallelModule:
-    """`model` parallelized over the running world for training on `batch` with the
-    language-model loss. Runs on every rank; `pins` go to `autopart.parallelize`."""
+    """`model` parallelized over the running world (its devices priced as `device`, the
+    local preset where None) for training on `batch` with the language-model loss. Runs
+    on every rank; `pins` go to `autopart.parallelize`."""
     ids, _ = batch
     return autopart.parallelize(
         model,
-        autopart.Mesh.local(),
+        autopart.Mesh.local(device=device),
         (ids,),
         loss_fn=lm_loss,
         optimizer=make_optimizer(optimizer),
@@ -70,14 +75,16 @@ def train_case(
     steps: int,
     optimizer: str = "adamw",
     inspect: Callable[[autopart.ParallelModule], dict[str, Any]] | None = None,
+    device: DeviceSpec | None = None,
     **pins: Any,
 ) -> dict[str, Any]:
     """Train one case on every rank: {"losses", "params"}, the form `assert_matches`
     compares, with the parameters whole (gathered from every rank's pieces). `inspect`
     adds a test's own measurements of the trained module; it runs on every rank before
     the module is closed, since some of what it reads (collectives, the gathered
-    `full_state_dict`) needs all ranks or the live module."""
-    pm = parallelize_lm(model, batch, optimizer, **pins)
+    `full_state_dict`) needs all ranks or the live module. `device`: as
+    `parallelize_lm`'s."""
+    pm = parallelize_lm(model, batch, optimizer, device, **pins)
     result = {"losses": train_losses(pm, batch, steps), "params": pm.full_state_dict()}
     if inspect is not None:
         result.update(inspect(pm))

@@ -15,14 +15,7 @@ from tests.harness import (
     train_case,
     train_losses,
 )
-from tests.models import (
-    LM_FACTORIES,
-    lm_loss,
-    make_optimizer,
-    snapshot,
-    token_batch,
-    train_single_device,
-)
+from tests.models import LM_FACTORIES, snapshot, token_batch, train_single_device
 
 STEPS = 5
 # The quick suite runs each model with one optimizer; the slow, every pair on 4 ranks too.
@@ -58,14 +51,10 @@ def test_dp_matches_single_device(world, cases):
 
 
 def _train_free(batch, device) -> dict:
-    model = LM_FACTORIES["gpt2"]()
-    ids, _ = batch
-    mesh = autopart.Mesh.local(device=device)
-    pm = autopart.parallelize(model, mesh, (ids,), loss_fn=lm_loss, optimizer=make_optimizer("sgd"))
-    result = {"losses": train_losses(pm, batch, STEPS), "params": pm.full_state_dict()}
-    result["plan"] = (pm.plan.tp, pm.plan.dp, pm.plan.tp_shards_nothing)
-    pm.close()
-    return result
+    def plan_of(pm) -> dict:
+        return {"plan": (pm.plan.tp, pm.plan.dp, pm.plan.tp_shards_nothing)}
+
+    return train_case(LM_FACTORIES["gpt2"](), batch, STEPS, "sgd", plan_of, device)
 
 
 def test_ranks_that_each_run_the_whole_step_match_single_device():
