@@ -204,11 +204,25 @@ class CommModel:
         rendezvous (a CPU's, `autopart calibrate`), else `send_time`."""
         return self._point_to_point(EXCHANGE, nbytes, first, peer, size)
 
-    def _point_to_point(self, op: str, nbytes: float, first: int, peer: int, size: int) -> float:
-        if nbytes == 0 or first == peer:
-            return 0.0
+    def crosses_nodes(self, first: int, peer: int, size: int = 1) -> bool:
+        """Whether `send_time(..., first, peer, size)` goes between nodes: all it reads
+        of where the ranks sit."""
         n = self.mesh.per_node
-        key = (op, nbytes, _crosses_nodes(first, peer, min(size, n), n))
+        return _crosses_nodes(first, peer, min(size, n), n)
+
+    def link_send_time(self, nbytes: float, crosses_nodes: bool) -> float:
+        """`send_time` of a pair that goes between nodes or not (`crosses_nodes`)."""
+        return self._on_link(SEND_RECV, nbytes, crosses_nodes)
+
+    def _point_to_point(self, op: str, nbytes: float, first: int, peer: int, size: int) -> float:
+        if first == peer:
+            return 0.0
+        return self._on_link(op, nbytes, self.crosses_nodes(first, peer, size))
+
+    def _on_link(self, op: str, nbytes: float, crosses_nodes: bool) -> float:
+        if nbytes == 0:
+            return 0.0
+        key = (op, nbytes, crosses_nodes)
         if key not in self._sends:
             collectives = self.mesh.device.collectives
             measured = collectives.get(op) or collectives.get(SEND_RECV)

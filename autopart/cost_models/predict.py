@@ -265,14 +265,7 @@ def step_time_lower_bound(
     if blocks < choices.chunks or choices.stage_cuts:
         boundary = 0.0  # a chunk may hold no block (cut anywhere, or as pinned): it sends nothing
     pp = choices.pp
-    # Every rank's transfers, alike for every plan of these pipeline degrees.
-    sends = ("sends", boundary, pp, choices.chunks, choices.degrees.stride(Axis.PP))
-    transfers = cache.get(sends) if cache is not None else None
-    if transfers is None:
-        transfers = sum(p2p_comm(boundary, choices, models.comm, r) for r in range(pp))
-        if cache is not None:
-            cache[sends] = transfers
-    work += transfers
+    work += pipeline_sends(boundary, choices, models)
     floor = work * span_floor(choices.schedule, pp, choices.microbatches, choices.virtual_stages)
     cut_at_blocks = blocks >= choices.chunks and not choices.stage_cuts
     if last_rank and cut_at_blocks and pp > 1 and choices.schedule in _SPANNED:
@@ -1029,16 +1022,43 @@ def p2p_comm(boundary: float, choices: Choices, comm: CommModel, rank: int = 0) 
     pp = choices.pp
     if pp == 1:
         return 0.0
-    chunks, stride = choices.chunks, choices.degrees.stride(Axis.PP)
-    peers = [
+    stride = choices.degrees.stride(Axis.PP)
+    return sum(
+        comm.send_time(boundary, rank * stride, peer % pp * stride, stride)
+        for peer in _peer_chunks(rank, pp, choices.chunks)
+    )
+
+
+def pipeline_sends(boundary: float, choices: Choices, models: CostModels) -> float:
+    """`p2p_comm` summed over the pipeline's ranks. A send's price reads only whether
+    its pair crosses nodes, so the sends are counted by that, once for the pipelines
+    of these degrees, and each kind priced once: a deep pipeline's step floor asks
+    this at every microbatch size."""
+    pp = choices.pp
+    if pp == 1:
+        return 0.0
+    chunks, stride, comm = choices.chunks, choices.degrees.stride(Axis.PP), models.comm
+
+    def count() -> Counter[bool]:
+        return Counter(
+            comm.crosses_nodes(rank * stride, peer % pp * stride, stride)
+            for rank in range(pp)
+            for peer in _peer_chunks(rank, pp, chunks)
+        )
+
+    links = models.remember(("send links", pp, chunks, stride), count)
+    return sum(n * comm.link_send_time(boundary, crosses) for crosses, n in links.items())
+
+
+def _peer_chunks(rank: int, pp: int, chunks: int) -> list[int]:
+    """The chunks pipeline rank `rank`'s chunks send to: each the next (but the last
+    chunk) and the one before (but the first)."""
+    return [
         peer
         for chunk in range(rank, chunks, pp)
         for peer, sends in ((chunk + 1, chunk + 1 < chunks), (chunk - 1, chunk > 0))
         if sends
     ]
-    return sum(
-        comm.send_time(boundary, rank * stride, peer % pp * stride, stride) for peer in peers
-    )
 
 
 def _zero3_comm(stage: _Stage, compute: PhaseCost, choices: Choices, models: CostModels) -> float:

@@ -333,7 +333,9 @@ def distributed(place: object) -> bool:
     """Sharded or partial (a multi-output operator: any of its outputs)."""
     if isinstance(place, tuple):
         return any(distributed(p) for p in place)
-    return place is not None and place != R
+    # Not `place != R`: a Shard's comparison with a Replicate costs microseconds, and
+    # the search asks this of every operand of every layout.
+    return place is not None and not isinstance(place, Replicate)
 
 
 def split_by(ops: Operands, decision: Decision) -> bool:
