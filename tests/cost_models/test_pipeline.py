@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from autopart.cost_models.choices import Choices
+from autopart.cost_models.choices import Choices, CostModels
 from autopart.cost_models.comm import CommModel
 from autopart.cost_models.pipeline import (
     bubble_fraction,
@@ -17,7 +17,7 @@ from autopart.cost_models.pipeline import (
     schedule_span,
     span_floor,
 )
-from autopart.cost_models.predict import p2p_comm
+from autopart.cost_models.predict import p2p_comm, pipeline_sends
 from autopart.degrees import Degrees
 from autopart.mesh import Mesh
 
@@ -151,6 +151,20 @@ def test_interleaved_chunks_each_send_and_wrap_from_the_last_rank_to_the_first()
     assert _transfers(0, "interleaved-1f1b", 2) == pytest.approx(2 * nvlink + nic)
     # Rank 3 holds chunks 3, 7 and 11 of 12: all but the last send on to rank 0.
     assert _transfers(3, "interleaved-1f1b", 3) == pytest.approx(3 * nvlink + 2 * nic)
+
+
+@pytest.mark.parametrize(
+    ("pp", "dp", "tp", "v"), [(4, 2, 2, 1), (4, 2, 2, 3), (8, 1, 2, 2), (16, 1, 1, 1)]
+)
+def test_a_pipelines_sends_counted_by_link_are_every_ranks_sends(pp, dp, tp, v):
+    # 2 nodes of 8: pipelines whose neighbours sit in one node, across the two, or both.
+    mesh = Mesh.cluster("a100-80g", nodes=2, per_node=8)
+    schedule = "interleaved-1f1b" if v > 1 else "1f1b"
+    degrees = Degrees(pp=pp, dp=dp, tp=tp)
+    choices = Choices(64, degrees, microbatches=pp, schedule=schedule, virtual_stages=v)
+    models = CostModels.of(mesh, "fp32")
+    every_rank = sum(p2p_comm(64 * MB, choices, models.comm, r) for r in range(pp))
+    assert pipeline_sends(64 * MB, choices, models) == pytest.approx(every_rank, rel=1e-12)
 
 
 def test_end_ranks_of_a_1f1b_pipeline_send_once_a_microbatch():
