@@ -15,10 +15,12 @@ EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
 def _run(command: list[str], cwd: Path) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # A process killed by a signal (an abort at exit) prints every thread's Python stack,
+    # ahead of the launcher's summary: the failure shows where it was.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     job = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
     output = job.stdout + job.stderr
-    assert job.returncode == 0, output[-4000:]
+    assert job.returncode == 0, output[-12000:]
     return output
 
 
