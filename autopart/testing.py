@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopart.compile import release_compiled_graphs
+
 WORLD_TIMEOUT_S = 600
 # Once a rank has failed, how long the others have to finish (they fail too, at their
 # next collective) before they are killed: a stopped or hung rank does not hold the run.
@@ -155,9 +157,8 @@ def _rank_main(fn, rank, world_size, store, tmp, args, environment) -> None:
         Path(tmp, f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
         raise
     finally:
-        # Compiled graphs hold process groups (and work on them): dropped here, and the
-        # groups destroyed and collected while the interpreter is whole, not in its
-        # teardown, where a Gloo worker thread still holding a tensor aborts the process.
-        torch._dynamo.reset()
+        # As a user's script ends: the groups destroyed, then the compiled graphs that
+        # hold them released (what the backend registers at exit), while the
+        # interpreter is whole.
         dist.destroy_process_group()
-        gc.collect()
+        release_compiled_graphs()

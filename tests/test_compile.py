@@ -5,6 +5,8 @@ under a plain training loop, against the same loop in eager mode on one device."
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -304,3 +306,37 @@ def _feed_different_data() -> str:
 def test_tensor_parallel_ranks_fed_different_data_all_raise():
     messages = run_world(_feed_different_data, 2)
     assert all("tensor-parallel group fed different inputs" in m for m in messages), messages
+
+
+# A process that compiled through the backend, then ends as a DDP script does: the
+# graph the backend compiled must be gone before the interpreter's teardown (where a
+# Gloo thread still holding a tensor aborts the process). `check` is registered before
+# the backend's handler, so it runs after it.
+_EXITING = """
+import atexit, sys, weakref
+import torch
+from autopart.compile import AutopartBackend
+
+compiled_graphs = []
+
+class Recording(AutopartBackend):
+    def __call__(self, gm, example_inputs, **kwargs):
+        compiled_graphs.append(weakref.ref(gm))
+        return super().__call__(gm, example_inputs, **kwargs)
+
+def check():
+    alive = sum(ref() is not None for ref in compiled_graphs)
+    print(f"{len(compiled_graphs)} compiled, {alive} alive at exit")
+
+atexit.register(check)
+model = torch.compile(torch.nn.Linear(4, 4), backend=Recording(inductor=False))
+model(torch.randn(2, 4)).sum().backward()
+"""
+
+
+def test_the_backend_releases_its_compiled_graphs_at_exit():
+    job = subprocess.run(
+        [sys.executable, "-c", _EXITING], capture_output=True, text=True, timeout=300
+    )
+    assert job.returncode == 0, job.stderr[-4000:]
+    assert "1 compiled, 0 alive at exit" in job.stdout

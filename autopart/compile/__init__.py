@@ -36,6 +36,9 @@ a tensor-parallel group their inputs, and all of them raise together if any diff
 
 from __future__ import annotations
 
+import atexit
+import functools
+import gc
 import hashlib
 import logging
 import warnings
@@ -65,9 +68,32 @@ from autopart.runtime.host_memory import keep_freed_memory
 
 log = logging.getLogger("autopart.compile")
 
-__all__ = ["AutopartBackend", "autopart_backend", "backend", "clip_grad_norm_", "gathered"]
+__all__ = [
+    "AutopartBackend",
+    "autopart_backend",
+    "backend",
+    "clip_grad_norm_",
+    "gathered",
+    "release_compiled_graphs",
+]
 
 _PINS = ("dp", "tp", "zero")
+
+
+def release_compiled_graphs() -> None:
+    """Drop dynamo's compiled graphs, and the process groups and pending work they hold,
+    and collect them. Run at exit (registered by the backend's first compile), while the
+    interpreter is whole: left to the interpreter's teardown, a Gloo worker thread still
+    holding a tensor aborts the process after a correct run, so a script that ends with
+    `dist.destroy_process_group()` alone, as DDP's do, could exit with an abort."""
+    torch._dynamo.reset()
+    gc.collect()
+
+
+@functools.cache
+def _release_compiled_graphs_at_exit() -> None:
+    # Once a process. Handlers run last-registered first: before torch's own.
+    atexit.register(release_compiled_graphs)
 
 
 class AutopartBackend:
@@ -109,6 +135,7 @@ class AutopartBackend:
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any
     ) -> Callable[..., Any]:
+        _release_compiled_graphs_at_exit()
         captured = from_graph_module(gm, tuple(example_inputs))
         analyze(captured.gm, captured.context())
         log.info(
