@@ -74,6 +74,7 @@ class TpLayouts:
         self.mesh, self.dims, self.precision = mesh, {**dims, BATCH: 1}, precision
         self._solutions: dict[tuple[int, bool], TpSolution] = {}
         self._summaries: dict[tuple[int, bool], GraphSummary] = {}
+        self._layouts: dict[tuple[int, bool], TpLayout] = {}
         self._splits_experts: dict[tuple[int, bool], bool] = {}
         self.memory_priced = True
 
@@ -166,19 +167,23 @@ class TpLayouts:
         """What each sharded parameter does in the layout (`parameter_roles`)."""
         if tp == 1:
             return {}
-        return parameter_roles(self.gm, self.param_names, self.placements(tp, sp), tp, sp)
+        decisions = self._layout(tp, sp).decisions
+        return parameter_roles(self.gm, self.param_names, self.placements(tp, sp), decisions)
 
     def summary(self, tp: int, sp: bool = False) -> GraphSummary:
         key = (tp, sp and tp > 1)
         if key not in self._summaries:
-            layout = (
-                TpLayout.of(self.gm, self.placements(tp, sp), tp, sp, self.sharded_logits)
-                if tp > 1
-                else None
-            )
+            layout = self._layout(tp, sp) if tp > 1 else None
             like = self.summary(1) if tp > 1 else None  # its layout-free analysis, shared
             self._summaries[key] = GraphSummary(self.gm, layout, like, self.sharded_logits)
         return self._summaries[key]
+
+    def _layout(self, tp: int, sp: bool) -> TpLayout:
+        """The rewrite's layout at `tp` > 1: made once, for the summary and the roles."""
+        if (tp, sp) not in self._layouts:
+            placements = self.placements(tp, sp)
+            self._layouts[tp, sp] = TpLayout.of(self.gm, placements, tp, sp, self.sharded_logits)
+        return self._layouts[tp, sp]
 
 
 def memory_may_bind(

@@ -441,19 +441,18 @@ def parameter_roles(
     gm: fx.GraphModule,
     param_names: Mapping[str, str],
     placements: Mapping[str, Placement],
-    tp: int,
-    sequence_parallel: bool = False,
+    decisions: Mapping[fx.Node, Decision],
 ) -> dict[str, str]:
     """What each sharded parameter does under the layout, for `plan.explain()`:
     column-parallel, row-parallel, vocabulary-parallel, gathered when used (sharded
-    for memory, whole for compute), or sharded along with its operator."""
-    result = propagate(gm, param_names, placements, tp, sequence_parallel)
+    for memory, whole for compute), or sharded along with its operator. `decisions`:
+    the walk's under the layout (`TpLayout.decisions`)."""
     roles: dict[str, str] = {}
     for node in gm.graph.nodes:
         fqn = param_names.get(str(node.target)) if node.op == "get_attr" else None
         if fqn is None or fqn not in placements:
             continue
-        found = [_role(user, read, result.decisions[user]) for user, read in _readers(node)]
+        found = [_role(user, read, decisions[user]) for user, read in _readers(node)]
         roles[fqn] = min(found, key=ROLES.index) if found else ROLES[-1]
     return roles
 
