@@ -14,9 +14,9 @@ import autopart
 from autopart.testing import run_world
 from tests.models import lm_loss, make_optimizer, tiny_gpt2, token_batch
 
-# Steady-state steps timed. Now and then one grows the heap by a few MiB (a free chunk in
-# the wrong place), faulting in a few hundred pages, about one step in six of the first
-# few: over 20 steps the median stays clear of them.
+# Steady-state steps counted. Now and then one grows the heap by a few MiB (a free chunk
+# in the wrong place) and faults in a few hundred pages: the median over this many steps
+# stays clear of them.
 STEPS = 20
 
 
