@@ -31,11 +31,6 @@ def replica_mean(x: torch.Tensor, group: GroupName) -> torch.Tensor:
     return _ReplicaMean.apply(x, group)
 
 
-def statistic_bytes(numel: int, itemsize: int) -> int:
-    """Bytes each replica all-reduces for one statistic of `numel` elements."""
-    return numel * itemsize
-
-
 def _mean_over(x: torch.Tensor, group: GroupName) -> torch.Tensor:
     size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group))
     total = funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
