@@ -72,8 +72,8 @@ from autopart.passes.batch_mixing import (
 )
 from autopart.passes.experts import expert_layers
 from autopart.passes.product_rows import row_operands
-from autopart.passes.tp_decision import Decision, R, flatten_args
-from autopart.passes.tp_propagate import propagate
+from autopart.passes.tp_decision import R, flatten_args
+from autopart.passes.tp_propagate import Propagation, propagate
 from autopart.policy import Precision
 
 _NO_WORK = ("placeholder", "get_attr", "output")
@@ -270,9 +270,9 @@ class TpLayout:
     # The logits of a standard cross-entropy stay sharded over the vocabulary: the
     # runtime's vocabulary-parallel loss runs on each rank's slice.
     vocab_parallel_loss: bool = False
-    # The walk's decision for each operator, which the plan's explanation reads
-    # (`solver.tp_model.parameter_roles`).
-    decisions: Mapping[fx.Node, Decision] = field(default_factory=dict, compare=False, repr=False)
+    # The walk the layout was read from, which the solver reads again (the parameters'
+    # roles, whether expert layers stay whole) instead of walking the graph anew.
+    walk: Propagation | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -312,7 +312,7 @@ class TpLayout:
             vocab_parallel = sharded_logits not in decisions[output].inputs and distributed(
                 operands[output].places[sharded_logits]
             )
-        return cls(split, saves_replicated, sharded, collectives, vocab_parallel, decisions)
+        return cls(split, saves_replicated, sharded, collectives, vocab_parallel, result)
 
 
 class GraphSummary:

@@ -23,7 +23,7 @@ from autopart.mesh import Mesh
 from autopart.passes.context_parallel import sequence_length
 from autopart.passes.experts import ExpertLayer, expert_layers
 from autopart.passes.tp_decision import R, argument_leaves
-from autopart.passes.tp_propagate import propagate
+from autopart.passes.tp_propagate import Propagation
 from autopart.policy import Precision
 from autopart.solver.tensor_parallel import choose_tp_placements
 from autopart.solver.tp_model import (
@@ -142,9 +142,7 @@ class TpLayouts:
         return self._splits_experts[tp, sp]
 
     def _no_collective_in_expert_layers(self, tp: int, sp: bool) -> bool:
-        result = propagate(
-            self.gm, self.param_names, self.placements(tp, sp), tp, sp, self.sharded_logits
-        )
+        result = self._walk(tp, sp)
         for layer in self._expert_layers:
             for node in layer.inside | set(layer.matmuls):
                 decision = result.decisions[node]
@@ -167,7 +165,7 @@ class TpLayouts:
         """What each sharded parameter does in the layout (`parameter_roles`)."""
         if tp == 1:
             return {}
-        decisions = self._layout(tp, sp).decisions
+        decisions = self._walk(tp, sp).decisions
         return parameter_roles(self.gm, self.param_names, self.placements(tp, sp), decisions)
 
     def summary(self, tp: int, sp: bool = False) -> GraphSummary:
@@ -179,11 +177,17 @@ class TpLayouts:
         return self._summaries[key]
 
     def _layout(self, tp: int, sp: bool) -> TpLayout:
-        """The rewrite's layout at `tp` > 1: made once, for the summary and the roles."""
+        """The rewrite's layout at `tp` > 1, made once: the summary prices it, and its
+        walk answers the roles and the expert layers' test."""
         if (tp, sp) not in self._layouts:
             placements = self.placements(tp, sp)
             self._layouts[tp, sp] = TpLayout.of(self.gm, placements, tp, sp, self.sharded_logits)
         return self._layouts[tp, sp]
+
+    def _walk(self, tp: int, sp: bool) -> Propagation:
+        walk = self._layout(tp, sp).walk
+        assert walk is not None, "a layout made by TpLayout.of keeps its walk"
+        return walk
 
 
 def memory_may_bind(

@@ -446,7 +446,7 @@ def parameter_roles(
     """What each sharded parameter does under the layout, for `plan.explain()`:
     column-parallel, row-parallel, vocabulary-parallel, gathered when used (sharded
     for memory, whole for compute), or sharded along with its operator. `decisions`:
-    the walk's under the layout (`TpLayout.decisions`)."""
+    the walk's under the layout (`TpLayout.walk`)."""
     roles: dict[str, str] = {}
     for node in gm.graph.nodes:
         fqn = param_names.get(str(node.target)) if node.op == "get_attr" else None
