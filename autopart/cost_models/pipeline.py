@@ -167,78 +167,57 @@ def _simulated_span(
 def _span_of(
     forward: tuple[float, ...], backward: tuple[float, ...], microbatches: int, schedule: str
 ) -> float:
-    takes = forward + backward
-    steps = _dependencies(schedule, len(forward), microbatches)
-    end = [0.0] * (len(steps) + 1)  # the last entry: what nothing waits for
-    for op, previous, awaited, duration in steps:
-        a, b = end[previous], end[awaited]
-        end[op] = (a if a > b else b) + takes[duration]
-    return max(end)
-
-
-@functools.lru_cache(maxsize=256)
-def _dependencies(schedule: str, p: int, m: int) -> tuple[tuple[int, int, int, int], ...]:
-    """The operations of the schedule's order on every rank, each once its inputs are:
-    (the operation, the one before it on its rank, the one whose output it waits for,
-    which time it takes: rank r's forward r, its backward p + r). Operation `at` of rank
-    r is r · 2m + at; p · 2m stands for nothing to wait for. The search prices many
-    pipelines of the same p and m: the order is worked out once for them all."""
-    n = 2 * m
-    ranks = _awaited(schedule, p, m)
-    steps: list[tuple[int, int, int, int]] = []
+    """Each rank runs its order (`_order`) as far as its inputs have come: a forward
+    waits for the rank before's forward of its microbatch, a backward for the rank
+    after's backward (the last rank's for its own forward). A rank that moves on may
+    unblock its neighbours, which are visited again, until every rank has run its
+    order."""
+    p, n = len(forward), 2 * microbatches
+    orders = [_order(schedule, r, p, microbatches) for r in range(p)]
+    # Per rank, each microbatch's forward and backward end; -1 until it has run.
+    forward_end = [[-1.0] * microbatches for _ in range(p)]
+    backward_end = [[-1.0] * microbatches for _ in range(p)]
+    free = [0.0] * p  # when each rank's last operation ends
     placed = [0] * p
     waiting = list(range(p))  # ranks that may move on: at first all, then a neighbour's
     queued = [True] * p
     while waiting:
         r = waiting.pop()
         queued[r] = False
-        start = at = placed[r]
-        sources, needed, operations = ranks[r]
+        order, start, t = orders[r], placed[r], free[r]
+        forward_takes, backward_takes = forward[r], backward[r]
+        own_forward, own_backward = forward_end[r], backward_end[r]
+        before = forward_end[r - 1] if r > 0 else None
+        after = backward_end[r + 1] if r < p - 1 else own_forward
+        at = start
         while at < n:
-            source = sources[at]
-            if source >= 0 and needed[at] >= (at if source == r else placed[source]):
-                break  # its input is not placed yet
+            is_forward, k = order[at]
+            if is_forward:
+                if before is not None:
+                    ready = before[k]
+                    if ready < 0:
+                        break  # its input has not come
+                    if ready > t:
+                        t = ready
+                t += forward_takes
+                own_forward[k] = t
+            else:
+                ready = after[k]
+                if ready < 0:
+                    break
+                if ready > t:
+                    t = ready
+                t += backward_takes
+                own_backward[k] = t
             at += 1
         if at > start:
-            steps += operations[start:at]
-            placed[r] = at
+            placed[r], free[r] = at, t
             for q in (r - 1, r + 1):
                 if 0 <= q < p and not queued[q]:
                     queued[q] = True
                     waiting.append(q)
     assert all(at == n for at in placed), "a schedule deadlocked"
-    return tuple(steps)
-
-
-def _awaited(
-    schedule: str, p: int, m: int
-) -> list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]]:
-    """Per rank, for each operation in its order: the rank whose output it waits for (-1
-    where none: the first rank's forwards), that output's place in the rank's order, and
-    the operation's entry in `_dependencies`. A forward waits for the rank before's, a
-    backward for the rank after's, the last rank's for its own forward."""
-    orders = [_order(schedule, r, p, m) for r in range(p)]
-    n, nothing = 2 * m, 2 * m * p
-    forward_at, backward_at = [], []
-    for order in orders:
-        places = ([0] * m, [0] * m)  # each microbatch's (backward's, forward's) place
-        for at, (is_forward, k) in enumerate(order):
-            places[is_forward][k] = at
-        backward_at.append(places[0])
-        forward_at.append(places[1])
-    out = []
-    for r, order in enumerate(orders):
-        before = (r - 1, forward_at[r - 1]) if r > 0 else (-1, [0] * m)
-        after = (r + 1, backward_at[r + 1]) if r < p - 1 else (r, forward_at[r])
-        sources = [(before if f else after)[0] for f, _ in order]
-        needed = [(before if f else after)[1][k] for f, k in order]
-        first = r * n
-        previous = [nothing, *range(first, first + n - 1)]
-        awaited = [nothing if s < 0 else s * n + at for s, at in zip(sources, needed)]
-        takes = [r if f else p + r for f, _ in order]
-        operations = list(zip(range(first, first + n), previous, awaited, takes))
-        out.append((sources, needed, operations))
-    return out
+    return max(free)
 
 
 def _order(schedule: str, rank: int, stages: int, microbatches: int) -> list[tuple[bool, int]]:
