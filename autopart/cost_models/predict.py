@@ -137,7 +137,7 @@ def predict(
     at = {**(dims or {}), BATCH: choices.microbatch_size}
     full = summary.evaluate(at)
     segments = rank_segments(summary, at, choices)
-    times = _segment_times(segments, choices, models.compute)
+    times = _segment_times(segments, choices, models)
     chunk_of = (
         chunks_at_cuts(segments, choices.stage_cuts)
         if choices.stage_cuts
@@ -236,14 +236,14 @@ def step_time_lower_bound(
     key = (*shared, cp > 1 and choices.cp_in_sync)
     kept = cache.get(key) if cache is not None else None
 
-    def rank_work() -> tuple[Sequence[SegmentWork], list[PhaseCost]]:
+    def rank_work() -> tuple[Sequence[SegmentWork], Sequence[PhaseCost]]:
         at = {**dims, BATCH: choices.microbatch_size}
         segments = (
             rank_segments(summary, at, choices)
             if cp_layout
             else summary.sharded({**at, BATCH: at[BATCH] / cp}, choices.tp)
         )
-        return segments, _segment_times(segments, choices, models.compute)
+        return segments, _segment_times(segments, choices, models)
 
     if kept is None:
         made = cache.get(("work", shared)) if cache is not None else None
@@ -275,11 +275,11 @@ def step_time_lower_bound(
         if ends is None:
             segments, times = rank_work()
             tail = _last_chunk_floor(segments, times, choices, models.comm)
-            ends = (tail, _least_first_bucket(segments, choices.tp))
+            ends = (tail, _least_first_bucket(segments, choices.tp, models))
             if cache is not None:
                 cache["last", key] = ends
         tail, least = ends
-        last = tail + p2p_comm(boundary, choices, models.comm, pp - 1)
+        last = tail + p2p_comm(boundary, choices, models, pp - 1)
         last += _zero3_least(least, choices, models)
         floor = max(floor, work + (choices.microbatches - 1) * last)
         if choices.ep == 1:
@@ -391,15 +391,15 @@ def _balanced_ranks(
     )
 
     def made() -> tuple[tuple[SegmentWork, ...], list[float], list, float]:
-        times = _segment_times(segments, choices, models.compute)
+        times = _segment_times(segments, choices, models)
         chunk_of = balanced_chunks(segments, [t.total for t in times], choices.chunks)
         spans = _rank_spans(chunk_of, choices.pp)
         ranks = []
         for r, own in enumerate(spans):
             busy = sum(t.total for t in _in_spans(times, own)) + sum(_in_spans(columns.tp, own))
             boundary = max(_in_spans(columns.block_outputs, own), default=0.0)
-            ranks.append(busy + _sends(boundary, choices, models, r))
-        least = _least_first_bucket(segments, choices.tp) if choices.ep == 1 else 0.0
+            ranks.append(busy + p2p_comm(boundary, choices, models, r))
+        least = _least_first_bucket(segments, choices.tp, models) if choices.ep == 1 else 0.0
         return segments, ranks, spans, least
 
     _, ranks, spans, least = models.remember(key, made)
@@ -443,7 +443,7 @@ def unhidden_gathers(
         return None
     if comm.measures_zero3_buckets:
         return None
-    times = _segment_times(segments, choices, models.compute)
+    times = _segment_times(segments, choices, models)
     gathers = _least_gathers(segments, choices, comm)
     extra = [g - t.forward for g, t in zip(gathers, times)]
     if min(e for e, s in zip(extra, segments) if s.is_block) <= 0:
@@ -476,15 +476,19 @@ def _least_gathers(
     return out
 
 
-def _least_first_bucket(segments: Sequence[SegmentWork], tp: int) -> float:
+def _least_first_bucket(segments: Sequence[SegmentWork], tp: int, models: CostModels) -> float:
     """The fewest parameters a pipeline rank's first ZeRO-3 bucket can hold, the chunks
     beginning at blocks: a block's first bucket, or on the first rank the first
     segment's holding parameters, each capped at the pass's bucket; 0 where a block
-    holds none (a rank could then gather nothing)."""
-    held = [s.param_numel(tp) for s in segments]
-    firsts = [p for s, p in zip(segments, held) if s.is_block]
-    firsts += [p for p in held if p > 0][:1]
-    return min(min(firsts), ZERO3_BUCKET_BYTES / FP32_WEIGHTS[0]) if firsts else 0.0
+    holds none (a rank could then gather nothing). Worked out once per segments."""
+
+    def made() -> tuple[Sequence[SegmentWork], float]:
+        held = [s.param_numel(tp) for s in segments]
+        firsts = [p for s, p in zip(segments, held) if s.is_block]
+        firsts += [p for p in held if p > 0][:1]
+        return segments, min(min(firsts), ZERO3_BUCKET_BYTES / FP32_WEIGHTS[0]) if firsts else 0.0
+
+    return models.remember(("least first bucket", id(segments), tp), made)[1]
 
 
 def _zero3_least(least: float, choices: Choices, models: CostModels) -> float:
@@ -573,14 +577,19 @@ def rank_segments(
 
 
 def _segment_times(
-    segments: Sequence[SegmentWork], choices: Choices, compute: ComputeModel
-) -> list[PhaseCost]:
-    return segment_times(
-        segments,
-        compute,
-        [choices.recomputes(s) for s in segments],
-        [choices.recomputes_attention(s) for s in segments],
-    )
+    segments: Sequence[SegmentWork], choices: Choices, models: CostModels
+) -> tuple[PhaseCost, ...]:
+    """`segment_times` under the plan's recomputation, worked out once for the plans
+    that recompute alike on these segments (a deep pipeline's floors ask it at every
+    depth)."""
+    key = ("segment times", id(segments), choices.recompute, choices.recompute_attention)
+
+    def made() -> tuple[Sequence[SegmentWork], tuple[PhaseCost, ...]]:
+        recomputed = [choices.recomputes(s) for s in segments]
+        attention = [choices.recomputes_attention(s) for s in segments]
+        return segments, tuple(segment_times(segments, models.compute, recomputed, attention))
+
+    return models.remember(key, made)[1]
 
 
 def segment_times(
@@ -861,7 +870,7 @@ def _rank_cost(
     rank: int,
     spans: tuple[tuple[int, int], ...],
     segments: tuple[SegmentWork, ...],
-    times: list[PhaseCost],
+    times: Sequence[PhaseCost],
     choices: Choices,
     models: CostModels,
     traffic: float = 1.0,
@@ -892,7 +901,7 @@ def _rank_cost(
         work = _stage_work(stage, last, compute, choices, models, traffic)
         if shared is not None:
             shared[alike] = work
-    comm = work.tp + _sends(work.boundary, choices, models, rank) + work.other_comm
+    comm = work.tp + p2p_comm(work.boundary, choices, models, rank) + work.other_comm
     in_flight = in_flight_microbatches(
         choices.schedule, choices.microbatches, choices.pp, rank, choices.virtual_stages
     )
@@ -1006,48 +1015,50 @@ def tp_comm(seg: SegmentWork, choices: Choices, comm: CommModel, recomputed: boo
     )
 
 
-def _sends(boundary: float, choices: Choices, models: CostModels, rank: int) -> float:
-    """`p2p_comm`, worked out once for the plans whose pipelines send alike."""
-    key = ("sends", boundary, choices.pp, choices.chunks, choices.degrees.stride(Axis.PP), rank)
-    return models.remember(key, lambda: p2p_comm(boundary, choices, models.comm, rank))
-
-
-def p2p_comm(boundary: float, choices: Choices, comm: CommModel, rank: int = 0) -> float:
+def p2p_comm(boundary: float, choices: Choices, models: CostModels, rank: int = 0) -> float:
     """Per microbatch on pipeline rank `rank`: what it sends, each chunk it holds its
     activation to the next chunk (but the last chunk) and its gradient to the one before
     (but the first), on the link to that chunk's rank (NVLink inside a node, the
     sender's NIC between nodes: `CommModel.send_time`). Interleaved chunks wrap around,
     from the last rank to the first. What a rank receives is its peer's send, issued in
     one batch with a send of its own (`pipeline` module docstring)."""
-    pp = choices.pp
-    if pp == 1:
+    if choices.pp == 1:
         return 0.0
-    stride = choices.degrees.stride(Axis.PP)
-    return sum(
-        comm.send_time(boundary, rank * stride, peer % pp * stride, stride)
-        for peer in _peer_chunks(rank, pp, choices.chunks)
-    )
+    link_send_time = models.comm.link_send_time
+    return sum(link_send_time(boundary, crosses) for crosses in _send_links(choices, models)[rank])
 
 
 def pipeline_sends(boundary: float, choices: Choices, models: CostModels) -> float:
-    """`p2p_comm` summed over the pipeline's ranks. A send's price reads only whether
-    its pair crosses nodes, so the sends are counted by that, once for the pipelines
-    of these degrees, and each kind priced once: a deep pipeline's step floor asks
-    this at every microbatch size."""
-    pp = choices.pp
-    if pp == 1:
+    """`p2p_comm` summed over the pipeline's ranks, the sends counted by whether they
+    cross nodes and each kind priced once: a deep pipeline's step floor asks this at
+    every microbatch size."""
+    if choices.pp == 1:
         return 0.0
-    chunks, stride, comm = choices.chunks, choices.degrees.stride(Axis.PP), models.comm
+    key = ("send links counted", choices.pp, choices.chunks, choices.degrees.stride(Axis.PP))
+    links = models.remember(key, lambda: Counter(itertools.chain(*_send_links(choices, models))))
+    comm = models.comm
+    return sum(n * comm.link_send_time(boundary, crosses) for crosses, n in links.items())
 
-    def count() -> Counter[bool]:
-        return Counter(
-            comm.crosses_nodes(rank * stride, peer % pp * stride, stride)
+
+def _send_links(choices: Choices, models: CostModels) -> tuple[tuple[bool, ...], ...]:
+    """Per pipeline rank, whether each of its sends (`p2p_comm`, in order) crosses
+    nodes: all a send's price reads of where its pair sits, worked out once for the
+    pipelines of these degrees (the search prices thousands, deep ones at every
+    microbatch size)."""
+    pp, chunks, stride = choices.pp, choices.chunks, choices.degrees.stride(Axis.PP)
+    comm = models.comm
+
+    def made() -> tuple[tuple[bool, ...], ...]:
+        return tuple(
+            tuple(
+                comm.crosses_nodes(rank * stride, peer % pp * stride, stride)
+                for peer in _peer_chunks(rank, pp, chunks)
+                if peer % pp != rank  # a chunk sending to its own rank sends nothing
+            )
             for rank in range(pp)
-            for peer in _peer_chunks(rank, pp, chunks)
         )
 
-    links = models.remember(("send links", pp, chunks, stride), count)
-    return sum(n * comm.link_send_time(boundary, crosses) for crosses, n in links.items())
+    return models.remember(("send links", pp, chunks, stride), made)
 
 
 def _peer_chunks(rank: int, pp: int, chunks: int) -> list[int]:

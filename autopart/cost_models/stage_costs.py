@@ -314,7 +314,7 @@ def _rank_sends(
     pp, chunks, stride = choices.pp, choices.chunks, choices.degrees.stride(Axis.PP)
 
     def made() -> tuple[int, ...]:
-        return tuple(round(p2p_comm(boundary, choices, models.comm, r) / tick) for r in range(pp))
+        return tuple(round(p2p_comm(boundary, choices, models, r) / tick) for r in range(pp))
 
     return models.remember(("rank sends", boundary, pp, chunks, stride, tick), made)
 

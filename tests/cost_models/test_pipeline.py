@@ -127,7 +127,7 @@ def _transfers(rank: int, schedule: str, virtual_stages: int = 1) -> float:
         schedule=schedule,
         virtual_stages=virtual_stages,
     )
-    return p2p_comm(64 * MB, choices, CommModel(mesh), rank)
+    return p2p_comm(64 * MB, choices, CostModels.of(mesh, "fp32"), rank)
 
 
 def test_stage_transfers_cross_nodes_on_the_nic_and_stay_on_nvlink_inside_one():
@@ -163,7 +163,7 @@ def test_a_pipelines_sends_counted_by_link_are_every_ranks_sends(pp, dp, tp, v):
     degrees = Degrees(pp=pp, dp=dp, tp=tp)
     choices = Choices(64, degrees, microbatches=pp, schedule=schedule, virtual_stages=v)
     models = CostModels.of(mesh, "fp32")
-    every_rank = sum(p2p_comm(64 * MB, choices, models.comm, r) for r in range(pp))
+    every_rank = sum(p2p_comm(64 * MB, choices, models, r) for r in range(pp))
     assert pipeline_sends(64 * MB, choices, models) == pytest.approx(every_rank, rel=1e-12)
 
 
@@ -172,7 +172,8 @@ def test_end_ranks_of_a_1f1b_pipeline_send_once_a_microbatch():
     mesh = Mesh.cluster("cpu", nodes=1, per_node=2)
     choices = Choices(global_batch=8, degrees=Degrees(pp=2), microbatches=4, schedule="1f1b")
     send = CommModel(mesh).send_time(MB, 0, 1)
-    assert [p2p_comm(MB, choices, CommModel(mesh), r) for r in (0, 1)] == [pytest.approx(send)] * 2
+    models = CostModels.of(mesh, "fp32")
+    assert [p2p_comm(MB, choices, models, r) for r in (0, 1)] == [pytest.approx(send)] * 2
 
 
 def test_interleaved_step_pays_more_transfers_for_a_v_times_smaller_bubble():
