@@ -44,6 +44,7 @@ from autopart.cost_models.tp_costs import COPY, TpCollective, collectives_of, sp
 from autopart.ops.params import parameter_names
 from autopart.passes.causal_attention import MASK_ARG, shape_only_mask
 from autopart.passes.context_parallel import cp_propagation
+from autopart.passes.tp_propagate import Propagation
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,14 @@ class CpLayout:
 class CpLayouts:
     """The `CpLayout`s of one graph, made once per number of cp ranks, on one copy of
     the graph as the rewrite sees it: the search prices many plans of a graph, under
-    several tp layouts, at a few cp degrees."""
+    several tp layouts, at a few cp degrees. One walk serves every degree at which its
+    decisions hold (`DegreeReads.holds_at`: its rules asked only whether the degree
+    divides sizes, and each answers alike), its collectives sized at each."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
         self._layouts: dict[int, CpLayout] = {}
+        self._walks: list[Propagation] = []
         # The graph as the rewrite sees it, its nodes' originals, the parameters' FQNs.
         self._rewritten: tuple[fx.GraphModule, dict[fx.Node, fx.Node], dict[str, str]] | None
         self._rewritten = None
@@ -77,29 +81,31 @@ class CpLayouts:
             if self._rewritten is None:
                 params = parameter_names(self.gm)
                 self._rewritten = (*_as_rewritten(self.gm), params)
-            self._layouts[cp] = _walk(*self._rewritten, cp)
+            walked, original, params = self._rewritten
+            walk = next((w for w in self._walks if w.reads.holds_at(cp)), None)
+            if walk is None:
+                walk = cp_propagation(walked, params, cp)
+                self._walks.append(walk)
+            self._layouts[cp] = _layout(walk, original, cp)
         return self._layouts[cp]
 
 
-def _walk(
-    walked: fx.GraphModule,
-    original: Mapping[fx.Node, fx.Node],
-    params: Mapping[str, str],
-    cp: int,
-) -> CpLayout:
-    """The cp rewrite's walk of `walked` over `cp` ranks, read back onto the nodes of
-    the graph it copies (`original`)."""
-    result = cp_propagation(walked, params, cp)
+def _layout(walk: Propagation, original: Mapping[fx.Node, fx.Node], cp: int) -> CpLayout:
+    """The layout of the cp rewrite's walk at `cp` ranks (made at `cp`, or at a degree
+    where its decisions are the same), read back onto the nodes of the graph it copies
+    (`original`)."""
     whole: set[fx.Node] = set()
     found: dict[tuple, tuple[TpCollective, fx.Node]] = {}
-    for node, decision in result.decisions.items():
+    for node, decision in walk.decisions.items():
         if node.op == "output":
             continue
         site = original[node]
-        ops = result.operands[node]
+        ops = walk.operands[node]
+        if ops.degree != cp:
+            ops = replace(ops, degree=cp, reads=None)  # the collectives' sizes at `cp`
         if not split_by(ops, decision):
             whole.add(site)
-        for k, c in enumerate(collectives_of(ops, decision, result.grads[node], mirrored=True)):
+        for k, c in enumerate(collectives_of(ops, decision, walk.grads[node], mirrored=True)):
             if c.key == (COPY,):
                 continue
             if c.source is None:

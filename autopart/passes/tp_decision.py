@@ -83,17 +83,58 @@ class Operands:
     places: list[NodePlacement | None]  # None where the leaf is not a tensor node
     shapes: list[TensorInfo | None]
     grads: list[bool]  # whether the leaf requires grad
-    tp: int  # the degree of the axis the walk shards over
+    # The degree of the axis the walk shards over. A rule reads it through `tp`,
+    # `divides` or `divided`, which the walk records (`DegreeReads`).
+    degree: int
     # A walk over the cp axis: the inputs' sequences are sharded (in the mirrored
     # layout of `ops.context_parallel`), the runtime guarantees the sequence divides
     # into 2·cp chunks, and attention over sequence shards runs as ring attention.
     context_parallel: bool = False
+    reads: DegreeReads | None = field(default=None, repr=False, compare=False)
 
     # The indices of the tensor leaves: the rules ask for them many times per node.
     tensors: list[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.tensors = [i for i, p in enumerate(self.places) if p is not None]
+
+    @property
+    def tp(self) -> int:
+        """The degree, read as a number: a walk whose rules read it so holds at this
+        degree alone (`DegreeReads`)."""
+        if self.reads is not None:
+            self.reads.as_number = True
+        return self.degree
+
+    def divides(self, size: int) -> bool:
+        """Whether the degree divides `size`: a question the walk records."""
+        answer = size % self.degree == 0
+        if self.reads is not None:
+            self.reads.answers[size] = answer
+        return answer
+
+    def divided(self, size: int) -> int:
+        """`size` over the degree, for a decision's `updates` alone (the sizes the
+        rewrite writes, which a walk's layout at another degree does not read)."""
+        return size // self.degree
+
+
+class DegreeReads:
+    """What a walk's rules read of the degree: whether it divides each size they asked
+    of (`Operands.divides`), and whether any read it as a number (`Operands.tp`). Where
+    none did, the walk makes the same decisions at every degree that answers its
+    questions alike, but for the sizes its `updates` divide (`Operands.divided`): the
+    cost models price several context-parallel degrees from one walk (`holds_at`)."""
+
+    def __init__(self) -> None:
+        self.answers: dict[int, bool] = {}
+        self.as_number = False
+
+    def holds_at(self, degree: int) -> bool:
+        """Whether the walk's decisions hold at `degree`, `updates` aside."""
+        return not self.as_number and all(
+            (size % degree == 0) == divides for size, divides in self.answers.items()
+        )
 
 
 def replicated_output(node: fx.Node) -> NodePlacement:

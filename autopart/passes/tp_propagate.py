@@ -23,6 +23,7 @@ from autopart.ops.params import trainable_names
 from autopart.passes.blocks import block_counterparts
 from autopart.passes.tp_decision import (
     Decision,
+    DegreeReads,
     LocalSize,
     NodePlacement,
     Operands,
@@ -51,6 +52,8 @@ class Propagation:
     # What each decision was made from (`operands_of` at its turn in the walk): what
     # a reader of the walk would build again from `places` and `grads`.
     operands: dict[fx.Node, Operands] = field(default_factory=dict)
+    # What the rules read of the degree: where else the decisions hold.
+    reads: DegreeReads = field(default_factory=DegreeReads)
 
     @property
     def fallbacks(self) -> list[tuple[fx.Node, str]]:
@@ -93,7 +96,7 @@ def propagate(
             result.grads[node] = False
             continue
         ops = result.operands[node] = operands_of(
-            node, result.places, result.grads, tp, context_parallel
+            node, result.places, result.grads, tp, context_parallel, result.reads
         )
         decision = _as_in_first_copy(ops, counterparts.get(node), result, decided)
         if decision is None:
@@ -182,7 +185,7 @@ def decide_node(
         if scattered is not None:
             return scattered
     decision = decide(ops, gm)
-    if sequence_parallel and decision.reduce_to == R and _seq_divisible(node, ops.tp):
+    if sequence_parallel and decision.reduce_to == R and _seq_divisible(node, ops):
         decision.reduce_to = decision.output = Shard(1)
     return decision
 
@@ -195,7 +198,7 @@ def _scatter_partials(ops: Operands, gm: fx.GraphModule) -> Decision | None:
     is such a partial, or the operator has no rule for the shards."""
     partial = [i for i in ops.tensors if ops.places[i] == P]
     if not partial or not all(
-        isinstance(ops.flat[i], fx.Node) and _seq_divisible(ops.flat[i], ops.tp) for i in partial
+        isinstance(ops.flat[i], fx.Node) and _seq_divisible(ops.flat[i], ops) for i in partial
     ):
         return None
     places = [Shard(1) if p == P else p for p in ops.places]
@@ -217,7 +220,7 @@ def vocabulary_sharded(ops: Operands, leaf: int) -> bool:
     rank = len(info.shape)
     vocab = sympy.sympify(info.shape[-1])
     last = place.dim in (-1, rank - 1)
-    return last and bool(vocab.is_Integer) and int(vocab) % ops.tp == 0
+    return last and bool(vocab.is_Integer) and ops.divides(int(vocab))
 
 
 def operands_of(
@@ -226,9 +229,11 @@ def operands_of(
     grads: Mapping[fx.Node, bool],
     tp: int,
     context_parallel: bool = False,
+    reads: DegreeReads | None = None,
 ) -> Operands:
     """`node`'s operands with the placements `places` gives their producers (R where it
-    gives none) and whether they require grad."""
+    gives none) and whether they require grad; `reads`: where a walk records what its
+    rules read of the degree."""
     flat = argument_leaves(node)
     operand_places: list[NodePlacement | None] = []
     shapes: list[TensorInfo | None] = []
@@ -241,7 +246,7 @@ def operands_of(
         operand_places.append(places.get(leaf, R) if is_tensor else None)
         shapes.append(info if isinstance(info, TensorInfo) else None)
         operand_grads.append(bool(is_tensor and grads.get(leaf, False)))
-    return Operands(node, flat, operand_places, shapes, operand_grads, tp, context_parallel)
+    return Operands(node, flat, operand_places, shapes, operand_grads, tp, context_parallel, reads)
 
 
 def _track_origins(
@@ -276,11 +281,11 @@ def _track_origins(
             result.wants_row[origin[leaf][0]] = target.dim
 
 
-def _seq_divisible(node: fx.Node, tp: int) -> bool:
+def _seq_divisible(node: fx.Node, ops: Operands) -> bool:
     """Whether the sequence dim can be split over tp: a fixed size tp divides, or the
     dynamic "seq" (the runtime refuses a batch whose sequence tp does not divide)."""
     info = SHAPE.get(node)
     if not isinstance(info, TensorInfo) or len(info.shape) < 3:
         return False
     seq = sympy.sympify(info.shape[1])
-    return (seq.is_Symbol and seq.name == SEQ) or (seq.is_Integer and int(seq) % tp == 0)
+    return (seq.is_Symbol and seq.name == SEQ) or (seq.is_Integer and ops.divides(int(seq)))

@@ -173,14 +173,15 @@ def _norm_dim(dim: int, rank: int) -> int:
     return dim + rank if dim < 0 else dim
 
 
-def _divisible(size: sympy.Expr, tp: int) -> bool:
-    return isinstance(size, (int, sympy.Integer)) and int(size) % tp == 0
+def _divisible(ops: Operands, size: sympy.Expr) -> bool:
+    """Whether `size` is fixed and the degree divides it."""
+    return isinstance(size, (int, sympy.Integer)) and ops.divides(int(size))
 
 
 def _splits(ops: Operands, size: sympy.Expr) -> bool:
     """Whether a dim of `size` splits evenly over the axis: a fixed size it divides, or
     under context parallelism the sequence (which the runtime makes divide)."""
-    if _divisible(size, ops.tp):
+    if _divisible(ops, size):
         return True
     if not ops.context_parallel:
         return False
@@ -195,7 +196,7 @@ def _local_size(ops: Operands, size: fx.node.Argument) -> int | LocalSize | None
     if isinstance(size, fx.Node):
         return LocalSize(size)
     if isinstance(size, int) and size != -1:
-        return size // ops.tp
+        return ops.divided(size)
     return None
 
 
@@ -324,7 +325,7 @@ def _expand(ops: Operands, d: int) -> Decision:
     leaf = sizes_start + out_dim
     size = ops.flat[leaf]
     decision = Decision(output=Shard(out_dim))
-    if isinstance(size, int) and size != -1 and size % ops.tp:
+    if isinstance(size, int) and size != -1 and not ops.divides(size):
         return fallback(ops, "expand size not divisible by tp")
     local = _local_size(ops, size)
     if local is not None:
@@ -470,10 +471,11 @@ def _split(ops: Operands) -> Decision:
         return Decision(output=outputs)
     # Splitting the sharded dim itself: valid when the weight that produced it was
     # sharded part by part (a fused q/k/v projection); the rewriter arranges that.
-    if name == "split" and isinstance(node.args[1], int) and node.args[1] % ops.tp == 0:
+    if name == "split" and isinstance(node.args[1], int) and ops.divides(node.args[1]):
         total = _shape(ops, 0)[d]
         if total == node.args[1] * parts:
-            return Decision(output=outputs, updates={1: node.args[1] // ops.tp}, fused_split=parts)
+            local = ops.divided(node.args[1])
+            return Decision(output=outputs, updates={1: local}, fused_split=parts)
     if name == "chunk" and _splits(ops, sympy.sympify(_shape(ops, 0)[d]) / parts):
         return Decision(output=outputs, fused_split=parts)
     return fallback(ops, "uneven split of the sharded dim")
@@ -589,7 +591,7 @@ def _attention(ops: Operands) -> Decision:
     whole = [i for i, p in zip(ops.tensors[:3], qkv) if p == R]
     if Shard(1) not in qkv or any(p not in (R, Shard(1)) for p in qkv):
         return fallback(ops, "attention not sharded on heads")
-    if not all(_divisible(_shape(ops, i)[1], ops.tp) for i in whole):
+    if not all(_divisible(ops, _shape(ops, i)[1]) for i in whole):
         return fallback(ops, "attention heads not divisible by tp")
     # Replicated keys or values (multi-query attention's one head, expanded to every
     # query head) are sliced to this rank's heads.

@@ -16,6 +16,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopart.api import captured_for_planning
 from autopart.capture import capture
+from autopart.cost_models import cp_layout
 from autopart.cost_models.choices import Choices, CostModels
 from autopart.cost_models.comm import ALL_GATHER, LOCAL_COPY
 from autopart.cost_models.context import conversion_comm, ring_comm, ring_floor
@@ -32,6 +33,7 @@ from autopart.ops.params import parameter_names
 from autopart.passes import analyze
 from autopart.passes.rewrite import rank_program
 from autopart.passes.runner import RankTarget
+from autopart.passes.tp_decision import DegreeReads, Operands
 from autopart.passes.tp_propagate import gradient_flow
 from autopart.solver import Pins, make_plan
 from tests.models import tiny_llama, tiny_mixtral, token_batch
@@ -305,3 +307,50 @@ def test_the_priced_gathers_and_rings_are_the_rewrites(build, cp_groups):
     assert {name for backward, name in priced if not backward} == done["all_gather"] - logits
     assert {name for backward, name in priced if backward} == done["slice"] & grads
     assert {n.name for n in stage.graph.nodes if n.target is ring_attention} == rings
+
+
+class FixedSequence(nn.Module):
+    """Token ids viewed with their sequence's length written out (as Hugging Face's
+    GPT-2 views `input_ids`), then embeddings, one masked attention layer, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = OneAttentionLayer(masked=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.layer(ids.view(-1, SEQ))
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_mixtral, FixedSequence])
+def test_one_walk_prices_the_degrees_whose_answers_it_shares(build, monkeypatch):
+    """The cp layouts at 2, 4 and 8 ranks come from one walk of the rules, each the
+    layout a walk at that degree gives (what runs whole, each collective and its
+    bytes); at 3, which does not divide the 16 tokens a view names, the rules answer
+    otherwise and the layouts walk again."""
+    ids, _ = token_batch(BATCH_SIZE, SEQ)
+    captured = capture(build(), (ids,))
+    analyze(captured.gm, captured.context())
+    fresh = {cp: cp_layout.CpLayouts(captured.gm).at(cp) for cp in (2, 3, 4, 8)}
+    walks = []
+    walk = cp_layout.cp_propagation
+    monkeypatch.setattr(cp_layout, "cp_propagation", lambda *a: walks.append(a) or walk(*a))
+    layouts = cp_layout.CpLayouts(captured.gm)
+    for cp in (2, 4, 8):
+        assert layouts.at(cp) == fresh[cp]
+    assert len(walks) == 1
+    sizes = [[c.nbytes for c, _ in layouts.at(cp).collectives] for cp in (2, 4)]
+    assert sizes[0] != sizes[1]
+    asks = build is FixedSequence
+    assert layouts.at(3) == fresh[3]
+    assert len(walks) == 1 + asks
+    if asks:  # the view gathers at 3: its embedding and what follows run whole
+        assert fresh[3].whole > fresh[2].whole
+
+
+def test_a_rule_reading_the_degree_as_a_number_holds_at_it_alone():
+    reads = DegreeReads()
+    ops = Operands(None, [], [], [], [], 4, reads=reads)
+    assert ops.divides(16) and not ops.divides(6) and ops.divided(16) == 4
+    assert reads.holds_at(8) and reads.holds_at(16)
+    assert not reads.holds_at(2) and not reads.holds_at(3)  # 6 and 16 answer otherwise
+    assert ops.tp == 4 and not reads.holds_at(8) and not reads.holds_at(16)
