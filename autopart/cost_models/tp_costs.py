@@ -109,7 +109,7 @@ def collectives_of(
     (`ops/context_parallel.py`), so that its gathers reorder what arrives and its own
     slices join two chunks: each a copy more."""
     out: list[TpCollective] = []
-    node, tp = ops.node, ops.degree  # sizes, not a rule's answer: not a read
+    node, tp = ops.node, ops.degree  # for sizes alone, past `DegreeReads`: it decides nothing
     for i, want in decision.inputs.items():
         have, source = ops.places[i], ops.flat[i]
         if have is None or isinstance(have, tuple) or _same(have, want, source):
