@@ -582,7 +582,14 @@ def _segment_times(
     """`segment_times` under the plan's recomputation, worked out once for the plans
     that recompute alike on these segments (a deep pipeline's floors ask it at every
     depth)."""
-    key = ("segment times", id(segments), choices.recompute, choices.recompute_attention)
+    key = (
+        "segment times",
+        id(segments),
+        choices.recompute,
+        choices.recompute_attention,
+        choices.precision,
+        choices.compiled,
+    )
 
     def made() -> tuple[Sequence[SegmentWork], tuple[PhaseCost, ...]]:
         recomputed = [choices.recomputes(s) for s in segments]
