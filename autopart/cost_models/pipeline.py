@@ -142,7 +142,8 @@ def schedule_span(
     GPipe or 1F1B, rank r taking `forward[r]` and `backward[r]` for each (module
     docstring): simulated up to 2p + 2 microbatches, extrapolated beyond."""
     simulated = min(microbatches, 2 * len(forward) + 2)
-    span = _simulated_span(forward, backward, simulated, schedule)
+    ranks = (tuple(forward), tuple(backward))
+    span = _simulated_span(*ranks, simulated, schedule)
     if simulated == microbatches:
         return span
     pace = (
@@ -150,28 +151,21 @@ def schedule_span(
         if schedule == Schedule.GPIPE
         else max(f + b for f, b in zip(forward, backward))
     )
-    step = span - _simulated_span(forward, backward, simulated - 1, schedule)
+    step = span - _simulated_span(*ranks, simulated - 1, schedule)
     return span + (microbatches - simulated) * max(step, pace)
 
 
-def _simulated_span(
-    forward: Sequence[float], backward: Sequence[float], microbatches: int, schedule: str
-) -> float:
-    """The span of the schedule's order on every rank, each operation starting once its
-    rank is free and its input has come. The search prices many plans whose ranks
-    take alike times (they differ in what the step does once): each is simulated once."""
-    return _span_of(tuple(forward), tuple(backward), microbatches, schedule)
-
-
 @functools.lru_cache(maxsize=4096)
-def _span_of(
+def _simulated_span(
     forward: tuple[float, ...], backward: tuple[float, ...], microbatches: int, schedule: str
 ) -> float:
-    """Each rank runs its order (`_order`) as far as its inputs have come: a forward
-    waits for the rank before's forward of its microbatch, a backward for the rank
-    after's backward (the last rank's for its own forward). A rank that moves on may
-    unblock its neighbours, which are visited again, until every rank has run its
-    order."""
+    """The span of the schedule's order on every rank (`_order`), each operation
+    starting once its rank is free and its input has come: a forward the rank before's
+    forward of its microbatch, a backward the rank after's backward (the last rank's
+    its own forward). A rank runs its order as far as its inputs have come; one that
+    moves on may unblock its neighbours, visited again, until every rank has run its
+    order. The search prices many plans whose ranks take alike times (they differ in
+    what the step does once): each is simulated once."""
     p, n = len(forward), 2 * microbatches
     orders = [_order(schedule, r, p, microbatches) for r in range(p)]
     # Per rank, each microbatch's forward and backward end; -1 until it has run.
