@@ -266,13 +266,13 @@ class TpLayout:
     split: frozenset[fx.Node]
     saves_replicated: frozenset[fx.Node]  # split, with only replicated activation operands
     sharded_params: frozenset[str]
-    collectives: Mapping[fx.Node, tuple[TpCollective, ...]] = field(default_factory=dict)
+    collectives: Mapping[fx.Node, tuple[TpCollective, ...]]
     # The logits of a standard cross-entropy stay sharded over the vocabulary: the
     # runtime's vocabulary-parallel loss runs on each rank's slice.
-    vocab_parallel_loss: bool = False
+    vocab_parallel_loss: bool
     # The walk the layout was read from, which the solver reads again (the parameters'
     # roles, whether expert layers stay whole) instead of walking the graph anew.
-    walk: Propagation | None = field(default=None, compare=False, repr=False)
+    walk: Propagation = field(compare=False, repr=False)
 
     @classmethod
     def of(

@@ -185,9 +185,7 @@ class TpLayouts:
         return self._layouts[tp, sp]
 
     def _walk(self, tp: int, sp: bool) -> Propagation:
-        walk = self._layout(tp, sp).walk
-        assert walk is not None, "a layout made by TpLayout.of keeps its walk"
-        return walk
+        return self._layout(tp, sp).walk
 
 
 def memory_may_bind(
